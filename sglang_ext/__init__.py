@@ -1,0 +1,1 @@
+"""FairBatching for SGLang. Importing this package never imports sglang or torch."""

@@ -1,0 +1,45 @@
+"""Prefill Admission Budget (FairBatching §3.4, Appendix A).
+
+How many more prompt tokens this rank can prefill within the global TTFT SLO, in the
+worst case where every decode is deferred until its slack runs out and then runs one
+step per TPOT; the time left is converted to prefill tokens at ``b + c`` seconds per
+token, and the prompt tokens still queued are subtracted::
+
+    PAB = 1/(b+c) * [ TTFT - (max(0, TTFT - min slack)/TPOT + 1) * a
+                      - sum_i max(0, TTFT - slack_i)/TPOT * (b + context_i * c) ]
+          - sum_{i in prefill} remaining_prompt_i
+
+Sums and the minimum range over decodes and prefills alike (a queued prefill will be
+decoding inside the window); ``context_i`` is the request's KV length once its
+prefill completes. Per-request step counts are clamped at 0 (a request whose slack
+exceeds the TTFT window costs nothing inside it). The result may be negative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sglang_ext.policy.slo import Slo
+from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.view import RequestState
+
+
+def prefill_admission_budget(
+    requests: Sequence[RequestState], now: float, coefficients: StepCoefficients, slo: Slo
+) -> float:
+    a, b, c = coefficients.a_s, coefficients.b_s_per_token, coefficients.c_s_per_context_token
+    ttft, tpot = slo.ttft_s, slo.tpot_s
+    min_slack = ttft
+    decode_time = 0.0
+    queued_prompt = 0
+    for request in requests:
+        req_slo = request.slo
+        slack = request.arrival + req_slo.ttft_s + req_slo.tpot_s * request.next_output_index - now
+        if slack < min_slack:
+            min_slack = slack
+        steps = (ttft - slack) / tpot
+        if steps > 0:
+            decode_time += steps * (b + (request.context + request.pending_prefill) * c)
+        queued_prompt += request.pending_prefill
+    batches = (ttft - min_slack) / tpot + 1
+    return (ttft - batches * a - decode_time) / (b + c) - queued_prompt

@@ -1,0 +1,134 @@
+"""Named batch policies: the FairBatching family.
+
+Every policy owns an online step model (it observes every measured step) so an
+engine can read the rank's PAB whatever the policy; only the FairBatching family
+uses it to form batches. Baselines of other systems live in ``sglang_ext.sim``
+and register into the same :data:`POLICIES` registry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET, form_batch, pack, triage
+from sglang_ext.policy.pab import prefill_admission_budget
+from sglang_ext.policy.registry import Registry
+from sglang_ext.policy.slo import Slo
+from sglang_ext.policy.step_model import OnlineStepModel, StepCoefficients
+from sglang_ext.policy.view import BatchDecision, RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    global_slo: Slo  # the default SLO class; PAB's global SLO
+    initial_step_model: StepCoefficients  # offline fit the online model starts from
+    max_token_budget: int = DEFAULT_MAX_TOKEN_BUDGET
+    gpu_memory_gb: float = 80.0  # baselines derive their defaults from it, as their systems do
+    token_budget: int | None = None  # for policies swept over a token budget (NAME@BUDGET)
+
+    def __post_init__(self) -> None:
+        if self.max_token_budget < 1:
+            raise ValueError(f"max_token_budget must be >= 1, got {self.max_token_budget}")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token budget must be >= 1, got {self.token_budget}")
+
+
+class BatchPolicy:
+    """The seam an engine drives: ``admit`` on arrival, ``form_batch`` before each step,
+    ``observe_step`` after it. ``requests`` are read, never mutated."""
+
+    name = "abstract"
+    takes_token_budget = False  # swept as NAME@BUDGET
+
+    def __init__(self, context: PolicyContext) -> None:
+        self.context = context
+        self.step_model = OnlineStepModel(context.initial_step_model)
+
+    def admit(self, requests: Sequence[RequestState], now: float, prompt_tokens: int) -> bool:
+        """Called when a request arrives, before it joins ``requests``."""
+        return True
+
+    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        raise NotImplementedError
+
+    def observe_step(self, new_tokens: int, context: int, measured_s: float) -> None:
+        """Called after every step with its features (as the step model defines them)."""
+        self.step_model.observe(new_tokens, context, measured_s)
+
+    def prefill_admission_budget(self, requests: Sequence[RequestState], now: float) -> float:
+        return prefill_admission_budget(
+            requests, now, self.step_model.coefficients, self.context.global_slo
+        )
+
+
+POLICIES: Registry[Callable[[PolicyContext], BatchPolicy]] = Registry("policy")
+
+
+@POLICIES.register("fb")
+class FairBatching(BatchPolicy):
+    """Algorithm 1 under the adaptive time budget."""
+
+    name = "fb"
+
+    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        return form_batch(
+            requests, now, self.step_model.coefficients,
+            max_token_budget=self.context.max_token_budget,
+        )
+
+
+@POLICIES.register("fb-pab")
+class FairBatchingWithAdmission(FairBatching):
+    """``fb`` that rejects a new request whose prompt exceeds the rank's PAB."""
+
+    name = "fb-pab"
+
+    def admit(self, requests: Sequence[RequestState], now: float, prompt_tokens: int) -> bool:
+        return prompt_tokens <= self.prefill_admission_budget(requests, now)
+
+
+@POLICIES.register("fb-fb")
+class FairBatchingFixedBudget(BatchPolicy):
+    """FairBatching's grouping and order under a fixed token budget (swept like Sarathi's)."""
+
+    name = "fb-fb"
+    takes_token_budget = True
+
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self.token_budget = context.token_budget or 2048
+
+    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        groups = triage(requests, now)
+        if groups is None:
+            return BatchDecision.make_empty()
+        return pack(
+            groups, self.step_model.coefficients, token_budget=self.token_budget, time_budget_s=None
+        )
+
+
+@POLICIES.register("fb-tb")
+class FairBatchingDerivedTokenBudget(BatchPolicy):
+    """Each step's token budget is the time budget converted through a tokens-only
+    model ``a' + b' * new_tokens`` (learned online like the full model)."""
+
+    name = "fb-tb"
+
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self.tokens_only_model = OnlineStepModel(context.initial_step_model, use_context=False)
+
+    def observe_step(self, new_tokens: int, context: int, measured_s: float) -> None:
+        super().observe_step(new_tokens, context, measured_s)
+        self.tokens_only_model.observe(new_tokens, context, measured_s)
+
+    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        groups = triage(requests, now)
+        if groups is None:
+            return BatchDecision.make_empty()
+        tokens_only = self.tokens_only_model.coefficients
+        derived = (groups.init_time_budget_s - tokens_only.a_s) / tokens_only.b_s_per_token
+        budget = max(1, min(self.context.max_token_budget, math.floor(derived)))
+        return pack(groups, tokens_only, token_budget=budget, time_budget_s=None)

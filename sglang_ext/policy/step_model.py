@@ -1,0 +1,259 @@
+"""Step-time model ``seconds = a + b * new_tokens + c * context`` (FairBatching §3.2).
+
+Fitted offline by least squares from profiled steps and recalibrated online from
+every measured step.
+
+Online method: exponentially forgetting least squares anchored at the offline fit.
+Each step adds its sample to decayed normal equations (forgetting factor 0.995, an
+effective memory of ~200 steps, a few seconds of serving); the coefficients solve
+them with a constant ridge term pulling toward the offline fit. Why not textbook RLS
+with forgetting or a plain sliding window: during decode-only phases new tokens and
+context grow together (context ~ batch x mean length), so the recent data pins down
+only one combination of b and c. RLS forgets its prior and a window has none, so
+both drift freely along the unmeasured direction and mispredict badly when prefills
+return (we saw 30x errors). The constant anchor keeps every unmeasured direction at
+the offline fit while measured directions follow the data. Samples are weighted by
+1/measured (relative error): a few-millisecond decode step counts as much as a
+multi-second prefill, and a stall's influence is bounded (its relative residual is
+at most 1). Both cost O(1) per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+import tomllib
+from typing import Any
+
+import numpy as np
+
+# Internal feature scales keep the RLS covariance well conditioned.
+_TOKEN_SCALE = 1_000.0
+_CONTEXT_SCALE = 100_000.0
+_MIN_B = 1e-9
+
+
+class StepModelError(ValueError):
+    """Bad coefficients, samples or coefficient file."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepCoefficients:
+    a_s: float  # fixed cost per step, seconds
+    b_s_per_token: float  # seconds per new token (prefill or decode)
+    c_s_per_context_token: float  # seconds per token of KV context read
+
+    def __post_init__(self) -> None:
+        for name in ("a_s", "b_s_per_token", "c_s_per_context_token"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise StepModelError(f"{name} must be a finite number, got {value!r}")
+
+    def predict(self, new_tokens: float, context: float) -> float:
+        return self.a_s + self.b_s_per_token * new_tokens + self.c_s_per_context_token * context
+
+    def usable(self) -> StepCoefficients:
+        """Coefficients a policy can divide by: a >= 0, b > 0, c >= 0."""
+        return StepCoefficients(
+            max(self.a_s, 0.0), max(self.b_s_per_token, _MIN_B), max(self.c_s_per_context_token, 0.0)
+        )
+
+    def to_toml(self, comment: str = "", **fit_info: float | int | str) -> str:
+        lines = [f"# {line}" for line in comment.splitlines()] if comment else []
+        lines += [
+            "# step seconds = a_s + b_s_per_token * new_tokens + c_s_per_context_token * context",
+            f"a_s = {self.a_s!r}",
+            f"b_s_per_token = {self.b_s_per_token!r}",
+            f"c_s_per_context_token = {self.c_s_per_context_token!r}",
+        ]
+        if fit_info:
+            lines.append("\n[fit]")
+            for key, value in fit_info.items():
+                lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+        return "\n".join(lines) + "\n"
+
+    def save(self, path: str | Path, comment: str = "", **fit_info: float | int | str) -> None:
+        Path(path).write_text(self.to_toml(comment, **fit_info))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>") -> StepCoefficients:
+        names = ("a_s", "b_s_per_token", "c_s_per_context_token")
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise StepModelError(f"{source}: missing field(s) {', '.join(missing)}")
+        unknown = set(data) - set(names) - {"fit"}
+        if unknown:
+            raise StepModelError(f"{source}: unknown field(s) {sorted(unknown)}")
+        try:
+            return cls(*(data[n] for n in names))
+        except StepModelError as exc:
+            raise StepModelError(f"{source}: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCoefficients:
+        path = Path(path)
+        try:
+            return cls.from_mapping(tomllib.loads(path.read_text()), str(path))
+        except FileNotFoundError:
+            raise StepModelError(f"{path}: no such coefficient file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise StepModelError(f"{path}: invalid TOML: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    new_tokens: int
+    context: int
+    seconds: float
+
+
+def fit_least_squares(
+    samples: Iterable[StepSample], *, use_context: bool = True, relative: bool = True
+) -> StepCoefficients:
+    """Least squares over measured steps; ``use_context=False`` fits ``a + b*n`` only.
+
+    ``relative=True`` minimises relative rather than absolute error (each row weighted
+    by 1/seconds), so multi-second prefills do not drown out few-millisecond decode
+    steps, where a scheduler's budget errors matter just as much.
+    """
+    rows = [(1.0, s.new_tokens, s.context, s.seconds) for s in samples]
+    width = 3 if use_context else 2
+    if len(rows) < width:
+        raise StepModelError(f"need at least {width} samples to fit, got {len(rows)}")
+    data = np.asarray(rows, dtype=float)
+    design, target = data[:, :width], data[:, 3]
+    if np.any(target <= 0) or not np.all(np.isfinite(data)):
+        raise StepModelError("step samples need finite, positive times")
+    if relative:
+        design, target = design / target[:, None], np.ones_like(target)
+    if np.linalg.matrix_rank(design) < width:
+        raise StepModelError("samples do not vary enough in new tokens / context to fit")
+    solution, *_ = np.linalg.lstsq(design, target, rcond=None)
+    c = float(solution[2]) if use_context else 0.0
+    return StepCoefficients(float(solution[0]), float(solution[1]), c)
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionError:
+    samples: int  # steps observed
+    outliers: int  # steps that took over twice the prediction (stalls, pauses)
+    mean_abs_relative: float  # EWMA of |predicted - measured| / measured
+    last_relative: float  # (measured - predicted) / measured of the latest step
+    p95_abs_relative: float  # over the recent window
+
+
+_FLOORS = (1e-3, 1e-7, 1e-10)  # smallest per-term scales (s, s/token, s/context token)
+
+
+class OnlineStepModel:
+    """Online-recalibrated step model: ``observe`` after every step, read ``coefficients``.
+
+    Internally each coefficient is a multiple of its offline value (or of a small
+    floor), so the features are "fraction of the step explained by this term" and
+    ``anchor_weight`` is how many steps' worth of evidence the offline fit counts as.
+    """
+
+    def __init__(
+        self,
+        initial: StepCoefficients,
+        *,
+        use_context: bool = True,
+        forgetting: float = 0.995,
+        anchor_weight: float = 2.0,
+        error_window: int = 256,
+    ) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise StepModelError(f"forgetting must be in (0, 1], got {forgetting}")
+        if anchor_weight <= 0:
+            raise StepModelError(f"anchor_weight must be > 0, got {anchor_weight}")
+        values = (initial.a_s, initial.b_s_per_token, initial.c_s_per_context_token)
+        self._dim = 3 if use_context else 2
+        self._scale = [max(v, floor) for v, floor in zip(values, _FLOORS)][: self._dim]
+        self._prior = [v / s for v, s in zip(values, self._scale)]
+        self._forgetting = forgetting
+        self._anchor = anchor_weight
+        self._gram = [[0.0] * self._dim for _ in range(self._dim)]
+        self._moment = [0.0] * self._dim
+        self._samples = 0
+        self._outliers = 0
+        self._ewma_abs_rel = 0.0
+        self._last_rel = 0.0
+        self._recent: deque[float] = deque(maxlen=error_window)
+        self._coefficients = initial.usable() if use_context else StepCoefficients(
+            initial.a_s, initial.b_s_per_token, 0.0
+        ).usable()
+
+    @property
+    def coefficients(self) -> StepCoefficients:
+        return self._coefficients
+
+    @property
+    def error(self) -> PredictionError:
+        recent = sorted(self._recent)
+        p95 = recent[min(len(recent) - 1, int(0.95 * len(recent)))] if recent else 0.0
+        return PredictionError(self._samples, self._outliers, self._ewma_abs_rel, self._last_rel, p95)
+
+    @property
+    def recent_abs_relative_errors(self) -> tuple[float, ...]:
+        return tuple(self._recent)
+
+    def predict(self, new_tokens: float, context: float) -> float:
+        return self._coefficients.predict(new_tokens, context)
+
+    def observe(self, new_tokens: int, context: int, measured_s: float) -> float:
+        """Learn from one measured step; returns its relative error (measured - predicted) / measured."""
+        if not measured_s > 0 or not math.isfinite(measured_s):
+            raise StepModelError(f"measured step time must be > 0, got {measured_s!r}")
+        predicted = self._coefficients.predict(new_tokens, context)
+        relative = (measured_s - predicted) / measured_s
+        self._samples += 1
+        self._last_rel = relative
+        self._recent.append(abs(relative))
+        alpha = 0.02 if self._samples > 50 else 1.0 / self._samples
+        self._ewma_abs_rel += alpha * (abs(relative) - self._ewma_abs_rel)
+        if measured_s > 2.0 * predicted:
+            self._outliers += 1
+        raw = (1.0, float(new_tokens), float(context))
+        x = [raw[i] * self._scale[i] / measured_s for i in range(self._dim)]
+        lam, gram, moment = self._forgetting, self._gram, self._moment
+        for i in range(self._dim):
+            moment[i] = lam * moment[i] + x[i]
+            row = gram[i]
+            for j in range(self._dim):
+                row[j] = lam * row[j] + x[i] * x[j]
+        self._coefficients = self._solve()
+        return relative
+
+    def _solve(self) -> StepCoefficients:
+        dim, anchor = self._dim, self._anchor
+        matrix = [
+            [self._gram[i][j] + (anchor if i == j else 0.0) for j in range(dim)] for i in range(dim)
+        ]
+        rhs = [self._moment[i] + anchor * self._prior[i] for i in range(dim)]
+        theta = _solve_small(matrix, rhs)
+        values = [t * s for t, s in zip(theta, self._scale)] + [0.0] * (3 - dim)
+        return StepCoefficients(*values).usable()
+
+
+def _solve_small(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting for the 2x2 / 3x3 normal equations."""
+    n = len(rhs)
+    rows = [matrix[i][:] + [rhs[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        head = rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / head[col]
+            if factor:
+                target = rows[r]
+                for k in range(col, n + 1):
+                    target[k] -= factor * head[k]
+    solution = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        acc = rows[r][n] - sum(rows[r][k] * solution[k] for k in range(r + 1, n))
+        solution[r] = acc / rows[r][r]
+    return solution

@@ -1,0 +1,126 @@
+"""The batch formation users run today, as simulator policies.
+
+Each reproduces the *decision rule* of its system; memory admission and preemption
+are the engine's (SGLang-style) for every policy alike, and scheduler CPU time is in
+the GPU profile's per-step overhead. Simplifications are listed per policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from operator import attrgetter
+
+from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
+from sglang_ext.policy.view import BatchDecision, RequestState
+
+_arrival_order = attrgetter("arrival_seq")
+
+
+def _fifo_prefills(
+    prefills: Sequence[RequestState], token_budget: int, chunks: list[tuple[Hashable, int]]
+) -> int:
+    """Append chunks in the given order until ``token_budget`` is spent; returns what is left."""
+    for request in prefills:
+        if token_budget <= 0:
+            break
+        take = min(request.pending_prefill, token_budget)
+        chunks.append((request.req_id, take))
+        token_budget -= take
+    return token_budget
+
+
+@POLICIES.register("sglang-default")
+class SglangDefault(BatchPolicy):
+    """SGLang 0.5.23 defaults: prefill-first, mixed chunk off.
+
+    Whenever a prefill is queued, the step is a prefill-only batch: the chunked
+    request continues first, then the waiting queue in FCFS order, up to
+    ``chunked_prefill_size`` tokens (8192 on 60-160 GB GPUs, 4096 below 60 GB; the
+    last request admitted is chunked) and ``max_prefill_tokens`` (16384) in all.
+    Otherwise every running request decodes.
+    Simplified: no radix-cache prefix reuse (the trace has no prompt text), no
+    ``new_token_ratio`` decode-memory reservation, page size 1.
+    """
+
+    name = "sglang-default"
+    max_prefill_tokens = 16384
+
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self.chunked_prefill_size = 8192 if context.gpu_memory_gb >= 60 else 4096
+
+    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        prefills = [r for r in requests if r.pending_prefill > 0]
+        if prefills:
+            prefills.sort(key=lambda r: (r.context == 0, r.arrival_seq))
+            chunks: list[tuple[Hashable, int]] = []
+            _fifo_prefills(prefills, min(self.chunked_prefill_size, self.max_prefill_tokens), chunks)
+            return BatchDecision((), tuple(chunks))
+        return BatchDecision(tuple(r.req_id for r in requests), ())
+
+
+@POLICIES.register("vllm-default")
+class VllmDefault(BatchPolicy):
+    """vLLM v1 defaults: no phases, running requests first, then waiting, FCFS.
+
+    Each step has ``max_num_batched_tokens`` = 8192: every running request gets its
+    next tokens (one for a decode, the rest of its prompt for a partial prefill, cut
+    at the budget), in arrival order; then waiting requests are admitted FCFS, the
+    last one chunked to the budget left, up to ``max_num_seqs`` (1024 on >= 70 GB
+    GPUs, else 256) running requests. Simplified: no prefix caching, preemption by the
+    engine's SGLang-style rule rather than vLLM's last-in-first-preempted.
+    """
+
+    name = "vllm-default"
+    token_budget = 8192
+
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self.max_num_seqs = 1024 if context.gpu_memory_gb >= 70 else 256
+
+    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        running = sorted((r for r in requests if r.context > 0), key=_arrival_order)
+        waiting = sorted((r for r in requests if r.context == 0), key=_arrival_order)
+        budget = self.token_budget
+        decodes: list[Hashable] = []
+        chunks: list[tuple[Hashable, int]] = []
+        for request in running:
+            if budget <= 0:
+                break
+            if request.pending_prefill == 0:
+                decodes.append(request.req_id)
+                budget -= 1
+            else:
+                take = min(request.pending_prefill, budget)
+                chunks.append((request.req_id, take))
+                budget -= take
+        room = max(0, self.max_num_seqs - len(running))
+        _fifo_prefills(waiting[:room], budget, chunks)
+        return BatchDecision(tuple(decodes), tuple(chunks))
+
+
+@POLICIES.register("sarathi")
+class Sarathi(BatchPolicy):
+    """Sarathi-Serve stall-free batching: decode-first under a token budget.
+
+    Every decode runs every step (stall-free), then partial prefills continue, then
+    waiting requests are admitted FCFS, chunked to the tokens the decodes left.
+    The budget is the tuned hyper-parameter: swept as ``sarathi@BUDGET``.
+    """
+
+    name = "sarathi"
+    takes_token_budget = True
+
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self.token_budget = context.token_budget or 512
+
+    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        decodes = tuple(r.req_id for r in requests if r.pending_prefill == 0)
+        prefills = sorted(
+            (r for r in requests if r.pending_prefill > 0),
+            key=lambda r: (r.context == 0, r.arrival_seq),
+        )
+        chunks: list[tuple[Hashable, int]] = []
+        _fifo_prefills(prefills, self.token_budget - len(decodes), chunks)
+        return BatchDecision(decodes, tuple(chunks))

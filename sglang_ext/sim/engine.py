@@ -1,0 +1,340 @@
+"""A single simulated rank in virtual time: one scheduler, one roofline GPU, one KV pool.
+
+Steppable: ``submit`` a request when it arrives, ``advance_to(t)`` runs every step
+that starts before ``t`` (a step in flight at ``t`` finishes first, as on a GPU),
+``drain_tokens`` returns emitted tokens, ``prefill_admission_budget`` the rank's
+current PAB. The policy sees requests through :class:`SimRequest`, which carries no
+output length; it learns step times only from the noisy measured steps.
+
+Memory follows SGLang: KV is allocated as tokens are computed; a new prefill starts
+only when its whole prompt fits beside the unfinished prefills (a step whose prefills
+are all blocked this way runs every decode instead); when decodes cannot
+grow, requests are retracted (fewest outputs first, then longest prompt) and later
+recomputed from prompt + emitted tokens, counted as ``recomputed_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from sglang_ext.policy.policies import BatchPolicy
+from sglang_ext.policy.slo import Slo
+from sglang_ext.policy.view import BatchDecision
+from sglang_ext.sim.gpu import RooflineGpu, StepShape
+from sglang_ext.sim.metrics import RequestRecord
+from sglang_ext.sim.profile import HardwareProfile
+
+IDLE_TICK_S = 1e-3
+
+
+class SimRequest:
+    """The scheduler-visible state of one request (implements ``RequestState``)."""
+
+    __slots__ = (
+        "req_id", "arrival", "slo", "prompt_tokens", "arrival_seq",
+        "next_output_index", "pending_prefill", "context",
+    )
+
+    def __init__(self, req_id: Hashable, arrival: float, slo: Slo, prompt_tokens: int, seq: int):
+        self.req_id = req_id
+        self.arrival = arrival
+        self.slo = slo
+        self.prompt_tokens = prompt_tokens
+        self.arrival_seq = seq
+        self.next_output_index = 0
+        self.pending_prefill = prompt_tokens
+        self.context = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"SimRequest({self.req_id!r}, next={self.next_output_index}, "
+            f"pending={self.pending_prefill}, context={self.context})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    req_id: Hashable
+    index: int  # 0 = first output token
+    time_s: float
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    start_s: float
+    duration_s: float
+    predicted_s: float
+    new_tokens: int
+    context: int
+    decodes: int
+    prefill_tokens: int
+
+
+class SimEngine:
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        policy: BatchPolicy,
+        *,
+        seed: int = 0,
+        record_tokens: bool = False,
+        record_steps: bool = False,
+        check_invariants: bool = False,
+    ) -> None:
+        self.profile = profile
+        self.policy = policy
+        self.gpu = RooflineGpu(profile, seed)
+        self.kv_capacity = profile.kv_capacity_tokens
+        self.now = 0.0
+        self.records: dict[Hashable, RequestRecord] = {}
+        self.steps = 0
+        self.busy_s = 0.0
+        self.idle_ticks = 0
+        self.step_log: list[StepRecord] = []
+        self._active: list[SimRequest] = []
+        self._by_id: dict[Hashable, SimRequest] = {}
+        self._output_target: dict[Hashable, int] = {}
+        self._kv_used = 0
+        self._seq = 0
+        self._events: list[TokenEvent] = []
+        self._record_tokens = record_tokens
+        self._record_steps = record_steps
+        self._check = check_invariants
+
+    # ---------------------------------------------------------------- interface
+    @property
+    def has_work(self) -> bool:
+        return bool(self._active)
+
+    @property
+    def kv_used(self) -> int:
+        return self._kv_used
+
+    @property
+    def active_requests(self) -> tuple[SimRequest, ...]:
+        return tuple(self._active)
+
+    def submit(
+        self, req_id: Hashable, arrival: float, prompt_tokens: int, output_tokens: int, slo: Slo
+    ) -> bool:
+        """A request arrives; returns whether it was admitted (rejections are recorded)."""
+        if req_id in self.records:
+            raise ValueError(f"request id {req_id!r} was already submitted")
+        if prompt_tokens < 1 or output_tokens < 1:
+            raise ValueError(f"request {req_id!r}: prompt and output must be >= 1 token")
+        record = RequestRecord(req_id, arrival, slo, prompt_tokens, output_tokens)
+        self.records[req_id] = record
+        too_long = prompt_tokens + output_tokens > self.kv_capacity
+        now = max(self.now, arrival)
+        if too_long or not self.policy.admit(self._active, now, prompt_tokens):
+            record.rejected = True
+            return False
+        request = SimRequest(req_id, arrival, slo, prompt_tokens, self._seq)
+        self._seq += 1
+        self._active.append(request)
+        self._by_id[req_id] = request
+        self._output_target[req_id] = output_tokens
+        return True
+
+    def advance_to(self, time_s: float) -> None:
+        """Run every step that starts before ``time_s``; idle time jumps to it."""
+        while self.now < time_s:
+            if not self._active:
+                self.now = time_s
+                return
+            self.step()
+
+    def run_until_idle(self, deadline_s: float) -> None:
+        while self._active and self.now < deadline_s:
+            self.step()
+
+    def drain_tokens(self) -> list[TokenEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def prefill_admission_budget(self) -> float:
+        return self.policy.prefill_admission_budget(self._active, self.now)
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> None:
+        decision = self.policy.form_batch(self._active, self.now)
+        decodes, chunks = self._validated(decision)
+        decodes = self._reserve_decode_memory(decodes)
+        chunks = self._fit_prefills(chunks, len(decodes))
+        if not decodes and not chunks:
+            # NOTE: as in SGLang, a prefill that memory blocks yields the step to decodes.
+            decodes = self._reserve_decode_memory(
+                [r for r in self._active if r.pending_prefill == 0]
+            )
+        if not decodes and not chunks:
+            self.now += IDLE_TICK_S
+            self.idle_ticks += 1
+            return
+        shape, context = self._shape(decodes, chunks)
+        duration = self.gpu.measure_step_s(shape)
+        start = self.now
+        self.now = start + duration
+        self.steps += 1
+        self.busy_s += duration
+        if self._record_steps:
+            self.step_log.append(
+                StepRecord(start, duration, decision.predicted_step_s, shape.new_tokens, context,
+                           shape.decode_requests, shape.prefill_tokens)
+            )
+        self.policy.observe_step(shape.new_tokens, context, duration)
+        self._apply(decodes, chunks)
+        if self._check:
+            self.check_integrity()
+
+    def _validated(
+        self, decision: BatchDecision
+    ) -> tuple[list[SimRequest], list[tuple[SimRequest, int]]]:
+        seen: set[Hashable] = set()
+        decodes = []
+        for req_id in decision.decode_ids:
+            request = self._by_id.get(req_id)
+            if request is None or request.pending_prefill or req_id in seen:
+                raise RuntimeError(f"{self.policy.name}: invalid decode of {request or req_id!r}")
+            seen.add(req_id)
+            decodes.append(request)
+        chunks = []
+        for req_id, tokens in decision.prefill_chunks:
+            request = self._by_id.get(req_id)
+            if request is None or req_id in seen or not 1 <= tokens <= request.pending_prefill:
+                raise RuntimeError(
+                    f"{self.policy.name}: invalid prefill chunk of {tokens} for {request or req_id!r}"
+                )
+            seen.add(req_id)
+            chunks.append((request, tokens))
+        return decodes, chunks
+
+    def _reserve_decode_memory(self, decodes: list[SimRequest]) -> list[SimRequest]:
+        while len(decodes) > self.kv_capacity - self._kv_used:
+            victim = self._retraction_victim()
+            if victim is None:
+                break
+            self._retract(victim)
+            if victim in decodes:
+                decodes.remove(victim)
+        return decodes
+
+    def _retraction_victim(self) -> SimRequest | None:
+        decoding = [r for r in self._active if r.pending_prefill == 0]
+        if len(decoding) > 1:
+            return min(decoding, key=lambda r: (r.next_output_index, -r.prompt_tokens))
+        started = [r for r in self._active if r.pending_prefill and r.context]
+        if started:
+            return max(started, key=lambda r: r.arrival_seq)
+        return decoding[0] if decoding else None
+
+    def _retract(self, request: SimRequest) -> None:
+        record = self.records[request.req_id]
+        new_pending = request.prompt_tokens + request.next_output_index
+        record.recomputed_tokens += new_pending - request.pending_prefill
+        record.preemptions += 1
+        self._kv_used -= request.context
+        request.context = 0
+        request.pending_prefill = new_pending
+        if new_pending + self._output_target[request.req_id] - request.next_output_index > self.kv_capacity:
+            self._abort(request)
+
+    def _fit_prefills(
+        self, chunks: list[tuple[SimRequest, int]], decode_tokens: int
+    ) -> list[tuple[SimRequest, int]]:
+        if not chunks:
+            return chunks
+        free = self.kv_capacity - self._kv_used - decode_tokens
+        unfinished = sum(r.pending_prefill for r in self._active if r.context and r.pending_prefill)
+        fitted = []
+        for request, tokens in chunks:
+            if request.context == 0:
+                if request.pending_prefill > free - unfinished:
+                    continue
+                unfinished += request.pending_prefill
+            tokens = min(tokens, free)
+            if tokens < 1:
+                break
+            fitted.append((request, tokens))
+            free -= tokens
+        return fitted
+
+    @staticmethod
+    def _shape(
+        decodes: list[SimRequest], chunks: list[tuple[SimRequest, int]]
+    ) -> tuple[StepShape, int]:
+        prefill_tokens = 0
+        pairs = 0.0
+        prefill_context = 0
+        for request, tokens in chunks:
+            prefill_tokens += tokens
+            prefill_context += request.context
+            pairs += tokens * (request.context + (tokens + 1) / 2)
+        decode_context = sum(r.context for r in decodes)
+        shape = StepShape(
+            prefill_tokens=prefill_tokens,
+            prefill_attention_pairs=pairs,
+            prefill_context=prefill_context,
+            decode_requests=len(decodes),
+            decode_context=decode_context,
+            prefill_requests=len(chunks),
+        )
+        return shape, prefill_context + decode_context
+
+    def _apply(self, decodes: list[SimRequest], chunks: list[tuple[SimRequest, int]]) -> None:
+        finished = False
+        for request, tokens in chunks:
+            request.context += tokens
+            request.pending_prefill -= tokens
+            self._kv_used += tokens
+            record = self.records[request.req_id]
+            record.prefill_tokens_computed += tokens
+            if request.pending_prefill == 0:
+                record.prefill_completions += 1
+                finished |= self._emit(request, record)
+        for request in decodes:
+            request.context += 1
+            self._kv_used += 1
+            record = self.records[request.req_id]
+            record.decode_steps += 1
+            finished |= self._emit(request, record)
+        if finished:
+            self._active = [r for r in self._active if r.req_id in self._by_id]
+
+    def _emit(self, request: SimRequest, record: RequestRecord) -> bool:
+        index = request.next_output_index
+        record.on_token(index, self.now)
+        request.next_output_index = index + 1
+        done = request.next_output_index == self._output_target[request.req_id]
+        if self._record_tokens:
+            self._events.append(TokenEvent(request.req_id, index, self.now, done))
+        if done:
+            self._release(request)
+        return done
+
+    def _abort(self, request: SimRequest) -> None:
+        self.records[request.req_id].aborted = True
+        self._release(request)
+        self._active = [r for r in self._active if r.req_id in self._by_id]
+
+    def _release(self, request: SimRequest) -> None:
+        self._kv_used -= request.context
+        request.context = 0
+        del self._by_id[request.req_id]
+        del self._output_target[request.req_id]
+
+    # ---------------------------------------------------------------- checks
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if the KV accounting or request state is inconsistent."""
+        in_kv = sum(r.context for r in self._active)
+        if in_kv != self._kv_used or self._kv_used > self.kv_capacity or self._kv_used < 0:
+            raise RuntimeError(
+                f"KV accounting: used={self._kv_used} sum(context)={in_kv} "
+                f"capacity={self.kv_capacity}"
+            )
+        if len(self._active) != len(self._by_id):
+            raise RuntimeError(f"{len(self._active)} active but {len(self._by_id)} indexed")
+        for request in self._active:
+            if request.pending_prefill < 0 or request.context < 0:
+                raise RuntimeError(f"negative state: {request!r}")

@@ -1,0 +1,256 @@
+"""The simulator's GPU: a physically grounded roofline step-time model with noise and stalls.
+
+This is deliberately *not* the scheduler's predictor ``a + b * new_tokens + c * context``.  The
+scheduler has to learn its coefficients online from the noisy times this model produces; if the
+simulated GPU were the linear model itself, prediction would be perfect and every time-budget
+result would be flattering (see ``/work/shared/reference/step-time-models.md``).
+
+Model
+-----
+One forward step processes ``new_tokens = prefill_tokens + decode_requests`` tokens.  Its time is
+a sum of per-kernel-class rooflines (each ``max(compute time, memory time)``) plus overheads::
+
+    F = bf16_tflops * 1e12 * compute_efficiency          # achieved FLOP/s
+    B = hbm_tb_s   * 1e12 * bandwidth_efficiency         # achieved bytes/s
+
+    # linear layers (QKV/O projections, MLP, LM head): every weight read once per step
+    linear_flops = 2 * num_params * new_tokens
+    linear_bytes = weight_bytes                          # num_params * bytes_per_param
+    t_linear     = max(linear_flops / F, linear_bytes / B)
+
+    # attention: QK^T and PV are 2 FLOPs each per (query, key, head-dim element, head)
+    attn_flops = 4 * num_layers * num_attention_heads * head_dim
+                   * (prefill_attention_pairs + decode_context)
+    attn_bytes = kv_bytes_per_token * (prefill_context + decode_context + new_tokens)
+                                                         # read cached KV, write the new KV
+    t_attn     = max(attn_flops / F, attn_bytes / B)
+
+    t_ideal = step_overhead_ms / 1e3
+            + per_request_overhead_us / 1e6 * (prefill_requests + decode_requests)
+            + t_linear + t_attn
+
+The ``max`` makes the step time non-linear in the token count: a small (decode) batch costs the
+weight-read time no matter how many tokens it carries, until ``new_tokens`` crosses the ridge
+point ``F / B * bytes_per_param / 2`` (~230 tokens for Llama-3.1-8B on an H100, ~30 on an H20)
+where the linear layers become compute-bound; and prefill attention grows quadratically in the
+chunk length.
+
+Measured time::
+
+    t_measured = t_ideal * exp(noise_sigma * Z - noise_sigma**2 / 2)   # Z ~ N(0, 1), mean 1
+               (+ U(stall_ms_min, stall_ms_max) / 1e3  with probability stall_probability)
+
+drawn from a seeded ``numpy.random.Generator``; every call consumes exactly three draws, so a
+seed reproduces the same noise sequence for the same sequence of calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .profile import HardwareProfile
+
+__all__ = ["RooflineGpu", "StepBreakdown", "StepShape"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one forward step computes (the features a step-time model sees).
+
+    For prefill chunks ``i`` of ``n_i`` new tokens after ``prefix_i`` already-cached tokens:
+    ``prefill_tokens = sum n_i``, ``prefill_attention_pairs = sum n_i * (prefix_i + (n_i + 1) / 2)``
+    (causal query-key pairs) and ``prefill_context = sum prefix_i``.  Each decode adds one new
+    token and reads its whole KV (``decode_context`` = sum of the decoding requests' KV lengths).
+    Use :meth:`from_requests` to build one from per-request numbers.
+    """
+
+    prefill_tokens: int
+    prefill_attention_pairs: float
+    prefill_context: int
+    decode_requests: int
+    decode_context: int
+    prefill_requests: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens computed this step: prefill tokens plus one per decode."""
+        return self.prefill_tokens + self.decode_requests
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the batch (prefill chunks plus decodes)."""
+        return self.prefill_requests + self.decode_requests
+
+    @property
+    def total_context(self) -> int:
+        """Cached tokens read by attention (the linear predictor's context feature)."""
+        return self.prefill_context + self.decode_context
+
+    @classmethod
+    def from_requests(
+        cls,
+        prefill_chunks: Iterable[tuple[int, int]] = (),
+        decode_context_lens: Iterable[int] = (),
+    ) -> StepShape:
+        """Build a shape from ``(chunk_len, prefix_len)`` pairs and decode KV lengths."""
+        p_tokens = 0
+        p_pairs = 0.0
+        p_ctx = 0
+        p_reqs = 0
+        for n, prefix in prefill_chunks:
+            if n <= 0 or prefix < 0:
+                raise ValueError(f"bad prefill chunk (len={n}, prefix={prefix})")
+            p_tokens += n
+            p_pairs += n * (prefix + (n + 1) / 2.0)
+            p_ctx += prefix
+            p_reqs += 1
+        d_reqs = 0
+        d_ctx = 0
+        for c in decode_context_lens:
+            if c < 0:
+                raise ValueError(f"bad decode context length {c}")
+            d_reqs += 1
+            d_ctx += c
+        return cls(p_tokens, p_pairs, p_ctx, d_reqs, d_ctx, p_reqs)
+
+
+class StepBreakdown(NamedTuple):
+    """Components of :meth:`RooflineGpu.ideal_step_s`, all in seconds."""
+
+    overhead_s: float  # fixed + per-request overhead
+    linear_s: float  # max(linear_compute_s, linear_memory_s)
+    attention_s: float  # max(attention_compute_s, attention_memory_s)
+    linear_compute_s: float
+    linear_memory_s: float
+    attention_compute_s: float
+    attention_memory_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.overhead_s + self.linear_s + self.attention_s
+
+    @property
+    def linear_bound(self) -> str:
+        """``"compute"`` or ``"memory"``: which roof limits the linear layers."""
+        return "compute" if self.linear_compute_s >= self.linear_memory_s else "memory"
+
+    @property
+    def attention_bound(self) -> str:
+        """``"compute"`` or ``"memory"``: which roof limits attention."""
+        return "compute" if self.attention_compute_s >= self.attention_memory_s else "memory"
+
+
+class RooflineGpu:
+    """Roofline step-time model of one GPU serving one model (see the module docstring)."""
+
+    __slots__ = (
+        "_attn_flops_per_pair",
+        "_inv_bw",
+        "_inv_flops",
+        "_kv_bytes_per_token",
+        "_linear_flops_per_token",
+        "_noise_shift",
+        "_overhead_s",
+        "_per_request_s",
+        "_rng",
+        "_sigma",
+        "_stall_min_s",
+        "_stall_p",
+        "_stall_span_s",
+        "_weight_s",
+        "profile",
+        "seed",
+        "stalls",
+        "steps",
+    )
+
+    def __init__(self, profile: HardwareProfile, seed: int = 0) -> None:
+        self.profile = profile
+        self.seed = seed
+        self.stalls = 0  # stalls injected so far
+        self.steps = 0  # measure_step_s calls so far
+        self._rng = np.random.default_rng(seed)
+        m, g, r = profile.model, profile.gpu, profile.runtime
+        self._overhead_s = r.step_overhead_ms / 1e3
+        self._per_request_s = r.per_request_overhead_us / 1e6
+        self._inv_flops = 1.0 / g.effective_flops
+        self._inv_bw = 1.0 / g.effective_bandwidth
+        self._linear_flops_per_token = 2.0 * m.num_params
+        self._weight_s = m.weight_bytes * self._inv_bw
+        self._attn_flops_per_pair = 4.0 * m.num_layers * m.num_attention_heads * m.head_dim
+        self._kv_bytes_per_token = m.kv_bytes_per_token
+        self._sigma = r.noise_sigma
+        self._noise_shift = -0.5 * r.noise_sigma * r.noise_sigma  # makes E[noise] = 1
+        self._stall_p = r.stall_probability
+        self._stall_min_s = r.stall_ms_min / 1e3
+        self._stall_span_s = (r.stall_ms_max - r.stall_ms_min) / 1e3
+
+    # ---------------------------------------------------------------- deterministic model
+    def breakdown(self, shape: StepShape) -> StepBreakdown:
+        """Per-component times (seconds) of the ideal step; raises ValueError on a bad shape."""
+        new_tokens = shape.prefill_tokens + shape.decode_requests
+        if (
+            shape.prefill_tokens < 0
+            or shape.decode_requests < 0
+            or shape.prefill_context < 0
+            or shape.decode_context < 0
+            or shape.prefill_requests < 0
+            or shape.prefill_attention_pairs < 0
+        ):
+            raise ValueError(f"negative quantity in step shape {shape}")
+        if new_tokens <= 0:
+            raise ValueError(f"empty step (no new tokens): {shape}")
+        lin_c = self._linear_flops_per_token * new_tokens * self._inv_flops
+        lin_m = self._weight_s
+        att_c = (
+            self._attn_flops_per_pair
+            * (shape.prefill_attention_pairs + shape.decode_context)
+            * self._inv_flops
+        )
+        att_m = (
+            self._kv_bytes_per_token
+            * (shape.prefill_context + shape.decode_context + new_tokens)
+            * self._inv_bw
+        )
+        overhead = self._overhead_s + self._per_request_s * (
+            shape.prefill_requests + shape.decode_requests
+        )
+        return StepBreakdown(
+            overhead_s=overhead,
+            linear_s=max(lin_m, lin_c),
+            attention_s=max(att_m, att_c),
+            linear_compute_s=lin_c,
+            linear_memory_s=lin_m,
+            attention_compute_s=att_c,
+            attention_memory_s=att_m,
+        )
+
+    def ideal_step_s(self, shape: StepShape) -> float:
+        """Noise-free step time in seconds.  ValueError for an empty or negative shape."""
+        return self.breakdown(shape).total_s
+
+    # ---------------------------------------------------------------- stochastic model
+    def measure_step_s(self, shape: StepShape) -> float:
+        """One observed step time in seconds: ideal * lognormal noise, plus a rare stall.
+
+        Always > 0.  Consumes exactly three draws from the seeded generator per call.
+        """
+        t = self.ideal_step_s(shape)
+        rng = self._rng
+        z = rng.standard_normal()
+        u_stall, u_len = rng.random(2)
+        if self._sigma > 0.0:
+            t *= math.exp(self._sigma * z + self._noise_shift)
+        self.steps += 1
+        if u_stall < self._stall_p:
+            self.stalls += 1
+            t += self._stall_min_s + self._stall_span_s * u_len
+        return t
+
+    def __repr__(self) -> str:
+        return f"RooflineGpu(profile={self.profile.name!r}, seed={self.seed}, stalls={self.stalls})"

@@ -1,0 +1,156 @@
+"""Per-request latency records (streamed, O(1) memory per request) and load summaries.
+
+Definitions (FairBatching §5.1):
+- TTFT = first token time - arrival.
+- TPOT (the SLO metric) = max over tokens j >= 1 of ``(t_j - t_0) / j``: the worst
+  average rate the user saw at any point after the first token.
+- mean TPOT = ``(t_last - t_0) / (n - 1)``; TBT = gaps between consecutive tokens.
+- SLO met = TTFT <= target and max TPOT <= target. A rejected or unfinished request
+  is violated. Envelope met = every token j before ``arrival + ttft + tpot * j``.
+- effective RPS = offered RPS x attainment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sglang_ext.policy.slo import Slo
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    req_id: Hashable
+    arrival: float
+    slo: Slo
+    prompt_tokens: int
+    output_tokens: int
+    rejected: bool = False
+    aborted: bool = False
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    tokens_emitted: int = 0
+    max_tpot_s: float = 0.0
+    max_tbt_s: float = 0.0
+    envelope_met: bool = True
+    prefill_tokens_computed: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    prefill_completions: int = 0  # prefills that ended by emitting a token (1 + recomputes)
+    decode_steps: int = 0
+    finish_s: float | None = None
+    _tbt_sum: float = field(default=0.0, repr=False)
+
+    def on_token(self, index: int, time_s: float) -> None:
+        if index != self.tokens_emitted:
+            raise RuntimeError(
+                f"request {self.req_id}: token {index} emitted after {self.tokens_emitted} tokens"
+            )
+        if time_s > self.arrival + self.slo.ttft_s + self.slo.tpot_s * index:
+            self.envelope_met = False
+        if index == 0:
+            self.first_token_s = time_s
+        else:
+            tpot = (time_s - self.first_token_s) / index
+            if tpot > self.max_tpot_s:
+                self.max_tpot_s = tpot
+            gap = time_s - self.last_token_s
+            self._tbt_sum += gap
+            if gap > self.max_tbt_s:
+                self.max_tbt_s = gap
+        self.last_token_s = time_s
+        self.tokens_emitted += 1
+        if self.tokens_emitted == self.output_tokens:
+            self.finish_s = time_s
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_s is not None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival
+
+    @property
+    def mean_tpot_s(self) -> float | None:
+        if self.tokens_emitted < 2:
+            return None
+        return (self.last_token_s - self.first_token_s) / (self.tokens_emitted - 1)
+
+    @property
+    def mean_tbt_s(self) -> float | None:
+        return self.mean_tpot_s
+
+    @property
+    def slo_met(self) -> bool:
+        if self.rejected or self.aborted or not self.finished:
+            return False
+        return self.ttft_s <= self.slo.ttft_s and self.max_tpot_s <= self.slo.tpot_s
+
+
+def _percentiles_ms(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
+    array = np.asarray(values, dtype=float) * 1e3
+    summary = {f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES}
+    summary["mean"] = float(array.mean())
+    return summary
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySamples:
+    """Per-request values kept for CDF plots (milliseconds)."""
+
+    ttft_ms: tuple[float, ...]
+    tpot_ms: tuple[float, ...]
+
+
+def summarize(records: Iterable[RequestRecord], offered_rate: float, duration_s: float) -> dict:
+    """One load point of ``results.json`` (latencies in ms, rates in req/s)."""
+    records = list(records)
+    total = len(records)
+    if total == 0:
+        raise ValueError("no requests to summarize")
+    served = [r for r in records if not r.rejected and not r.aborted]
+    finished = [r for r in served if r.finished]
+    met = sum(r.slo_met for r in records)
+    envelope = sum(r.envelope_met and r.finished and not r.rejected for r in records)
+    ttfts = [r.ttft_s for r in served if r.ttft_s is not None]
+    tpots = [r.max_tpot_s for r in finished if r.tokens_emitted >= 2]
+    mean_tpots = [r.mean_tpot_s for r in finished if r.tokens_emitted >= 2]
+    max_tbts = [r.max_tbt_s for r in finished if r.tokens_emitted >= 2]
+    attainment = met / total
+    output_tokens = sum(r.tokens_emitted for r in records)
+    return {
+        "rate": offered_rate,
+        "requests": total,
+        "attainment": attainment,
+        "effective_rps": offered_rate * attainment,
+        "envelope_attainment": envelope / total,
+        "ttft_attainment": sum(r.ttft_s is not None and r.ttft_s <= r.slo.ttft_s for r in served)
+        / total,
+        "tpot_attainment": sum(r.max_tpot_s <= r.slo.tpot_s for r in finished) / total,
+        "rejected": sum(r.rejected for r in records),
+        "aborted": sum(r.aborted for r in records),
+        "unfinished": len(served) - len(finished),
+        "preemptions": sum(r.preemptions for r in records),
+        "recomputed_tokens": sum(r.recomputed_tokens for r in records),
+        "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else math.nan,
+        "ttft_ms": _percentiles_ms(ttfts),
+        "tpot_ms": _percentiles_ms(tpots),
+        "mean_tpot_ms": _percentiles_ms(mean_tpots),
+        "max_tbt_ms": _percentiles_ms(max_tbts),
+    }
+
+
+def latency_samples(records: Iterable[RequestRecord]) -> LatencySamples:
+    records = [r for r in records if not r.rejected and not r.aborted and r.ttft_s is not None]
+    return LatencySamples(
+        tuple(r.ttft_s * 1e3 for r in records),
+        tuple(r.max_tpot_s * 1e3 for r in records if r.finished and r.tokens_emitted >= 2),
+    )

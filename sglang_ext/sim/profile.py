@@ -1,0 +1,374 @@
+"""Hardware profiles for the simulator: model shape, GPU specs and serving-runtime constants.
+
+A profile is a TOML file with a top-level ``name`` and three tables, ``[model]``, ``[gpu]`` and
+``[runtime]``, whose keys are exactly the fields of :class:`ModelSpec`, :class:`GpuSpec` and
+:class:`RuntimeSpec`.  Every field is documented (meaning, unit, where to find the number) in
+``configs/profiles/README.md``.
+
+Loading is strict, because a silently ignored typo in a profile silently changes every result:
+
+* a missing table or field, a value of the wrong type, a value out of range, an unknown key and
+  invalid TOML all raise :class:`ProfileError`, whose message starts with the file name and names
+  the dotted field (``llama.toml: missing field model.num_layers``);
+* a profile whose KV-cache pool would be empty (weights do not fit) is rejected at load time.
+
+The dataclasses validate themselves too, so a profile built in code gets the same checks.
+
+This module only needs the standard library (``tomllib``, Python >= 3.11).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PROFILES_DIR",
+    "GpuSpec",
+    "HardwareProfile",
+    "ModelSpec",
+    "ProfileError",
+    "RuntimeSpec",
+    "available_profiles",
+    "bundled_profile_path",
+    "load_profile",
+    "parse_profile",
+]
+
+#: ``<repo>/configs/profiles`` -- where the bundled profiles live.
+PROFILES_DIR: Path = Path(__file__).resolve().parents[2] / "configs" / "profiles"
+
+
+class ProfileError(ValueError):
+    """An invalid or missing hardware profile.  The message names the file and the field."""
+
+
+# --------------------------------------------------------------------------------------------
+# Field rules.  Each rule is (kind, lower, lower_inclusive, upper) where kind is "int", "float"
+# or "str".  Numeric bounds: value > lower (or >= lower when lower_inclusive), value <= upper.
+# --------------------------------------------------------------------------------------------
+
+_POS = (0.0, False, math.inf)  # strictly positive
+_NONNEG = (0.0, True, math.inf)  # zero allowed
+_FRACTION = (0.0, False, 1.0)  # (0, 1]
+_PROBABILITY = (0.0, True, 1.0)  # [0, 1]
+
+_RULES: dict[str, dict[str, tuple[str, tuple[float, bool, float] | None]]] = {
+    "model": {
+        "name": ("str", None),
+        "num_layers": ("int", _POS),
+        "hidden_size": ("int", _POS),
+        "num_attention_heads": ("int", _POS),
+        "num_kv_heads": ("int", _POS),
+        "head_dim": ("int", _POS),
+        "num_params": ("float", _POS),
+        "bytes_per_param": ("float", _POS),
+        "kv_bytes_per_elem": ("float", _POS),
+    },
+    "gpu": {
+        "name": ("str", None),
+        "memory_gb": ("float", _POS),
+        "hbm_tb_s": ("float", _POS),
+        "bf16_tflops": ("float", _POS),
+        "compute_efficiency": ("float", _FRACTION),
+        "bandwidth_efficiency": ("float", _FRACTION),
+    },
+    "runtime": {
+        "step_overhead_ms": ("float", _NONNEG),
+        "per_request_overhead_us": ("float", _NONNEG),
+        "mem_fraction_static": ("float", _FRACTION),
+        "activation_reserve_gb": ("float", _NONNEG),
+        "noise_sigma": ("float", _NONNEG),
+        "stall_probability": ("float", _PROBABILITY),
+        "stall_ms_min": ("float", _NONNEG),
+        "stall_ms_max": ("float", _NONNEG),
+    },
+}
+
+
+def _describe_bounds(bounds: tuple[float, bool, float]) -> str:
+    lo, lo_incl, hi = bounds
+    if hi == math.inf:
+        return ">= 0" if lo_incl else "> 0"
+    return f"in {'[' if lo_incl else '('}{lo:g}, {hi:g}]"
+
+
+def _coerce(section: str, key: str, value: Any, source: str) -> Any:
+    """Type- and range-check one field; returns the value (ints widened to float for floats)."""
+    kind, bounds = _RULES[section][key]
+    dotted = f"{section}.{key}"
+    if kind == "str":
+        if not isinstance(value, str) or not value.strip():
+            raise ProfileError(
+                f"{source}: field {dotted} must be a non-empty string, got {value!r}"
+            )
+        return value
+    # bool is a subclass of int: reject it explicitly.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        want = "an integer" if kind == "int" else "a number"
+        raise ProfileError(
+            f"{source}: field {dotted} must be {want}, got {type(value).__name__} {value!r}"
+        )
+    if kind == "int":
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ProfileError(f"{source}: field {dotted} must be an integer, got {value!r}")
+            value = int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ProfileError(f"{source}: field {dotted} must be finite, got {value!r}")
+    assert bounds is not None
+    lo, lo_incl, hi = bounds
+    ok = (value >= lo if lo_incl else value > lo) and value <= hi
+    if not ok:
+        raise ProfileError(
+            f"{source}: field {dotted} must be {_describe_bounds(bounds)}, got {value!r}"
+        )
+    return value
+
+
+def _check_instance(obj: Any, section: str) -> None:
+    """Run the field rules on a constructed dataclass (used by ``__post_init__``)."""
+    source = f"<{type(obj).__name__}>"
+    for f in fields(obj):
+        value = _coerce(section, f.name, getattr(obj, f.name), source)
+        if value is not getattr(obj, f.name):
+            object.__setattr__(obj, f.name, value)
+
+
+# --------------------------------------------------------------------------------------------
+# Dataclasses
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shape of a dense decoder-only transformer (values from the model's ``config.json``)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: float  # total parameters, embeddings included (e.g. 8.03e9)
+    bytes_per_param: float = 2.0  # bf16 weights
+    kv_bytes_per_elem: float = 2.0  # bf16 KV cache
+
+    def __post_init__(self) -> None:
+        _check_instance(self, "model")
+        if self.num_attention_heads % self.num_kv_heads != 0:
+            raise ProfileError(
+                f"<ModelSpec>: field model.num_kv_heads ({self.num_kv_heads}) must divide "
+                f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV-cache bytes per token: 2 (K and V) * layers * kv_heads * head_dim * bytes/elem."""
+        return 2.0 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_elem
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of weights read from HBM once per forward pass."""
+        return self.num_params * self.bytes_per_param
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """Public spec-sheet numbers of one GPU plus the achieved fractions of peak."""
+
+    name: str
+    memory_gb: float  # HBM capacity, GB (1e9 bytes)
+    hbm_tb_s: float  # peak memory bandwidth, TB/s (1e12 bytes/s)
+    bf16_tflops: float  # dense (non-sparse) bf16 tensor-core peak, TFLOP/s
+    compute_efficiency: float  # achieved fraction of bf16_tflops on the model's GEMMs, (0, 1]
+    bandwidth_efficiency: float  # achieved fraction of hbm_tb_s when streaming, (0, 1]
+
+    def __post_init__(self) -> None:
+        _check_instance(self, "gpu")
+
+    @property
+    def effective_flops(self) -> float:
+        """Achieved FLOP/s: bf16_tflops * 1e12 * compute_efficiency."""
+        return self.bf16_tflops * 1e12 * self.compute_efficiency
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """Achieved bytes/s: hbm_tb_s * 1e12 * bandwidth_efficiency."""
+        return self.hbm_tb_s * 1e12 * self.bandwidth_efficiency
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSpec:
+    """Serving-runtime constants: overheads, memory split, noise and stalls."""
+
+    step_overhead_ms: float  # fixed per-step CPU / kernel-launch overhead, ms
+    per_request_overhead_us: float  # per request in the batch (metadata, sampling), us
+    mem_fraction_static: float  # fraction of GPU memory for weights + KV pool (SGLang flag)
+    activation_reserve_gb: float  # further GB kept out of the KV pool, GB
+    noise_sigma: float  # lognormal sigma of multiplicative run-to-run noise
+    stall_probability: float  # per-step probability of a stall
+    stall_ms_min: float  # stall duration lower bound, ms
+    stall_ms_max: float  # stall duration upper bound, ms
+
+    def __post_init__(self) -> None:
+        _check_instance(self, "runtime")
+        if self.stall_ms_max < self.stall_ms_min:
+            raise ProfileError(
+                f"<RuntimeSpec>: field runtime.stall_ms_max ({self.stall_ms_max:g}) must be "
+                f">= runtime.stall_ms_min ({self.stall_ms_min:g})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    """One model served on one GPU with one runtime configuration."""
+
+    name: str
+    model: ModelSpec
+    gpu: GpuSpec
+    runtime: RuntimeSpec
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ProfileError("<HardwareProfile>: field name must be a non-empty string")
+        pool = self.kv_pool_bytes
+        if pool < self.model.kv_bytes_per_token:
+            raise ProfileError(
+                f"<HardwareProfile>: no room for a KV cache: memory_gb * mem_fraction_static "
+                f"({self.gpu.memory_gb:g} GB * {self.runtime.mem_fraction_static:g}) - weights "
+                f"({self.model.weight_bytes / 1e9:.2f} GB) - activation_reserve_gb "
+                f"({self.runtime.activation_reserve_gb:g} GB) = {pool / 1e9:.2f} GB "
+                f"(fields gpu.memory_gb, runtime.mem_fraction_static, model.num_params)"
+            )
+
+    @property
+    def kv_pool_bytes(self) -> float:
+        """Bytes left for the KV pool: memory * mem_fraction_static - weights - reserve."""
+        return (
+            self.gpu.memory_gb * 1e9 * self.runtime.mem_fraction_static
+            - self.model.weight_bytes
+            - self.runtime.activation_reserve_gb * 1e9
+        )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (SGLang's ``max_total_num_tokens`` analogue)."""
+        return math.floor(self.kv_pool_bytes / self.model.kv_bytes_per_token)
+
+    @property
+    def memory_gb(self) -> float:
+        """GPU HBM capacity in GB (baselines pick SGLang-like defaults from it)."""
+        return self.gpu.memory_gb
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+_SECTIONS: dict[str, type] = {"model": ModelSpec, "gpu": GpuSpec, "runtime": RuntimeSpec}
+
+
+def _build_section(data: Mapping[str, Any], section: str, source: str) -> Any:
+    if section not in data:
+        raise ProfileError(f"{source}: missing table [{section}]")
+    table = data[section]
+    if not isinstance(table, Mapping):
+        raise ProfileError(
+            f"{source}: field {section} must be a table ([{section}]), got {type(table).__name__}"
+        )
+    cls = _SECTIONS[section]
+    rules = _RULES[section]
+    unknown = sorted(set(table) - set(rules))
+    if unknown:
+        raise ProfileError(
+            f"{source}: unknown field(s) {', '.join(f'{section}.{k}' for k in unknown)} "
+            f"(allowed: {', '.join(rules)})"
+        )
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in table:
+            if f.default is not MISSING:  # optional field: keep the dataclass default
+                continue
+            raise ProfileError(f"{source}: missing field {section}.{f.name}")
+        kwargs[f.name] = _coerce(section, f.name, table[f.name], source)
+    try:
+        return cls(**kwargs)
+    except ProfileError as exc:  # cross-field checks: re-label with the file name
+        raise ProfileError(_relabel(str(exc), source)) from None
+
+
+def _relabel(message: str, source: str) -> str:
+    if message.startswith("<") and ">: " in message:
+        return f"{source}: {message.split('>: ', 1)[1]}"
+    return f"{source}: {message}"
+
+
+def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> HardwareProfile:
+    """Build a validated :class:`HardwareProfile` from a parsed TOML mapping.
+
+    ``source`` prefixes every error message (``load_profile`` passes the file name).
+    """
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"{source}: a profile must be a table, got {type(data).__name__}")
+    allowed = {"name", *_SECTIONS}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ProfileError(
+            f"{source}: unknown field(s) {', '.join(unknown)} "
+            f"(allowed at top level: name, [model], [gpu], [runtime])"
+        )
+    if "name" not in data:
+        raise ProfileError(f"{source}: missing field name")
+    name = data["name"]
+    if not isinstance(name, str) or not name.strip():
+        raise ProfileError(f"{source}: field name must be a non-empty string, got {name!r}")
+    model = _build_section(data, "model", source)
+    gpu = _build_section(data, "gpu", source)
+    runtime = _build_section(data, "runtime", source)
+    try:
+        return HardwareProfile(name=name, model=model, gpu=gpu, runtime=runtime)
+    except ProfileError as exc:
+        raise ProfileError(_relabel(str(exc), source)) from None
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """Load and validate a profile TOML file.  Raises :class:`ProfileError` on any problem."""
+    p = Path(path)
+    source = str(p)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ProfileError(f"{source}: profile file not found") from None
+    except OSError as exc:
+        raise ProfileError(f"{source}: cannot read profile: {exc}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{source}: not UTF-8 text: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{source}: invalid TOML: {exc}") from None
+    return parse_profile(data, source)
+
+
+def available_profiles() -> list[str]:
+    """Names of the bundled profiles (``configs/profiles/*.toml``), sorted."""
+    if not PROFILES_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+
+
+def bundled_profile_path(name: str) -> Path:
+    """Path of the bundled profile ``name`` (e.g. ``"llama3.1-8b-h100"``; ``.toml`` optional)."""
+    stem = name.removesuffix(".toml")
+    path = PROFILES_DIR / f"{stem}.toml"
+    if not path.is_file():
+        names = ", ".join(available_profiles()) or "(none)"
+        raise ProfileError(f"{path}: no bundled profile named {name!r}; available: {names}")
+    return path
