@@ -3,7 +3,7 @@
 This is deliberately *not* the scheduler's predictor ``a + b * new_tokens + c * context``.  The
 scheduler has to learn its coefficients online from the noisy times this model produces; if the
 simulated GPU were the linear model itself, prediction would be perfect and every time-budget
-result would be flattering (see ``/work/shared/reference/step-time-models.md``).
+result would be flattering.
 
 Model
 -----

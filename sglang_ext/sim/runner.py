@@ -9,6 +9,7 @@ from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.registry import UnknownNameError
 from sglang_ext.policy.slo import SloCatalog
+from sglang_ext.policy.step_model import StepCoefficients
 from sglang_ext.sim.calibration import offline_fit
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.metrics import LatencySamples, latency_samples, summarize
@@ -67,6 +68,7 @@ class Scenario:
     seed: int = 0
     drain_s: float = 120.0
     max_token_budget: int = DEFAULT_MAX_TOKEN_BUDGET
+    initial_step_model: StepCoefficients | None = None  # None: offline fit of the profile
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class RunResult:
 def build_policy(scenario: Scenario, spec: PolicySpec) -> BatchPolicy:
     context = PolicyContext(
         global_slo=scenario.catalog.default,
-        initial_step_model=offline_fit(scenario.profile),
+        initial_step_model=scenario.initial_step_model or offline_fit(scenario.profile),
         max_token_budget=scenario.max_token_budget,
         gpu_memory_gb=scenario.profile.memory_gb,
         token_budget=spec.token_budget,
@@ -106,4 +108,10 @@ def simulate(
     load["gpu_busy_fraction"] = engine.busy_s / engine.now if engine.now > 0 else 0.0
     load["step_model_mean_abs_rel_error"] = error.mean_abs_relative
     load["step_model_outliers"] = error.outliers
+    learned = engine.policy.step_model.coefficients
+    load["step_model"] = {
+        "a_s": learned.a_s,
+        "b_s_per_token": learned.b_s_per_token,
+        "c_s_per_context_token": learned.c_s_per_context_token,
+    }
     return RunResult(spec.label, load, latency_samples(records) if keep_samples else None)

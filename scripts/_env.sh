@@ -1,0 +1,42 @@
+# Sourced by the scripts in this folder: makes sure the project's virtual environment
+# exists outside the checkout (so fresh clones share it instead of each holding a
+# copy), installs the project into it idempotently, and puts it first on PATH.
+#
+#   FB_EXTRAS         extras to install (default: dev)
+#   FAIRBATCHING_ENV  use this environment directory instead of the cache one
+#   PYTHON            interpreter to create it with (default: python3; needs >= 3.11)
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+extras="${FB_EXTRAS:-dev}"
+python_bin="${PYTHON:-python3}"
+
+"$python_bin" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+  echo "error: $python_bin is $("$python_bin" -V 2>&1); Python >= 3.11 is required (set PYTHON=...)" >&2
+  exit 2
+}
+
+# The environment is keyed by the interpreter version and the dependency pins of the
+# selected extras, so it is rebuilt only when those change.
+env_key="$("$python_bin" - "$repo_root/pyproject.toml" "$extras" <<'PY'
+import hashlib, json, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+extras = sorted(e for e in sys.argv[2].split(",") if e)
+pins = {"base": project.get("dependencies", []),
+        "extras": {e: project.get("optional-dependencies", {}).get(e, []) for e in extras}}
+digest = hashlib.sha256(json.dumps(pins, sort_keys=True).encode()).hexdigest()[:12]
+print(f"py{sys.version_info.major}{sys.version_info.minor}-{'-'.join(extras) or 'base'}-{digest}")
+PY
+)"
+env_dir="${FAIRBATCHING_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/fairbatching/env-$env_key}"
+
+if [ ! -x "$env_dir/bin/python" ]; then
+  echo "creating environment $env_dir" >&2
+  "$python_bin" -m venv "$env_dir"
+  "$env_dir/bin/python" -m pip install -q --upgrade pip "setuptools>=77" wheel
+fi
+"$env_dir/bin/python" -m pip install -q --no-build-isolation -e "$repo_root[$extras]"
+
+export PATH="$env_dir/bin:$PATH"
+export FAIRBATCHING_ENV_DIR="$env_dir"
+cd "$repo_root"

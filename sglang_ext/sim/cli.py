@@ -1,0 +1,277 @@
+"""``python -m sglang_ext.sim {run,sweep,calibrate}`` — see ``--help`` of each."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from sglang_ext.policy.slo import Slo, SloCatalog, SloError
+from sglang_ext.policy.step_model import StepCoefficients, StepModelError
+from sglang_ext.sim.calibration import offline_fit, profile_samples
+from sglang_ext.sim.profile import (
+    PROFILES_DIR, HardwareProfile, ProfileError, available_profiles, bundled_profile_path,
+    load_profile,
+)
+from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS, PolicySpecError, Scenario, parse_policy, simulate
+from sglang_ext.sim.sweep import (
+    DEFAULT_POLICIES, SweepPlan, plan_sweep, run_sweep, summary_table, write_results,
+)
+from sglang_ext.sim.workloads import FORMATS, Workload, WorkloadError, bundled_sample, load_workload, parse_arrivals
+
+DEFAULT_SLO_CONFIG = PROFILES_DIR.parent / "slo.toml"
+DEFAULT_PROFILE = "llama3.1-8b-h100"
+DEFAULT_SAMPLE_HEAD_S = 300.0
+DEFAULT_RATES = (4.0, 8.0, 12.0, 16.0, 20.0, 24.0)
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user mistake: printed as one line, exit status 2."""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _rate_list(text: str) -> tuple[float, ...]:
+    rates = tuple(_positive_float(part) for part in text.split(",") if part.strip())
+    if not rates:
+        raise argparse.ArgumentTypeError("expected comma-separated rates, e.g. 2,4,8")
+    return tuple(sorted(set(rates)))
+
+
+def _budget_list(text: str) -> tuple[int, ...]:
+    try:
+        budgets = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not budgets or budgets[0] < 1:
+        raise argparse.ArgumentTypeError("token budgets must be integers >= 1")
+    return budgets
+
+
+def _arrivals(text: str) -> str:
+    try:
+        parse_arrivals(text)
+    except WorkloadError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--trace", type=Path, help="trace file (default: the bundled Azure sample)")
+    workload.add_argument("--format", choices=FORMATS, default="azure", help="trace format")
+    workload.add_argument(
+        "--arrivals", type=_arrivals, default="trace",
+        help="trace (scaled trace times), poisson, or gamma:CV (bursty)",
+    )
+    workload.add_argument(
+        "--head-seconds", type=_positive_float,
+        help=f"keep the first S seconds of the trace (default: {DEFAULT_SAMPLE_HEAD_S:g} for the "
+        "bundled sample, all of a given trace)",
+    )
+    system = parser.add_argument_group("system")
+    system.add_argument(
+        "--profile", default=DEFAULT_PROFILE,
+        help=f"GPU profile: a bundled name ({', '.join(available_profiles())}) or a TOML path",
+    )
+    system.add_argument("--slo-config", type=Path, default=DEFAULT_SLO_CONFIG, help="SLO classes TOML")
+    system.add_argument("--ttft-ms", type=_positive_float, help="override the default class's TTFT")
+    system.add_argument("--tpot-ms", type=_positive_float, help="override the default class's TPOT")
+    system.add_argument(
+        "--max-token-budget", type=int, default=8192, help="FairBatching's MAX_TOKEN_BUDGET"
+    )
+    system.add_argument("--drain-seconds", type=_positive_float, default=120.0,
+                        help="simulate this long after the last arrival; unfinished = violated")
+    system.add_argument("--seed", type=int, default=0, help="GPU noise and synthetic arrivals")
+    system.add_argument(
+        "--step-model", type=Path,
+        help="initial step-model coefficients TOML (default: offline fit on the profile, as "
+        "`calibrate` prints); the policies recalibrate online from there",
+    )
+    parser.add_argument("--out", type=Path, help="output directory (default: out/<command>-<time>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_ext.sim",
+        description="Discrete-event simulation of FairBatching and the baselines on a roofline GPU.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="one policy at one offered load")
+    run.add_argument("--policy", default="fb", help="policy name, NAME@BUDGET for budgeted ones")
+    run.add_argument("--rate", type=_positive_float,
+                     help="offered load, req/s (default: the trace's own rate)")
+    _common(run)
+    sweep = commands.add_parser("sweep", help="policies x offered loads (bundled sample by default)")
+    sweep.add_argument("--policy", action="append", dest="policies",
+                       help=f"repeatable (default: {' '.join(DEFAULT_POLICIES)})")
+    sweep.add_argument("--rates", type=_rate_list, default=DEFAULT_RATES,
+                       help=f"offered loads, req/s (default: {','.join(f'{r:g}' for r in DEFAULT_RATES)})")
+    sweep.add_argument("--budgets", type=_budget_list, default=DEFAULT_TOKEN_BUDGETS,
+                       help="token budgets swept for sarathi / fb-fb named without @BUDGET")
+    sweep.add_argument("--cdf-rate", type=_positive_float,
+                       help="load whose latency CDFs are plotted (default: the middle rate)")
+    sweep.add_argument("--jobs", type=int, help="worker processes (default: all cores)")
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _common(sweep)
+    calibrate = commands.add_parser(
+        "calibrate", help="offline-fit the step model a + b*new_tokens + c*context on a profile"
+    )
+    calibrate.add_argument("--profile", default=DEFAULT_PROFILE, help="bundled name or TOML path")
+    calibrate.add_argument("--out", type=Path, help="write the coefficients TOML here")
+    return parser
+
+
+def _load_profile(name: str) -> HardwareProfile:
+    path = Path(name)
+    if path.suffix == ".toml" or path.exists():
+        return load_profile(path)
+    return load_profile(bundled_profile_path(name))
+
+
+def _catalog(args: argparse.Namespace) -> SloCatalog:
+    catalog = SloCatalog.from_toml(args.slo_config)
+    if args.ttft_ms is None and args.tpot_ms is None:
+        return catalog
+    base = catalog.default
+    overridden = Slo.from_ms(args.ttft_ms or base.ttft_s * 1e3, args.tpot_ms or base.tpot_s * 1e3)
+    classes = dict(catalog.classes, **{catalog.default_class: overridden})
+    return SloCatalog(catalog.default_class, classes)
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    if args.trace is None:
+        workload = bundled_sample()
+        head = args.head_seconds or DEFAULT_SAMPLE_HEAD_S
+    else:
+        workload = load_workload(args.trace, args.format)
+        head = args.head_seconds
+    if head is not None:
+        workload = workload.head(head)
+    known = set(_catalog_names(args))
+    unknown = {r.slo_class for r in workload.requests if r.slo_class and r.slo_class not in known}
+    if unknown:
+        raise CliError(f"trace names SLO class(es) {sorted(unknown)} not in {args.slo_config}")
+    return workload
+
+
+def _catalog_names(args: argparse.Namespace) -> list[str]:
+    return list(SloCatalog.from_toml(args.slo_config).classes)
+
+
+def _scenario(args: argparse.Namespace) -> Scenario:
+    if args.max_token_budget < 1:
+        raise CliError("--max-token-budget must be >= 1")
+    return Scenario(
+        workload=_workload(args),
+        profile=_load_profile(args.profile),
+        catalog=_catalog(args),
+        arrivals=args.arrivals,
+        seed=args.seed,
+        drain_s=args.drain_seconds,
+        max_token_budget=args.max_token_budget,
+        initial_step_model=StepCoefficients.load(args.step_model) if args.step_model else None,
+    )
+
+
+def _out_dir(args: argparse.Namespace) -> Path:
+    return args.out or Path("out") / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    spec = parse_policy(args.policy)
+    scenario = _scenario(args)
+    rate = args.rate or scenario.workload.mean_rate
+    result = simulate(scenario, spec, rate)
+    plan = SweepPlan((spec.label,), (spec,))
+    document = {
+        "schema_version": 1,
+        "cdf_rate": rate,
+        "requested": [spec.label],
+        "policies": {spec.label: {"peak_effective_rps": result.load["effective_rps"],
+                                   "peak_rate": rate, "loads": [result.load]}},
+    }
+    print(summary_table(document, plan.requested))
+    path = write_results(document, _out_dir(args))
+    print(f"\nwrote {path}")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from sglang_ext.sim.plots import plot_effective_rps, plot_latency_cdfs
+
+    plan = plan_sweep(args.policies or DEFAULT_POLICIES, args.budgets)
+    scenario = _scenario(args)
+    rates = args.rates
+    cdf_rate = args.cdf_rate or rates[len(rates) // 2]
+    if cdf_rate not in rates:
+        rates = tuple(sorted({*rates, cdf_rate}))
+    total = len(plan.runs) * len(rates)
+    print(
+        f"{len(scenario.workload.requests)} requests from {scenario.workload.source} "
+        f"(natural rate {scenario.workload.mean_rate:.2f} req/s) on {scenario.profile.name}; "
+        f"{len(plan.runs)} policies x {len(rates)} loads = {total} simulations",
+        file=sys.stderr,
+    )
+    with tqdm(total=total, unit="sim", disable=args.no_progress, file=sys.stderr) as bar:
+        document, samples = run_sweep(
+            scenario, plan, rates, cdf_rate=cdf_rate, jobs=args.jobs, progress=bar.update
+        )
+    out = _out_dir(args)
+    path = write_results(document, out)
+    plot_effective_rps(document, plan.requested, out / "effective_rps.png")
+    plot_latency_cdfs(document, samples, plan.requested, out / "latency_cdf.png")
+    print(summary_table(document))
+    print(f"\nwrote {path}, {out / 'effective_rps.png'}, {out / 'latency_cdf.png'}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    profile = _load_profile(args.profile)
+    fit = offline_fit(profile)
+    samples = profile_samples(profile)
+    errors = [abs(fit.predict(s.new_tokens, s.context) - s.seconds) / s.seconds for s in samples]
+    text = fit.to_toml(
+        f"Offline fit on simulated profile {profile.name} "
+        f"(python -m sglang_ext.sim calibrate --profile {args.profile})",
+        samples=len(samples),
+        mean_abs_rel_error=sum(errors) / len(errors),
+        max_abs_rel_error=max(errors),
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    print(text, end="")
+    return 0
+
+
+USER_ERRORS = (
+    CliError, WorkloadError, ProfileError, SloError, PolicySpecError, StepModelError,
+    json.JSONDecodeError,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"run": _cmd_run, "sweep": _cmd_sweep, "calibrate": _cmd_calibrate}[args.command]
+    try:
+        return handler(args)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
