@@ -21,6 +21,7 @@ at most 1). Both cost O(1) per step.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -65,14 +66,14 @@ class StepCoefficients:
         lines = [f"# {line}" for line in comment.splitlines()] if comment else []
         lines += [
             "# step seconds = a_s + b_s_per_token * new_tokens + c_s_per_context_token * context",
-            f"a_s = {self.a_s!r}",
-            f"b_s_per_token = {self.b_s_per_token!r}",
-            f"c_s_per_context_token = {self.c_s_per_context_token!r}",
+            f"a_s = {_toml_value(self.a_s)}",
+            f"b_s_per_token = {_toml_value(self.b_s_per_token)}",
+            f"c_s_per_context_token = {_toml_value(self.c_s_per_context_token)}",
         ]
         if fit_info:
             lines.append("\n[fit]")
             for key, value in fit_info.items():
-                lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
+                lines.append(f"{key} = {_toml_value(value)}")
         return "\n".join(lines) + "\n"
 
     def save(self, path: str | Path, comment: str = "", **fit_info: float | int | str) -> None:
@@ -101,6 +102,24 @@ class StepCoefficients:
             raise StepModelError(f"{path}: no such coefficient file") from None
         except tomllib.TOMLDecodeError as exc:
             raise StepModelError(f"{path}: invalid TOML: {exc}") from None
+
+
+def _toml_value(value: float | int | str) -> str:
+    """A TOML literal: ``repr`` of a NumPy scalar (``np.float64(0.1)``) is not TOML, and a
+    string needs its quotes, backslashes and control characters escaped."""
+    if isinstance(value, str):
+        out = []
+        for ch in value:
+            if ch in '"\\':
+                out.append("\\" + ch)
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\u{ord(ch):04x}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    return repr(float(value))
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +172,11 @@ class OnlineStepModel:
 
     Internally each coefficient is a multiple of its offline value (or of a small
     floor), so the features are "fraction of the step explained by this term" and
-    ``anchor_weight`` is how many steps' worth of evidence the offline fit counts as.
+    ``anchor_weight`` is how many steps' worth of evidence the anchor counts as. The
+    anchor starts at the offline fit and follows the online solution slowly
+    (``anchor_follow`` per step, a ~500-step time constant): what was learned online
+    survives a phase that stops measuring it, and since the solution equals the anchor
+    along unmeasured directions, following it does not reintroduce drift there.
     """
 
     def __init__(
@@ -163,18 +186,22 @@ class OnlineStepModel:
         use_context: bool = True,
         forgetting: float = 0.995,
         anchor_weight: float = 2.0,
+        anchor_follow: float = 0.002,
         error_window: int = 256,
     ) -> None:
         if not 0.0 < forgetting <= 1.0:
             raise StepModelError(f"forgetting must be in (0, 1], got {forgetting}")
         if anchor_weight <= 0:
             raise StepModelError(f"anchor_weight must be > 0, got {anchor_weight}")
+        if not 0.0 <= anchor_follow < 1.0:
+            raise StepModelError(f"anchor_follow must be in [0, 1), got {anchor_follow}")
         values = (initial.a_s, initial.b_s_per_token, initial.c_s_per_context_token)
         self._dim = 3 if use_context else 2
         self._scale = [max(v, floor) for v, floor in zip(values, _FLOORS)][: self._dim]
         self._prior = [v / s for v, s in zip(values, self._scale)]
         self._forgetting = forgetting
         self._anchor = anchor_weight
+        self._anchor_follow = anchor_follow
         self._gram = [[0.0] * self._dim for _ in range(self._dim)]
         self._moment = [0.0] * self._dim
         self._samples = 0
@@ -234,6 +261,9 @@ class OnlineStepModel:
         ]
         rhs = [self._moment[i] + anchor * self._prior[i] for i in range(dim)]
         theta = _solve_small(matrix, rhs)
+        follow = self._anchor_follow
+        for i in range(dim):
+            self._prior[i] += follow * (theta[i] - self._prior[i])
         values = [t * s for t, s in zip(theta, self._scale)] + [0.0] * (3 - dim)
         return StepCoefficients(*values).usable()
 

@@ -19,7 +19,7 @@ from sglang_ext.sim.profile import (
 )
 from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS, PolicySpecError, Scenario, parse_policy, simulate
 from sglang_ext.sim.sweep import (
-    DEFAULT_POLICIES, SweepPlan, plan_sweep, run_sweep, summary_table, write_results,
+    DEFAULT_POLICIES, SweepPlan, _assemble, plan_sweep, run_sweep, summary_table, write_results,
 )
 from sglang_ext.sim.workloads import FORMATS, Workload, WorkloadError, bundled_sample, load_workload, parse_arrivals
 
@@ -197,13 +197,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     rate = args.rate or scenario.workload.mean_rate
     result = simulate(scenario, spec, rate)
     plan = SweepPlan((spec.label,), (spec,))
-    document = {
-        "schema_version": 1,
-        "cdf_rate": rate,
-        "requested": [spec.label],
-        "policies": {spec.label: {"peak_effective_rps": result.load["effective_rps"],
-                                   "peak_rate": rate, "loads": [result.load]}},
-    }
+    # the same schema-1 document as a one-policy, one-rate sweep (scenario and rates included)
+    document, _ = _assemble(scenario, plan, (rate,), rate, [result])
     print(summary_table(document, plan.requested))
     path = write_results(document, _out_dir(args))
     print(f"\nwrote {path}")

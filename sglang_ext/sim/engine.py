@@ -258,6 +258,7 @@ class SimEngine:
                 break
             fitted.append((request, tokens))
             free -= tokens
+            unfinished -= tokens  # now allocated: no longer owed to the unfinished prefills
         return fitted
 
     @staticmethod

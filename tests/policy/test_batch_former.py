@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policy_helpers import COEF, NOW, SLO, A, B, C, request
+from policy_helpers import COEF, NOW, A, B, C, request
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET, form_batch, pack, triage
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.view import BatchDecision, RequestView
@@ -385,7 +385,7 @@ def check_invariants(requests: list[RequestView], max_token_budget: int) -> None
         assert decision.decode_ids == tuple(urgent)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=request_sets(), max_token_budget=st.integers(1, 9000))
 def test_decision_invariants(requests: list[RequestView], max_token_budget: int) -> None:
     check_invariants(requests, max_token_budget)
@@ -415,7 +415,7 @@ def test_decision_invariants_seeded_bulk() -> None:
     assert partial_seen > 100  # the partial-chunk rule was actually exercised
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(requests=request_sets())
 def test_everything_runs_when_capacity_suffices(requests: list[RequestView]) -> None:
     """Sufficient capacity (§3.3): if a + all costs fit the budget, nothing is deferred."""

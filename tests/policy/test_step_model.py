@@ -177,6 +177,26 @@ def test_toml_round_trip(tmp_path: Path) -> None:
     assert StepCoefficients.load(path) == coefficients  # repr round-trips floats exactly
 
 
+def test_toml_round_trip_of_numpy_scalars(tmp_path: Path) -> None:
+    # np.float64 passes validation (it subclasses float) but its repr under NumPy 2 is
+    # "np.float64(0.008)", which is not TOML; save must write plain literals.
+    path = tmp_path / "coef.toml"
+    coefficients = StepCoefficients(np.float64(0.008), np.float64(6e-5), np.float64(2e-8))
+    coefficients.save(path, samples=np.int64(500), mean_abs_rel_error=np.float64(0.0125))
+    assert "np." not in path.read_text()
+    assert StepCoefficients.load(path) == coefficients
+
+
+def test_toml_round_trip_of_strings_needing_escapes(tmp_path: Path) -> None:
+    import tomllib
+
+    path = tmp_path / "coef.toml"
+    awkward = 'H100 "SXM5" C:\\profiles\ttab'
+    TRUE.save(path, gpu=awkward)
+    assert StepCoefficients.load(path) == TRUE
+    assert tomllib.loads(path.read_text())["fit"]["gpu"] == awkward
+
+
 def test_toml_round_trip_without_extras(tmp_path: Path) -> None:
     path = tmp_path / "coef.toml"
     TRUE.save(path)
@@ -328,10 +348,10 @@ def test_long_decode_only_phase_does_not_wreck_prefill_predictions() -> None:
     assert max(control) > 0.05, control
 
 
-def test_unmeasured_direction_returns_to_the_offline_fit() -> None:
-    """Documents the anchor's cost: a direction the recent data leave unmeasured goes back
-    to the *offline* fit, even if earlier online data had corrected it. Starting 30% off,
-    after a long decode-only phase prefill-only predictions are back near the prior's."""
+def test_unmeasured_direction_keeps_what_was_learned_online() -> None:
+    """The anchor follows the online solution, so a direction the recent data leave
+    unmeasured stays where online data last put it, not back at the offline fit.
+    Starting 30% off, after a long decode-only phase prefill-only predictions stay good."""
     rng = np.random.default_rng(4)
     model = OnlineStepModel(PRIOR_30_OFF)
     observe_truth(model, TRUE, rng, 1000)
@@ -346,7 +366,8 @@ def test_unmeasured_direction_returns_to_the_offline_fit() -> None:
     decode_probe = [decode_only(rng) for _ in range(100)]
     assert mean_prediction_error(model, TRUE, decode_probe) < 0.03  # measured direction: right
     prior_error = mean_prediction_error(PRIOR_30_OFF, TRUE, probe)
-    assert mean_prediction_error(model, TRUE, probe) > 0.5 * prior_error
+    assert prior_error > 0.2
+    assert mean_prediction_error(model, TRUE, probe) < 0.05
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.001, math.nan, math.inf, -math.inf])

@@ -1,0 +1,279 @@
+"""``python -m sglang_ext.sim`` end to end: outputs, the results.json shape, user errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.policy.policies import POLICIES
+from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.sim.calibration import offline_fit
+from sglang_ext.sim.cli import main
+from sglang_ext.sim.profile import PROFILES_DIR, bundled_profile_path, load_profile
+
+TOP_LEVEL = {"schema_version", "scenario", "rates", "cdf_rate", "requested", "policies"}
+LOAD_KEYS = {
+    "rate", "requests", "attainment", "effective_rps", "envelope_attainment", "ttft_attainment",
+    "tpot_attainment", "rejected", "aborted", "unfinished", "preemptions", "recomputed_tokens",
+    "output_tokens_per_s", "ttft_ms", "tpot_ms", "mean_tpot_ms", "max_tbt_ms", "steps",
+    "gpu_busy_fraction",
+}
+PERCENTILES = {"p50", "p90", "p95", "p99", "mean"}
+SCENARIO_KEYS = {
+    "workload", "requests", "natural_rate", "profile", "arrivals", "seed", "drain_s",
+    "max_token_budget", "slo",
+}
+FAST = ["--head-seconds", "30"]
+
+
+def _check_policy_entry(entry: dict, rates: list[float]) -> None:
+    assert {"peak_effective_rps", "peak_rate", "loads"} <= set(entry)
+    loads = entry["loads"]
+    assert [load["rate"] for load in loads] == rates
+    for load in loads:
+        assert LOAD_KEYS <= set(load)
+        for name in ("ttft_ms", "tpot_ms", "mean_tpot_ms", "max_tbt_ms"):
+            assert set(load[name]) == PERCENTILES
+        assert 0.0 <= load["attainment"] <= 1.0
+        assert load["effective_rps"] == pytest.approx(load["rate"] * load["attainment"])
+        assert load["requests"] > 10 and load["unfinished"] == 0
+    peak = max(loads, key=lambda load: load["effective_rps"])
+    assert entry["peak_effective_rps"] == peak["effective_rps"]
+    assert entry["peak_rate"] == peak["rate"]
+
+
+# ------------------------------------------------------------------ help
+def test_module_help_in_a_subprocess():
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang_ext.sim", "--help"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    for command in ("run", "sweep", "calibrate"):
+        assert command in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "sweep", "calibrate"])
+def test_subcommand_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "--profile" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ run
+def test_run_writes_results_json(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--policy", "fb", "--rate", "8", *FAST, "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "peak eff RPS" in stdout and "wrote" in stdout
+    document = json.loads((out / "results.json").read_text())
+    assert document["schema_version"] == 1
+    assert TOP_LEVEL <= set(document)  # the same shape as a sweep's
+    assert SCENARIO_KEYS <= set(document["scenario"])
+    assert document["rates"] == [8.0] and document["cdf_rate"] == 8.0
+    assert document["requested"] == ["fb"]
+    assert set(document["policies"]) == {"fb"}
+    _check_policy_entry(document["policies"]["fb"], [8.0])
+    assert document["scenario"]["slo"]["ttft_ms"] == 2000.0
+
+
+def test_run_with_budgeted_policy_and_slo_override(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["run", "--policy", "sarathi@1024", "--rate", "6", *FAST, "--ttft-ms", "500",
+            "--tpot-ms", "40", "--arrivals", "poisson", "--out", str(out)]
+    assert main(argv) == 0
+    document = json.loads((out / "results.json").read_text())
+    assert set(document["policies"]) == {"sarathi@1024"}
+    assert document["scenario"]["slo"] == {
+        "default_class": "standard", "ttft_ms": 500.0, "tpot_ms": 40.0,
+    }
+
+
+# ------------------------------------------------------------------ sweep
+def test_sweep_writes_results_plots_and_table(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--policy", "fb", "--policy", "sarathi", "--budgets", "256,1024",
+            "--rates", "4,8", *FAST, "--jobs", "1", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    document = json.loads((out / "results.json").read_text())
+    assert document["schema_version"] == 1
+    assert TOP_LEVEL <= set(document)
+    assert document["rates"] == [4.0, 8.0]
+    assert document["requested"] == ["fb", "sarathi"]
+    policies = document["policies"]
+    assert set(policies) == {"fb", "sarathi", "sarathi@256", "sarathi@1024"}
+    for entry in policies.values():
+        _check_policy_entry(entry, [4.0, 8.0])
+    best = policies["sarathi"]["best_of"]
+    assert best in ("sarathi@256", "sarathi@1024")
+    assert policies["sarathi"]["peak_effective_rps"] == max(
+        policies[m]["peak_effective_rps"] for m in ("sarathi@256", "sarathi@1024")
+    )
+    assert policies["sarathi"]["loads"] == policies[best]["loads"]
+    assert "best_of" not in policies["fb"]
+    for name in ("effective_rps.png", "latency_cdf.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000
+    table = captured.out
+    assert "peak eff RPS" in table
+    assert any(line.startswith("fb ") for line in table.splitlines())
+    assert f"sarathi ({best.split('@')[1]})" in table
+    assert "4 requests" not in captured.err and "simulations" in captured.err
+
+
+# ------------------------------------------------------------------ calibrate
+def test_calibrate_writes_loadable_coefficients(tmp_path, capsys):
+    path = tmp_path / "sub" / "coeffs.toml"
+    assert main(["calibrate", "--profile", "llama3.1-8b-h100", "--out", str(path)]) == 0
+    loaded = StepCoefficients.load(path)
+    assert loaded == offline_fit(load_profile(bundled_profile_path("llama3.1-8b-h100")))
+    assert loaded.a_s > 0 and loaded.b_s_per_token > 0 and loaded.c_s_per_context_token >= 0
+    assert "b_s_per_token" in capsys.readouterr().out
+    # and the file feeds back into a run as its initial step model
+    out = tmp_path / "run"
+    assert main(["run", "--policy", "fb-pab", "--rate", "4", *FAST, "--step-model", str(path),
+                 "--out", str(out)]) == 0
+    assert (out / "results.json").is_file()
+
+
+# ------------------------------------------------------------------ user errors
+def _user_error(argv, capsys) -> str:
+    """Exit status 2, one ``error: ...`` line on stderr, no traceback, no output files."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def _argparse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last
+    return last
+
+
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_unknown_policy_lists_the_valid_ones(command, tmp_path, capsys):
+    line = _user_error([command, "--policy", "nope", *FAST, "--out", str(tmp_path / "o")], capsys)
+    assert "'nope'" in line
+    for name in POLICIES.names():
+        assert name in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ("fb@256", "takes no token budget"),
+        ("sarathi@abc", "must be an integer"),
+        ("sarathi@0", "must be >= 1"),
+        ("sarathi@-5", "must be >= 1"),
+    ],
+)
+def test_bad_policy_budget(policy, message, tmp_path, capsys):
+    line = _user_error(["run", "--policy", policy, *FAST, "--out", str(tmp_path)], capsys)
+    assert message in line
+
+
+def test_unknown_format_is_an_argparse_error(tmp_path, capsys):
+    last = _argparse_error(["run", "--format", "xml", "--out", str(tmp_path)], capsys)
+    assert "invalid choice" in last and "azure" in last
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["run", "--ttft-ms", "0"], "--ttft-ms"),
+        (["run", "--tpot-ms", "-5"], "--tpot-ms"),
+        (["run", "--rate", "nan"], "--rate"),
+        (["sweep", "--rates", "4,x"], "--rates"),
+        (["sweep", "--budgets", "0,256"], "--budgets"),
+        (["sweep", "--budgets", "a"], "--budgets"),
+        (["run", "--arrivals", "gamma:-1"], "--arrivals"),
+    ],
+)
+def test_bad_numbers_are_argparse_errors(argv, fragment, capsys):
+    assert fragment in _argparse_error(argv, capsys)
+
+
+def _azure(tmp_path: Path, rows: list[str]) -> Path:
+    path = tmp_path / "trace.csv"
+    path.write_text("\n".join(["TIMESTAMP,ContextTokens,GeneratedTokens", *rows]) + "\n")
+    return path
+
+
+def test_malformed_trace_names_file_and_line(tmp_path, capsys):
+    trace = _azure(tmp_path, [
+        "2023-11-16 18:15:46.6805900,374,44",
+        "2023-11-16 18:15:50.9951690,abc,109",
+    ])
+    line = _user_error(["run", "--trace", str(trace), "--out", str(tmp_path / "o")], capsys)
+    assert f"{trace}:3:" in line and "ContextTokens" in line
+
+
+def test_empty_trace_file(tmp_path, capsys):
+    trace = tmp_path / "empty.csv"
+    trace.write_text("")
+    line = _user_error(["run", "--trace", str(trace), "--out", str(tmp_path / "o")], capsys)
+    assert str(trace) in line and "empty" in line
+
+
+def test_missing_trace_file(tmp_path, capsys):
+    trace = tmp_path / "absent.csv"
+    line = _user_error(["sweep", "--trace", str(trace), "--out", str(tmp_path / "o")], capsys)
+    assert str(trace) in line
+
+
+def test_profile_missing_a_field(tmp_path, capsys):
+    source = (PROFILES_DIR / "llama3.1-8b-h100.toml").read_text().splitlines()
+    kept = [line for line in source if not line.startswith("hbm_tb_s")]
+    assert len(kept) == len(source) - 1
+    profile = tmp_path / "broken.toml"
+    profile.write_text("\n".join(kept) + "\n")
+    line = _user_error(["run", "--profile", str(profile), *FAST, "--out", str(tmp_path / "o")],
+                       capsys)
+    assert str(profile) in line and "gpu.hbm_tb_s" in line
+
+
+def test_unknown_bundled_profile(tmp_path, capsys):
+    line = _user_error(["calibrate", "--profile", "no-such-gpu"], capsys)
+    assert "no-such-gpu" in line and "llama3.1-8b-h100" in line
+
+
+def test_slo_config_with_non_positive_target(tmp_path, capsys):
+    slo = tmp_path / "slo.toml"
+    slo.write_text('default_class = "a"\n[classes.a]\nttft_ms = 0\ntpot_ms = 50\n')
+    line = _user_error(["run", "--slo-config", str(slo), *FAST, "--out", str(tmp_path / "o")],
+                       capsys)
+    assert str(slo) in line and "ttft_ms" in line
+
+
+def test_missing_step_model_file(tmp_path, capsys):
+    line = _user_error(["run", *FAST, "--step-model", str(tmp_path / "nope.toml"),
+                        "--out", str(tmp_path / "o")], capsys)
+    assert "nope.toml" in line
+
+
+def test_trace_naming_an_unknown_slo_class(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"arrival_s": 0, "prompt_tokens": 10, "output_tokens": 5, "slo_class": "vip"}\n'
+        '{"arrival_s": 1, "prompt_tokens": 10, "output_tokens": 5}\n'
+    )
+    line = _user_error(["run", "--trace", str(trace), "--format", "jsonl",
+                        "--out", str(tmp_path / "o")], capsys)
+    assert "vip" in line
