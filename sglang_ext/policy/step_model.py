@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import tomllib
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-import tomllib
 from typing import Any
 
 import numpy as np
@@ -62,7 +62,7 @@ class StepCoefficients:
             max(self.a_s, 0.0), max(self.b_s_per_token, _MIN_B), max(self.c_s_per_context_token, 0.0)
         )
 
-    def to_toml(self, comment: str = "", **fit_info: float | int | str) -> str:
+    def to_toml(self, comment: str = "", **fit_info: float | str) -> str:
         lines = [f"# {line}" for line in comment.splitlines()] if comment else []
         lines += [
             "# step seconds = a_s + b_s_per_token * new_tokens + c_s_per_context_token * context",
@@ -76,7 +76,7 @@ class StepCoefficients:
                 lines.append(f"{key} = {_toml_value(value)}")
         return "\n".join(lines) + "\n"
 
-    def save(self, path: str | Path, comment: str = "", **fit_info: float | int | str) -> None:
+    def save(self, path: str | Path, comment: str = "", **fit_info: float | str) -> None:
         Path(path).write_text(self.to_toml(comment, **fit_info))
 
     @classmethod
@@ -104,7 +104,7 @@ class StepCoefficients:
             raise StepModelError(f"{path}: invalid TOML: {exc}") from None
 
 
-def _toml_value(value: float | int | str) -> str:
+def _toml_value(value: float | str) -> str:
     """A TOML literal: ``repr`` of a NumPy scalar (``np.float64(0.1)``) is not TOML, and a
     string needs its quotes, backslashes and control characters escaped."""
     if isinstance(value, str):

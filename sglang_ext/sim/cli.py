@@ -14,14 +14,37 @@ from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 from sglang_ext.policy.step_model import StepCoefficients, StepModelError
 from sglang_ext.sim.calibration import offline_fit, profile_samples
 from sglang_ext.sim.profile import (
-    PROFILES_DIR, HardwareProfile, ProfileError, available_profiles, bundled_profile_path,
+    PROFILES_DIR,
+    HardwareProfile,
+    ProfileError,
+    available_profiles,
+    bundled_profile_path,
     load_profile,
 )
-from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS, PolicySpecError, Scenario, parse_policy, simulate
-from sglang_ext.sim.sweep import (
-    DEFAULT_POLICIES, SweepPlan, _assemble, plan_sweep, run_sweep, summary_table, write_results,
+from sglang_ext.sim.runner import (
+    DEFAULT_TOKEN_BUDGETS,
+    PolicySpecError,
+    Scenario,
+    parse_policy,
+    simulate,
 )
-from sglang_ext.sim.workloads import FORMATS, Workload, WorkloadError, bundled_sample, load_workload, parse_arrivals
+from sglang_ext.sim.sweep import (
+    DEFAULT_POLICIES,
+    SweepPlan,
+    _assemble,
+    plan_sweep,
+    run_sweep,
+    summary_table,
+    write_results,
+)
+from sglang_ext.sim.workloads import (
+    FORMATS,
+    Workload,
+    WorkloadError,
+    bundled_sample,
+    load_workload,
+    parse_arrivals,
+)
 
 DEFAULT_SLO_CONFIG = PROFILES_DIR.parent / "slo.toml"
 DEFAULT_PROFILE = "llama3.1-8b-h100"
@@ -269,4 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
         return EXIT_USAGE

@@ -8,7 +8,8 @@ output length; it learns step times only from the noisy measured steps.
 
 Memory follows SGLang: KV is allocated as tokens are computed; a new prefill starts
 only when its whole prompt fits beside the unfinished prefills (a step whose prefills
-are all blocked this way runs every decode instead); when decodes cannot
+are all blocked this way runs every decode instead, or with none, continues the started
+prefills); when decodes cannot
 grow, requests are retracted (fewest outputs first, then longest prompt) and later
 recomputed from prompt + emitted tokens, counted as ``recomputed_tokens``.
 """
@@ -119,16 +120,20 @@ class SimEngine:
     def submit(
         self, req_id: Hashable, arrival: float, prompt_tokens: int, output_tokens: int, slo: Slo
     ) -> bool:
-        """A request arrives; returns whether it was admitted (rejections are recorded)."""
+        """A request arrives; returns whether it was admitted (rejections are recorded).
+
+        An arrival later than the engine's clock first advances the clock to it, so a
+        request is never scheduled before it exists."""
         if req_id in self.records:
             raise ValueError(f"request id {req_id!r} was already submitted")
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError(f"request {req_id!r}: prompt and output must be >= 1 token")
+        if arrival > self.now:
+            self.advance_to(arrival)
         record = RequestRecord(req_id, arrival, slo, prompt_tokens, output_tokens)
         self.records[req_id] = record
         too_long = prompt_tokens + output_tokens > self.kv_capacity
-        now = max(self.now, arrival)
-        if too_long or not self.policy.admit(self._active, now, prompt_tokens):
+        if too_long or not self.policy.admit(self._active, self.now, prompt_tokens):
             record.rejected = True
             return False
         request = SimRequest(req_id, arrival, slo, prompt_tokens, self._seq)
@@ -168,6 +173,14 @@ class SimEngine:
             decodes = self._reserve_decode_memory(
                 [r for r in self._active if r.pending_prefill == 0]
             )
+            if not decodes:
+                # Nothing decodes either: continue the started prefills (as SGLang always
+                # continues its chunked request). They hold the KV the blocked prompt waits
+                # for, so a policy that keeps choosing the blocked prompt would otherwise
+                # idle forever.
+                chunks = self._continue_started_prefills(
+                    sum(tokens for _, tokens in decision.prefill_chunks)
+                )
         if not decodes and not chunks:
             self.now += IDLE_TICK_S
             self.idle_ticks += 1
@@ -239,6 +252,21 @@ class SimEngine:
         request.pending_prefill = new_pending
         if new_pending + self._output_target[request.req_id] - request.next_output_index > self.kv_capacity:
             self._abort(request)
+
+    def _continue_started_prefills(self, tokens: int) -> list[tuple[SimRequest, int]]:
+        """Chunks of the started prefills, oldest first, up to ``tokens`` in all."""
+        started = sorted(
+            (r for r in self._active if r.context and r.pending_prefill),
+            key=lambda r: r.arrival_seq,
+        )
+        chunks = []
+        for request in started:
+            if tokens < 1:
+                break
+            take = min(request.pending_prefill, tokens)
+            chunks.append((request, take))
+            tokens -= take
+        return self._fit_prefills(chunks, 0)
 
     def _fit_prefills(
         self, chunks: list[tuple[SimRequest, int]], decode_tokens: int

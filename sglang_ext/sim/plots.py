@@ -8,10 +8,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from sglang_ext.sim.metrics import LatencySamples  # noqa: E402
+from sglang_ext.sim.metrics import LatencySamples
 
 
 def _label(name: str, entry: Mapping) -> str:

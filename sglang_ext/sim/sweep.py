@@ -16,7 +16,12 @@ from pathlib import Path
 
 from sglang_ext.sim.metrics import LatencySamples
 from sglang_ext.sim.runner import (
-    DEFAULT_TOKEN_BUDGETS, PolicySpec, RunResult, Scenario, parse_policy, simulate,
+    DEFAULT_TOKEN_BUDGETS,
+    PolicySpec,
+    RunResult,
+    Scenario,
+    parse_policy,
+    simulate,
 )
 
 SCHEMA_VERSION = 1

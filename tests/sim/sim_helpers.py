@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import sglang_ext.sim.runner as runner  # noqa: F401  (registers the baseline policies)
+import sglang_ext.sim.runner  # noqa: F401  (registers the baseline policies)
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.sim.calibration import offline_fit
@@ -22,12 +22,12 @@ CATALOG = SloCatalog.single(SLO, "standard")
 ALL_POLICIES = ("fb", "fb-pab", "fb-fb", "fb-tb", "sglang-default", "vllm-default", "sarathi")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def llama() -> HardwareProfile:
     return load_profile(bundled_profile_path("llama3.1-8b-h100"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def small_kv_profile(tokens: int) -> HardwareProfile:
     """The llama/H100 profile with a KV pool of exactly ``tokens`` tokens.
 
@@ -45,11 +45,11 @@ def small_kv_profile(tokens: int) -> HardwareProfile:
 
 
 def context_for(profile: HardwareProfile, **overrides) -> PolicyContext:
-    fields = dict(
-        global_slo=SLO,
-        initial_step_model=offline_fit(profile),
-        gpu_memory_gb=profile.memory_gb,
-    )
+    fields = {
+        "global_slo": SLO,
+        "initial_step_model": offline_fit(profile),
+        "gpu_memory_gb": profile.memory_gb,
+    }
     fields.update(overrides)
     return PolicyContext(**fields)
 

@@ -114,7 +114,9 @@ class TestVllmDefault:
         assert decision.new_tokens == 1002
 
     def test_token_budget_8192_cuts_the_last_waiting_request(self):
-        requests = [decoding("d0", 0), decoding("d1", 1), waiting("a", 2, 6000), waiting("b", 3, 6000)]
+        requests = [
+            decoding("d0", 0), decoding("d1", 1), waiting("a", 2, 6000), waiting("b", 3, 6000),
+        ]
         decision = VllmDefault(ctx()).form_batch(requests, NOW)
         assert decision.decode_ids == ("d0", "d1")
         assert decision.prefill_chunks == (("a", 6000), ("b", 8192 - 2 - 6000))

@@ -50,7 +50,7 @@ def _check_policy_entry(entry: dict, rates: list[float]) -> None:
 def test_module_help_in_a_subprocess():
     done = subprocess.run(
         [sys.executable, "-m", "sglang_ext.sim", "--help"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, check=False,
     )
     assert done.returncode == 0, done.stderr
     for command in ("run", "sweep", "calibrate"):
@@ -277,3 +277,18 @@ def test_trace_naming_an_unknown_slo_class(tmp_path, capsys):
     line = _user_error(["run", "--trace", str(trace), "--format", "jsonl",
                         "--out", str(tmp_path / "o")], capsys)
     assert "vip" in line
+
+
+def test_non_positive_max_token_budget(tmp_path, capsys):
+    line = _user_error(["run", "--max-token-budget", "0", *FAST, "--out", str(tmp_path)], capsys)
+    assert "--max-token-budget" in line
+
+
+def test_unwritable_out_is_a_clean_error(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    code = main(["run", "--policy", "fb", "--rate", "8", "--head-seconds", "20",
+                 "--out", str(blocker / "sub")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error:") and "Traceback" not in err

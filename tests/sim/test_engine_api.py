@@ -3,6 +3,8 @@ rejections, policy-decision validation and the memory-blocked fallback."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from sim_helpers import SLO, llama, make_policy, small_kv_profile, synthetic_requests
 
@@ -51,6 +53,16 @@ def test_advance_to_stops_exactly_at_target_once_work_runs_out():
     assert eng.records["a"].finished and eng.records["a"].finish_s < 5.0
 
 
+def test_submit_with_a_future_arrival_advances_the_clock_first():
+    eng = engine(record_tokens=True)
+    eng.submit("early", 0.0, 500, 200, SLO)
+    assert eng.submit("late", 0.4, 300, 5, SLO)
+    assert eng.now >= 0.4  # the work before 0.4 ran first
+    eng.run_until_idle(60.0)
+    late = eng.records["late"]
+    assert late.first_token_s > 0.4 and late.ttft_s > 0
+
+
 def test_steps_are_contiguous_in_time():
     eng = engine(record_steps=True)
     for i, req in enumerate(synthetic_requests(20, 20.0, seed=5)):
@@ -59,7 +71,7 @@ def test_steps_are_contiguous_in_time():
     eng.run_until_idle(1e6)
     log = eng.step_log
     assert len(log) == eng.steps > 20
-    for prev, cur in zip(log, log[1:]):
+    for prev, cur in itertools.pairwise(log):
         assert cur.start_s >= prev.start_s + prev.duration_s - 1e-12
         assert cur.duration_s > 0
     assert eng.busy_s == pytest.approx(sum(s.duration_s for s in log))
@@ -302,7 +314,7 @@ def test_sglang_default_completes_under_memory_pressure(kv):
     records = list(eng.records.values())
     assert all(r.finished for r in records if not r.rejected)
     assert sum(r.preemptions for r in records) > 0
-    assert eng.idle_ticks <= 2
+    assert eng.idle_ticks == 0
 
 
 def test_prompts_that_fit_together_are_prefilled_together():
@@ -336,3 +348,43 @@ def test_retraction_recomputes_prompt_and_emitted_tokens():
     assert new.prefill_completions == 1 + new.preemptions
     tokens = [e.index for e in eng.drain_tokens() if e.req_id == "new"]
     assert tokens == list(range(100))
+
+
+def test_blocked_prompt_does_not_starve_a_started_prefill():
+    """A late new prompt that cannot fit beside a half-done prefill, and a policy (fb)
+    that spends each step's whole time budget on the late prompt: with nothing to
+    decode, the engine continues the started prefill instead of idling forever."""
+    profile = small_kv_profile(4000)
+    eng = engine("fb", profile=profile, record_steps=True, check_invariants=True)
+    eng.submit("started", -1.95, 3000, 10, SLO)  # 50 ms of slack: only a chunk fits
+    eng.step()
+    started = eng.active_requests[0]
+    assert 0 < started.pending_prefill < 3000 and started.context > 0
+    eng.submit("late", -2.5, 3000, 10, SLO)  # less slack than "started"
+    decision = eng.policy.form_batch(eng.active_requests, eng.now)
+    assert [req_id for req_id, _ in decision.prefill_chunks] == ["late"]  # blocked by memory
+    remaining = started.pending_prefill
+    eng.step()
+    assert eng.idle_ticks == 0
+    # the step continued "started" (within the tokens fb asked for) and left "late" queued
+    assert eng.step_log[-1].prefill_tokens == remaining <= decision.prefill_chunks[0][1]
+    assert started.pending_prefill == 0 and eng.records["started"].tokens_emitted == 1
+    assert eng.records["late"].prefill_tokens_computed == 0
+    eng.run_until_idle(eng.now + 10.0)
+    first, late = eng.records["started"], eng.records["late"]
+    assert first.finished and late.finished and eng.idle_ticks == 0
+    assert first.first_token_s < late.first_token_s
+
+
+@pytest.mark.parametrize("policy_name, kv, seed", [("fb-fb", 3500, 1), ("fb-pab", 5000, 13)])
+def test_memory_pressure_runs_drain_without_idling(policy_name, kv, seed):
+    """Found by a random search: these runs used to idle until the drain deadline with
+    a blocked prompt queued behind a started prefill and nothing to decode."""
+    requests = synthetic_requests(60, rate=16.0, seed=seed)
+    eng = engine(policy_name, profile=small_kv_profile(kv), check_invariants=True)
+    for req in requests:
+        eng.advance_to(req.arrival)
+        eng.submit(req.req_id, req.arrival, req.prompt, req.output, SLO)
+    eng.run_until_idle(requests[-1].arrival + 60.0)
+    assert not eng.has_work and eng.idle_ticks == 0
+    assert all(r.finished for r in eng.records.values() if not r.rejected)
