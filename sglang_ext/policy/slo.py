@@ -9,12 +9,13 @@ One SLO *spec* shape is shared by the simulator, the SGLang adapter and the SDK:
 from __future__ import annotations
 
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+from sglang_ext.policy.tomlfile import read_toml
 
 
 class SloError(ValueError):
@@ -132,14 +133,7 @@ class SloCatalog:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> SloCatalog:
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise SloError(f"{path}: no such SLO file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise SloError(f"{path}: invalid TOML: {exc}") from None
-        return cls.from_mapping(data, str(path))
+        return cls.from_mapping(read_toml(path, SloError, "SLO"), str(path))
 
     @classmethod
     def single(cls, slo: Slo, name: str = "default") -> SloCatalog:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import tomllib
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sglang_ext.policy.tomlfile import read_toml
 
 # Internal feature scales keep the RLS covariance well conditioned.
 _TOKEN_SCALE = 1_000.0
@@ -95,13 +96,7 @@ class StepCoefficients:
 
     @classmethod
     def load(cls, path: str | Path) -> StepCoefficients:
-        path = Path(path)
-        try:
-            return cls.from_mapping(tomllib.loads(path.read_text()), str(path))
-        except FileNotFoundError:
-            raise StepModelError(f"{path}: no such coefficient file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise StepModelError(f"{path}: invalid TOML: {exc}") from None
+        return cls.from_mapping(read_toml(path, StepModelError, "coefficient"), str(path))
 
 
 def _toml_value(value: float | str) -> str:

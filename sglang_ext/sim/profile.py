@@ -20,11 +20,12 @@ This module only needs the standard library (``tomllib``, Python >= 3.11).
 from __future__ import annotations
 
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from sglang_ext.policy.tomlfile import read_toml
 
 __all__ = [
     "PROFILES_DIR",
@@ -340,20 +341,8 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Hardwar
 
 def load_profile(path: str | Path) -> HardwareProfile:
     """Load and validate a profile TOML file.  Raises :class:`ProfileError` on any problem."""
-    p = Path(path)
-    source = str(p)
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise ProfileError(f"{source}: profile file not found") from None
-    except OSError as exc:
-        raise ProfileError(f"{source}: cannot read profile: {exc}") from None
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ProfileError(f"{source}: not UTF-8 text: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ProfileError(f"{source}: invalid TOML: {exc}") from None
+    source = str(path)
+    data = read_toml(path, ProfileError, "profile")
     return parse_profile(data, source)
 
 

@@ -175,7 +175,7 @@ def test_invalid_toml(tmp_path):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(ProfileError, match="nope.toml.*not found"):
+    with pytest.raises(ProfileError, match="nope.toml: no such profile file"):
         load_profile(tmp_path / "nope.toml")
 
 
