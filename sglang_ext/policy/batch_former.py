@@ -15,6 +15,7 @@ Resolutions of the printed algorithm's ambiguities (each covered by a test):
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -38,30 +39,41 @@ class Triage:
     deferrable_decodes: list[tuple[float, RequestState]]
 
 
-def triage(requests: Sequence[RequestState], now: float) -> Triage | None:
-    """Group active requests; ``None`` when there is nothing to run."""
+def triage(
+    requests: Sequence[RequestState], now: float, *, anchored: bool = False
+) -> Triage | None:
+    """Group active requests; ``None`` when there is nothing to run.
+
+    ``anchored=True`` measures a request's slack after its first token against
+    ``first_token_time + tpot * j`` (the ``fb-anchor`` variant) instead of the paper's
+    ``arrival + ttft + tpot * j``; the first token keeps the TTFT deadline.
+    """
     if not requests:
         return None
     decodes: list[tuple[float, RequestState]] = []
     prefills: list[tuple[float, RequestState]] = []
+    add_decode, add_prefill = decodes.append, prefills.append
     min_slack = math.inf
     min_tpot = math.inf
     for request in requests:
         slo = request.slo
-        slack = request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index - now
+        tpot = slo.tpot_s
+        index = request.next_output_index
+        if anchored and index and request.first_token_time is not None:
+            slack = request.first_token_time + tpot * index - now
+        else:
+            slack = request.arrival + slo.ttft_s + tpot * index - now
         if slack < min_slack:
             min_slack = slack
-        if slo.tpot_s < min_tpot:
-            min_tpot = slo.tpot_s
-        (prefills if request.pending_prefill > 0 else decodes).append((slack, request))
+        if tpot < min_tpot:
+            min_tpot = tpot
+        if request.pending_prefill:
+            add_prefill((slack, request))
+        else:
+            add_decode((slack, request))
     init_time_budget = max(min_slack, min_tpot)
-    urgent_threshold = init_time_budget + min_tpot
     decodes.sort(key=_by_slack)
-    split = len(decodes)
-    for position, (slack, _) in enumerate(decodes):
-        if slack >= urgent_threshold:
-            split = position
-            break
+    split = bisect_left(decodes, init_time_budget + min_tpot, key=_by_slack)
     prefills.sort(key=_by_slack)
     return Triage(init_time_budget, min_tpot, decodes[:split], prefills, decodes[split:])
 
@@ -79,18 +91,13 @@ def pack(
     variants); ``coefficients`` then only feed the prediction.
     """
     a, b, c = coefficients.a_s, coefficients.b_s_per_token, coefficients.c_s_per_context_token
-    time_left = math.inf if time_budget_s is None else time_budget_s - a
-    tokens_left = token_budget
-    predicted = a
-    decode_ids: list[Hashable] = []
+    urgent = groups.urgent_decodes
+    decode_ids: list[Hashable] = [request.req_id for _, request in urgent]
+    urgent_cost = b * len(urgent) + c * sum([request.context for _, request in urgent])
+    time_left = (math.inf if time_budget_s is None else time_budget_s - a) - urgent_cost
+    tokens_left = token_budget - len(urgent)
+    predicted = a + urgent_cost
     chunks: list[tuple[Hashable, int]] = []
-
-    for _, request in groups.urgent_decodes:
-        cost = b + c * request.context
-        decode_ids.append(request.req_id)
-        time_left -= cost
-        tokens_left -= 1
-        predicted += cost
 
     for _, request in groups.prefills:
         if tokens_left <= 0:
@@ -114,16 +121,24 @@ def pack(
         time_left -= cost
         tokens_left -= chunk
         predicted += cost
+        if time_left < b:
+            break  # nothing that costs at least one token fits any more
 
-    for _, request in groups.deferrable_decodes:
-        if tokens_left < 1:
-            break
-        cost = b + c * request.context
-        if cost <= time_left:
-            decode_ids.append(request.req_id)
-            time_left -= cost
-            tokens_left -= 1
-            predicted += cost
+    deferrable = groups.deferrable_decodes
+    all_cost = b * len(deferrable) + c * sum([request.context for _, request in deferrable])
+    if all_cost <= time_left and len(deferrable) <= tokens_left:
+        decode_ids.extend([request.req_id for _, request in deferrable])
+        predicted += all_cost
+    else:
+        for _, request in deferrable:
+            if tokens_left < 1 or time_left < b:
+                break
+            cost = b + c * request.context
+            if cost <= time_left:
+                decode_ids.append(request.req_id)
+                time_left -= cost
+                tokens_left -= 1
+                predicted += cost
 
     return BatchDecision(tuple(decode_ids), tuple(chunks), predicted, time_budget_s)
 

@@ -53,8 +53,11 @@ class BatchPolicy:
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         raise NotImplementedError
 
-    def observe_step(self, new_tokens: int, context: int, measured_s: float) -> None:
-        """Called after every step with its features (as the step model defines them)."""
+    def observe_step(
+        self, new_tokens: int, context: int, measured_s: float, prefill_tokens: int = 0
+    ) -> None:
+        """Called after every step with its features (as the step model defines them);
+        ``prefill_tokens`` is the part of ``new_tokens`` that was prompt."""
         self.step_model.observe(new_tokens, context, measured_s)
 
     def prefill_admission_budget(self, requests: Sequence[RequestState], now: float) -> float:
@@ -120,8 +123,10 @@ class FairBatchingDerivedTokenBudget(BatchPolicy):
         super().__init__(context)
         self.tokens_only_model = OnlineStepModel(context.initial_step_model, use_context=False)
 
-    def observe_step(self, new_tokens: int, context: int, measured_s: float) -> None:
-        super().observe_step(new_tokens, context, measured_s)
+    def observe_step(
+        self, new_tokens: int, context: int, measured_s: float, prefill_tokens: int = 0
+    ) -> None:
+        super().observe_step(new_tokens, context, measured_s, prefill_tokens)
         self.tokens_only_model.observe(new_tokens, context, measured_s)
 
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:

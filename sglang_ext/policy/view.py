@@ -31,6 +31,8 @@ class RequestState(Protocol):
     def prompt_tokens(self) -> int: ...
     @property
     def arrival_seq(self) -> int: ...  # arrival order, for FIFO baselines
+    @property
+    def first_token_time(self) -> float | None: ...  # when token 0 was emitted; None before
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,7 @@ class RequestView:
     context: int
     prompt_tokens: int
     arrival_seq: int = 0
+    first_token_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ class SimRequest:
 
     __slots__ = (
         "req_id", "arrival", "slo", "prompt_tokens", "arrival_seq",
-        "next_output_index", "pending_prefill", "context",
+        "next_output_index", "pending_prefill", "context", "first_token_time",
     )
 
     def __init__(self, req_id: Hashable, arrival: float, slo: Slo, prompt_tokens: int, seq: int):
@@ -46,6 +46,7 @@ class SimRequest:
         self.next_output_index = 0
         self.pending_prefill = prompt_tokens
         self.context = 0
+        self.first_token_time: float | None = None
 
     def __repr__(self) -> str:
         return (
@@ -196,7 +197,7 @@ class SimEngine:
                 StepRecord(start, duration, decision.predicted_step_s, shape.new_tokens, context,
                            shape.decode_requests, shape.prefill_tokens)
             )
-        self.policy.observe_step(shape.new_tokens, context, duration)
+        self.policy.observe_step(shape.new_tokens, context, duration, shape.prefill_tokens)
         self._apply(decodes, chunks)
         if self._check:
             self.check_integrity()
@@ -334,6 +335,8 @@ class SimEngine:
     def _emit(self, request: SimRequest, record: RequestRecord) -> bool:
         index = request.next_output_index
         record.on_token(index, self.now)
+        if index == 0:
+            request.first_token_time = self.now
         request.next_output_index = index + 1
         done = request.next_output_index == self._output_target[request.req_id]
         if self._record_tokens:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sglang_ext.sim.baselines
+import sglang_ext.policy.variants  # noqa: F401  registers fb-anchor, fb-margin, fb-kairos
+import sglang_ext.sim.baselines  # noqa: F401  registers the baselines
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.registry import UnknownNameError

@@ -21,7 +21,7 @@ TINY_KV = 4000
 # what a policy may read of a request (the RequestState protocol), and nothing more
 STATE_FIELDS = {
     "req_id", "arrival", "slo", "next_output_index", "pending_prefill", "context",
-    "prompt_tokens", "arrival_seq",
+    "prompt_tokens", "arrival_seq", "first_token_time",
 }
 MAX_STEPS = 200_000
 

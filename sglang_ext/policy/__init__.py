@@ -1,0 +1,1 @@
+"""The FairBatching policy core: pure Python, no sglang, no torch."""
