@@ -1,4 +1,4 @@
-"""Beyond the paper: three FairBatching variants, each its own named policy.
+"""Beyond the paper: FairBatching variants, each its own named policy.
 
 None is mixed into ``fb``; the report measures each against it.
 - ``fb-anchor``: after the first token, a request's deadlines are ``t_0 + tpot * j``
