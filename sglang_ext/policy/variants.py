@@ -64,12 +64,22 @@ class FairBatchingAnchored(_GroupedFairBatching):
 class FairBatchingWithMargin(_GroupedFairBatching):
     name = "fb-margin"
 
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self._margin = 0.0
+
     @property
     def margin(self) -> float:
+        return self._margin
+
+    def observe_step(
+        self, new_tokens: int, context: int, measured_s: float, prefill_tokens: int = 0
+    ) -> None:
+        """Refreshes the margin here, after the step, off the decision's critical path."""
+        super().observe_step(new_tokens, context, measured_s, prefill_tokens)
         error = self.step_model.error
-        if error.samples < MARGIN_WARMUP_STEPS:
-            return 0.0
-        return min(error.p95_abs_relative, MAX_MARGIN)
+        if error.samples >= MARGIN_WARMUP_STEPS:
+            self._margin = min(error.p95_abs_relative, MAX_MARGIN)
 
     def _time_budget(self, init_time_budget_s: float) -> float:
         return init_time_budget_s / (1.0 + self.margin)

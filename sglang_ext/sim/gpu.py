@@ -242,8 +242,8 @@ class RooflineGpu:
         """
         t = self.ideal_step_s(shape)
         rng = self._rng
-        z = rng.standard_normal()
-        u_stall, u_len = rng.random(2)
+        z = float(rng.standard_normal())
+        u_stall, u_len = rng.random(2).tolist()
         if self._sigma > 0.0:
             t *= math.exp(self._sigma * z + self._noise_shift)
         self.steps += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from pathlib import Path
@@ -326,3 +327,15 @@ def test_zero_noise_profile_is_deterministic(llama):
     gpu = RooflineGpu(prof, seed=0)
     shape = decode(8, 1000)
     assert gpu.measure_step_s(shape) == gpu.ideal_step_s(shape)
+
+
+def test_measured_time_is_a_python_float_even_with_stalls():
+    """A numpy scalar here would leak into the engine clock and every step model."""
+    profile = load_profile(bundled_profile_path("llama3.1-8b-h100"))
+    stalling = dataclasses.replace(
+        profile, runtime=dataclasses.replace(profile.runtime, stall_probability=1.0)
+    )
+    gpu = RooflineGpu(stalling, seed=3)
+    shape = StepShape(512, 512 * 256.5, 0, 8, 8000, 1)
+    assert all(type(gpu.measure_step_s(shape)) is float for _ in range(20))
+    assert gpu.stalls == 20
