@@ -14,7 +14,7 @@ None is mixed into ``fb``; the report measures each against it.
   prefill-throughput estimate, score ``(ttft - (finish - arrival)) / ttft / input
   length``, and sort descending, as Kairos does.
 - ``fb-anchor-margin``: the first two together (see its docstring for why they need
-  each other).
+  each other); ``fb-anchor-margin-pab`` adds ``fb-pab``'s admission control to it.
 """
 
 from __future__ import annotations
@@ -136,3 +136,16 @@ class FairBatchingAnchoredWithMargin(FairBatchingWithMargin):
 
     name = "fb-anchor-margin"
     anchored = True
+
+
+@POLICIES.register("fb-anchor-margin-pab")
+class FairBatchingAnchoredWithMarginAndAdmission(FairBatchingAnchoredWithMargin):
+    """``fb-anchor-margin`` that rejects a new request whose prompt exceeds the rank's
+    PAB, as ``fb-pab`` does for ``fb``. PAB guards TTFT; the paper's ``fb`` mostly
+    fails on TPOT, which PAB cannot help, while ``fb-anchor-margin`` fails on TTFT under
+    overload, which it can."""
+
+    name = "fb-anchor-margin-pab"
+
+    def admit(self, requests: Sequence[RequestState], now: float, prompt_tokens: int) -> bool:
+        return prompt_tokens <= self.prefill_admission_budget(requests, now)

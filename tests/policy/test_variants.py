@@ -473,3 +473,18 @@ def test_every_variant_decides_validly_and_mutates_nothing() -> None:
     assert policies[1].margin > 0 and policies[3].margin > 0
     assert policies[2].prefill_tokens_per_s != pytest.approx(1 / B)
     assert partial_seen > 50  # the partial-chunk rule was exercised
+
+
+def test_anchor_margin_pab_admits_up_to_the_pab_and_packs_like_anchor_margin() -> None:
+    from sglang_ext.policy.variants import FairBatchingAnchoredWithMargin
+
+    context = PolicyContext(global_slo=Slo(2.0, 0.05), initial_step_model=StepCoefficients(0.005, 1e-4, 1e-6))
+    guarded = POLICIES.get("fb-anchor-margin-pab")(context)
+    plain = FairBatchingAnchoredWithMargin(context)
+    requests = [RequestView("p", 0.0, Slo(2.0, 0.05), 0, 3000, 0, 3000)]
+    budget = guarded.prefill_admission_budget(requests, 0.0)
+    assert budget > 0
+    assert guarded.admit(requests, 0.0, int(budget))
+    assert not guarded.admit(requests, 0.0, int(budget) + 1)
+    assert plain.admit(requests, 0.0, int(budget) + 1)
+    assert guarded.form_batch(requests, 0.0) == plain.form_batch(requests, 0.0)
