@@ -147,12 +147,10 @@ def markdown(doc: dict) -> str:
         "",
         "Simulated seconds include the drain after the last arrival (until idle, at most 120 s).",
         "",
-        "Note: a simulated stall's step time is a `numpy.float64` (`RooflineGpu.measure_step_s` "
-        "adds `rng.random(2)` draws to it). It makes the engine's clock numpy until the rank next "
-        "idles, and the policy's online step model numpy for the rest of the run (its decayed "
-        "sums keep the type), so every later prediction, slack and error-window sort runs on "
-        "numpy scalars. Step-model coefficients at the end of these runs: `"
-        + "`/`".join(sorted({r["step_model_number_type"] for r in doc["results"].values()})) + "`.",
+        "Step-model coefficients at the end of these runs are of type `"
+        + "`/`".join(sorted({r["step_model_number_type"] for r in doc["results"].values()}))
+        + "` (a `numpy.float64` here would mean numpy scalars leaked into the simulator's "
+        "clock, which once made every later step slower).",
         "",
         f"Regenerate: `{doc['command']}`",
         "",
