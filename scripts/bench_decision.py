@@ -474,12 +474,9 @@ def markdown(doc: dict) -> str:
     clock = doc.get("fb_sim_state_clock_type")
     if clock:
         lines += ["", "## Notes", "",
-                  f"- A simulated stall's step time is a `numpy.float64` "
-                  f"(`RooflineGpu.measure_step_s` adds `rng.random(2)` draws to it); it makes the "
-                  f"simulator's clock, so every `now` a policy gets, numpy until the rank next "
-                  f"idles (and a policy's online step model numpy for good once it observes such "
-                  f"a step; the policies here observe 200 steps with float times, as an SGLang "
-                  f"adapter timing with `perf_counter` would). `fb` on the sim {goal_col} "
+                  f"- What a numpy clock costs (the simulated GPU once leaked `numpy.float64` "
+                  f"step times into the simulator's clock; fixed, but an adapter must pass "
+                  f"plain floats such as `time.monotonic()`). `fb` on the sim {goal_col} "
                   "state with "
                   f"`now` a float: p50 {clock['float']['p50_us']:.1f} / p99 "
                   f"{clock['float']['p99_us']:.1f} us; with `now` a numpy.float64: p50 "

@@ -27,6 +27,7 @@ from sglang_ext.sim.runner import (
 SCHEMA_VERSION = 1
 DEFAULT_POLICIES = (
     "sglang-default", "vllm-default", "sarathi", "fb-fb", "fb-tb", "fb", "fb-pab",
+    "fb-anchor-margin", "fb-anchor-margin-pab",
 )
 
 
