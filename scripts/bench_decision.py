@@ -670,11 +670,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = markdown(doc) if "fb" in policies else json.dumps(results, indent=1)
     print(text)
     if not args.no_write:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decision_time.md").write_text(text)
-        (args.out / "decision_time.json").write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"wrote {args.out / 'decision_time.md'} and decision_time.json", file=sys.stderr)
+        write_outputs(args.out, "decision_time", text, doc)
     return 0
+
+
+def write_outputs(out: Path, stem: str, text: str, doc: dict) -> None:
+    """``OUT/STEM.md`` (the printed table) and ``OUT/STEM.json`` (every run)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out / stem}.md and {stem}.json", file=sys.stderr)
 
 
 if __name__ == "__main__":

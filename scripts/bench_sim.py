@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -44,7 +43,9 @@ from sglang_ext.sim.runner import PolicySpecError, Scenario, parse_policy, simul
 from sglang_ext.sim.workloads import bundled_sample, load_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decision import cpu_times, cpu_usage, machine_info, machine_line  # noqa: E402
+from bench_decision import (  # noqa: E402
+    cpu_times, cpu_usage, machine_info, machine_line, write_outputs,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
@@ -253,10 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = markdown(doc)
     print(text)
     if not args.no_write:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "sim_speed.md").write_text(text)
-        (args.out / "sim_speed.json").write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"wrote {args.out / 'sim_speed.md'} and sim_speed.json", file=sys.stderr)
+        write_outputs(args.out, "sim_speed", text, doc)
     return 0
 
 
