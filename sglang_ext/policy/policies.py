@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET, form_batch, pack, triage
+from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET, Triage, pack, triage
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.registry import Registry
 from sglang_ext.policy.slo import Slo
@@ -71,15 +71,29 @@ POLICIES: Registry[Callable[[PolicyContext], BatchPolicy]] = Registry("policy")
 
 @POLICIES.register("fb")
 class FairBatching(BatchPolicy):
-    """Algorithm 1 under the adaptive time budget."""
+    """Algorithm 1 under the adaptive time budget.
+
+    Variants (``sglang_ext.policy.variants``) change it through ``anchored`` (slack
+    measured from the first token) and the ``_reorder`` / ``_time_budget`` hooks."""
 
     name = "fb"
+    anchored = False
 
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
-        return form_batch(
-            requests, now, self.step_model.coefficients,
-            max_token_budget=self.context.max_token_budget,
+        groups = triage(requests, now, anchored=self.anchored)
+        if groups is None:
+            return BatchDecision.make_empty()
+        return pack(
+            self._reorder(groups, now), self.step_model.coefficients,
+            token_budget=self.context.max_token_budget,
+            time_budget_s=self._time_budget(groups.init_time_budget_s),
         )
+
+    def _reorder(self, groups: Triage, now: float) -> Triage:
+        return groups
+
+    def _time_budget(self, init_time_budget_s: float) -> float:
+        return init_time_budget_s
 
 
 @POLICIES.register("fb-pab")

@@ -20,48 +20,26 @@ None is mixed into ``fb``; the report measures each against it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
-from sglang_ext.policy.batch_former import Triage, pack, triage
-from sglang_ext.policy.policies import POLICIES, FairBatching, PolicyContext
-from sglang_ext.policy.view import BatchDecision, RequestState
+from sglang_ext.policy.batch_former import Triage
+from sglang_ext.policy.policies import (
+    POLICIES, FairBatching, FairBatchingWithAdmission, PolicyContext,
+)
+from sglang_ext.policy.view import RequestState
 
 MAX_MARGIN = 0.5
 MARGIN_WARMUP_STEPS = 20
 THROUGHPUT_EWMA = 0.1
 
 
-class _GroupedFairBatching(FairBatching):
-    """``fb`` with hooks on the triaged groups and the time budget."""
-
-    anchored = False
-
-    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
-        groups = triage(requests, now, anchored=self.anchored)
-        if groups is None:
-            return BatchDecision.make_empty()
-        groups = self._reorder(groups, now)
-        return pack(
-            groups, self.step_model.coefficients,
-            token_budget=self.context.max_token_budget,
-            time_budget_s=self._time_budget(groups.init_time_budget_s),
-        )
-
-    def _reorder(self, groups: Triage, now: float) -> Triage:
-        return groups
-
-    def _time_budget(self, init_time_budget_s: float) -> float:
-        return init_time_budget_s
-
-
 @POLICIES.register("fb-anchor")
-class FairBatchingAnchored(_GroupedFairBatching):
+class FairBatchingAnchored(FairBatching):
     name = "fb-anchor"
     anchored = True
 
 
 @POLICIES.register("fb-margin")
-class FairBatchingWithMargin(_GroupedFairBatching):
+class FairBatchingWithMargin(FairBatching):
     name = "fb-margin"
 
     def __init__(self, context: PolicyContext) -> None:
@@ -86,7 +64,7 @@ class FairBatchingWithMargin(_GroupedFairBatching):
 
 
 @POLICIES.register("fb-kairos")
-class FairBatchingKairosPrefills(_GroupedFairBatching):
+class FairBatchingKairosPrefills(FairBatching):
     name = "fb-kairos"
 
     def __init__(self, context: PolicyContext) -> None:
@@ -139,13 +117,12 @@ class FairBatchingAnchoredWithMargin(FairBatchingWithMargin):
 
 
 @POLICIES.register("fb-anchor-margin-pab")
-class FairBatchingAnchoredWithMarginAndAdmission(FairBatchingAnchoredWithMargin):
-    """``fb-anchor-margin`` that rejects a new request whose prompt exceeds the rank's
-    PAB, as ``fb-pab`` does for ``fb``. PAB guards TTFT; the paper's ``fb`` mostly
-    fails on TPOT, which PAB cannot help, while ``fb-anchor-margin`` fails on TTFT under
+class FairBatchingAnchoredWithMarginAndAdmission(
+    FairBatchingAnchoredWithMargin, FairBatchingWithAdmission
+):
+    """``fb-anchor-margin`` with ``fb-pab``'s admission rule (reject a new request whose
+    prompt exceeds the rank's PAB). PAB guards TTFT; the paper's ``fb`` mostly fails on
+    TPOT, which PAB cannot help, while ``fb-anchor-margin`` fails on TTFT under
     overload, which it can."""
 
     name = "fb-anchor-margin-pab"
-
-    def admit(self, requests: Sequence[RequestState], now: float, prompt_tokens: int) -> bool:
-        return prompt_tokens <= self.prefill_admission_budget(requests, now)

@@ -31,7 +31,7 @@ from sglang_ext.sim.runner import (
 from sglang_ext.sim.sweep import (
     DEFAULT_POLICIES,
     SweepPlan,
-    _assemble,
+    assemble,
     plan_sweep,
     run_sweep,
     summary_table,
@@ -175,7 +175,7 @@ def _catalog(args: argparse.Namespace) -> SloCatalog:
     return SloCatalog(catalog.default_class, classes)
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def _workload(args: argparse.Namespace, catalog: SloCatalog) -> Workload:
     if args.trace is None:
         workload = bundled_sample()
         head = args.head_seconds or DEFAULT_SAMPLE_HEAD_S
@@ -184,24 +184,22 @@ def _workload(args: argparse.Namespace) -> Workload:
         head = args.head_seconds
     if head is not None:
         workload = workload.head(head)
-    known = set(_catalog_names(args))
-    unknown = {r.slo_class for r in workload.requests if r.slo_class and r.slo_class not in known}
+    unknown = {
+        r.slo_class for r in workload.requests if r.slo_class and r.slo_class not in catalog.classes
+    }
     if unknown:
         raise CliError(f"trace names SLO class(es) {sorted(unknown)} not in {args.slo_config}")
     return workload
 
 
-def _catalog_names(args: argparse.Namespace) -> list[str]:
-    return list(SloCatalog.from_toml(args.slo_config).classes)
-
-
 def _scenario(args: argparse.Namespace) -> Scenario:
     if args.max_token_budget < 1:
         raise CliError("--max-token-budget must be >= 1")
+    catalog = _catalog(args)
     return Scenario(
-        workload=_workload(args),
+        workload=_workload(args, catalog),
         profile=_load_profile(args.profile),
-        catalog=_catalog(args),
+        catalog=catalog,
         arrivals=args.arrivals,
         seed=args.seed,
         drain_s=args.drain_seconds,
@@ -221,7 +219,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     result = simulate(scenario, spec, rate)
     plan = SweepPlan((spec.label,), (spec,))
     # the same schema-1 document as a one-policy, one-rate sweep (scenario and rates included)
-    document, _ = _assemble(scenario, plan, (rate,), rate, [result])
+    document, _ = assemble(scenario, plan, (rate,), rate, [result])
     print(summary_table(document, plan.requested))
     path = write_results(document, _out_dir(args))
     print(f"\nwrote {path}")

@@ -92,13 +92,14 @@ def run_sweep(
                 results.append(result)
                 if progress:
                     progress(1)
-    return _assemble(scenario, plan, rates, cdf_rate, results)
+    return assemble(scenario, plan, rates, cdf_rate, results)
 
 
-def _assemble(
+def assemble(
     scenario: Scenario, plan: SweepPlan, rates: Sequence[float], cdf_rate: float,
     results: list[RunResult],
 ) -> tuple[dict, dict[str, LatencySamples]]:
+    """The ``results.json`` document (and CDF samples) from finished runs."""
     by_label: dict[str, list[dict]] = {}
     samples: dict[str, LatencySamples] = {}
     for result in results:
