@@ -51,6 +51,24 @@ def slack(arrival: float, slo: Slo, next_output_index: int, now: float) -> float
     return arrival + slo.ttft_s + slo.tpot_s * next_output_index - now
 
 
+SLO_PARAM_KEY = "slo"
+
+
+def slo_spec_of(custom_params: Any) -> Mapping[str, Any] | None:
+    """The SLO spec inside a request's ``custom_params``, or ``None`` when it has none."""
+    if custom_params is None:
+        return None
+    if not isinstance(custom_params, Mapping):
+        raise SloError(f"custom_params must be an object, got {type(custom_params).__name__}")
+    spec = custom_params.get(SLO_PARAM_KEY)
+    if spec is not None and not isinstance(spec, Mapping):
+        raise SloError(
+            f"custom_params.{SLO_PARAM_KEY} must be an object such as "
+            f'{{"ttft_ms": 500, "tpot_ms": 50}} or {{"class": "interactive"}}, got {spec!r}'
+        )
+    return spec
+
+
 def _check_ms(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SloError(f"{name} must be a number of milliseconds, got {value!r}")
@@ -105,6 +123,12 @@ class SloCatalog:
         ttft_ms = spec.get("ttft_ms", base.ttft_s * 1e3)
         tpot_ms = spec.get("tpot_ms", base.tpot_s * 1e3)
         return Slo.from_ms(ttft_ms, tpot_ms)
+
+    def resolve_custom_params(self, custom_params: Any) -> Slo:
+        """The SLO of a request from its ``custom_params`` (the shape shared by the SGLang
+        routes and the SDK): ``{"slo": <spec>, ...other keys}``; no ``"slo"`` key means
+        the default class."""
+        return self.resolve(slo_spec_of(custom_params))
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>") -> SloCatalog:

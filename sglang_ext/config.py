@@ -1,0 +1,179 @@
+"""The SGLang extension's configuration: one TOML file named by ``FAIRBATCHING_CONFIG``.
+
+::
+
+    policy = "fb-anchor-margin"             # a FairBatching-family policy (sglang_ext.policy)
+    slo_file = "slo.toml"                   # SLO classes; relative to this file
+    step_model = "step_models/x.toml"       # initial coefficients, recalibrated online
+    max_token_budget = 8192                 # new tokens per step, upper bound
+    log_interval_s = 10.0                   # step-model log line period
+
+    [gc]
+    enabled = true
+    min_decode_slack_ms = 500
+    min_interval_s = 30
+
+Pure: importing it needs neither sglang nor torch, so a bad file is reported before
+any SGLang process starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_ext.policy.gc import GcConfig
+from sglang_ext.policy import variants as _variants  # noqa: F401  (registers the variants)
+from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
+from sglang_ext.policy.registry import UnknownNameError
+from sglang_ext.policy.slo import SloCatalog, SloError
+from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.tomlfile import read_toml
+
+CONFIG_ENV = "FAIRBATCHING_CONFIG"
+DEFAULT_POLICY = "fb"
+TIME_BUDGET_POLICIES = ("fb", "fb-pab", "fb-anchor", "fb-margin", "fb-kairos",
+                        "fb-anchor-margin", "fb-anchor-margin-pab")
+
+_TOP_KEYS = {"policy", "slo_file", "step_model", "max_token_budget", "log_interval_s", "gc"}
+_GC_KEYS = {"enabled", "min_decode_slack_ms", "min_interval_s"}
+
+
+class ConfigError(ValueError):
+    """A malformed extension config; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class ExtensionConfig:
+    policy: str
+    catalog: SloCatalog
+    initial_step_model: StepCoefficients
+    max_token_budget: int = 8192
+    log_interval_s: float = 10.0
+    gc_enabled: bool = True
+    gc: GcConfig = field(default_factory=GcConfig)
+    source: str = "<defaults>"
+
+    def build_policy(self) -> BatchPolicy:
+        context = PolicyContext(
+            global_slo=self.catalog.default,
+            initial_step_model=self.initial_step_model,
+            max_token_budget=self.max_token_budget,
+        )
+        return POLICIES.get(self.policy)(context)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ExtensionConfig:
+        path = Path(path)
+        data = read_toml(path, ConfigError, "FairBatching config")
+        try:
+            return cls.from_mapping(data, base_dir=path.parent, source=str(path))
+        except (ConfigError, SloError) as exc:
+            message = str(exc)
+            raise ConfigError(message if message.startswith(str(path)) else f"{path}: {message}")
+
+    @classmethod
+    def from_mapping(
+        cls, data: Mapping[str, Any], base_dir: Path, source: str = "<mapping>"
+    ) -> ExtensionConfig:
+        unknown = set(data) - _TOP_KEYS
+        if unknown:
+            raise ConfigError(f"unknown key(s) {sorted(unknown)}; expected {sorted(_TOP_KEYS)}")
+        policy = data.get("policy", DEFAULT_POLICY)
+        if not isinstance(policy, str):
+            raise ConfigError(f"policy must be a string, got {policy!r}")
+        if policy not in TIME_BUDGET_POLICIES:
+            try:
+                POLICIES.get(policy)
+            except UnknownNameError as exc:
+                raise ConfigError(str(exc)) from None
+            raise ConfigError(
+                f"policy {policy!r} is not supported inside SGLang; "
+                f"choose one of {', '.join(TIME_BUDGET_POLICIES)}"
+            )
+        catalog = _load_catalog(data.get("slo_file"), base_dir)
+        step_model = _load_step_model(data.get("step_model"), base_dir)
+        max_token_budget = _positive_int(data, "max_token_budget", 8192)
+        log_interval_s = _positive_float(data, "log_interval_s", 10.0)
+        gc_table = data.get("gc", {})
+        if not isinstance(gc_table, Mapping):
+            raise ConfigError("[gc] must be a table")
+        unknown = set(gc_table) - _GC_KEYS
+        if unknown:
+            raise ConfigError(f"[gc]: unknown key(s) {sorted(unknown)}; expected {sorted(_GC_KEYS)}")
+        enabled = gc_table.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"[gc] enabled must be true or false, got {enabled!r}")
+        try:
+            gc = GcConfig(
+                min_decode_slack_s=_positive_float(gc_table, "min_decode_slack_ms", 500.0, 0) / 1e3,
+                min_interval_s=_positive_float(gc_table, "min_interval_s", 30.0, 0),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"[gc]: {exc}") from None
+        return cls(policy, catalog, step_model, max_token_budget, log_interval_s, enabled, gc,
+                   source)
+
+
+def load_from_environment() -> ExtensionConfig | None:
+    """The config named by ``FAIRBATCHING_CONFIG``; ``None`` when the variable is unset
+    or empty (FairBatching off: SGLang runs stock)."""
+    value = os.environ.get(CONFIG_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return ExtensionConfig.load(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{CONFIG_ENV}={value}: {exc}") from None
+
+
+def _repo_configs_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def _resolve(value: Any, base_dir: Path, key: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key} must be a path string, got {value!r}")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base_dir / path
+
+
+def _load_catalog(value: Any, base_dir: Path) -> SloCatalog:
+    if value is None:
+        default = _repo_configs_dir() / "slo.toml"
+        if not default.is_file():
+            raise ConfigError("slo_file is required (no bundled configs/slo.toml next to the package)")
+        return SloCatalog.from_toml(default)
+    return SloCatalog.from_toml(_resolve(value, base_dir, "slo_file"))
+
+
+def _load_step_model(value: Any, base_dir: Path) -> StepCoefficients:
+    if value is None:
+        default = _repo_configs_dir() / "step_models" / "llama3.1-8b-h100.toml"
+        if not default.is_file():
+            raise ConfigError("step_model is required (no bundled configs/step_models/)")
+        value = str(default)
+    try:
+        return StepCoefficients.load(_resolve(value, base_dir, "step_model"))
+    except ValueError as exc:
+        raise ConfigError(f"step_model: {exc}") from None
+
+
+def _positive_int(table: Mapping[str, Any], key: str, default: int) -> int:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _positive_float(table: Mapping[str, Any], key: str, default: float, minimum: float = 1e-9) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigError(f"{key} must be a finite number >= {minimum:g}, got {value!r}")
+    return float(value)

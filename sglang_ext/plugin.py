@@ -1,0 +1,41 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``), run in every SGLang process.
+
+- ``FAIRBATCHING_CONFIG=<file.toml>`` turns FairBatching on (see ``sglang_ext.config``).
+  Unset: SGLang runs stock; this plugin registers nothing.
+- ``FAIRBATCHING_EMULATED_GPU=<profile>`` replaces the model worker with the emulated GPU
+  (CPU machines; evaluation and testing only).
+
+A bad config stops the process with the reason instead of SGLang silently running stock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from sglang_ext.config import ConfigError, load_from_environment
+
+logger = logging.getLogger("sglang_ext.fairbatching")
+
+EMULATED_GPU_ENV = "FAIRBATCHING_EMULATED_GPU"
+
+
+def register() -> None:
+    emulated_gpu = os.environ.get(EMULATED_GPU_ENV, "").strip()
+    if emulated_gpu:
+        from sglang_ext.emulated_gpu import install_emulated_gpu
+
+        install_emulated_gpu(emulated_gpu)
+    try:
+        config = load_from_environment()
+    except ConfigError as exc:
+        raise SystemExit(f"FairBatching: {exc}") from None
+    if config is None:
+        return
+    from sglang_ext.dp_pab import install_dp_pab_hooks
+    from sglang_ext.request_validation import install_request_validation
+    from sglang_ext.scheduler.hooks import install_scheduler_hooks
+
+    install_scheduler_hooks(config)
+    install_request_validation(config.catalog)
+    install_dp_pab_hooks()

@@ -1,0 +1,242 @@
+"""FairBatching's hooks into SGLang 0.5.23's ``Scheduler`` (registered through SGLang's
+plugin ``HookRegistry``; nothing of SGLang is edited).
+
+Each step, SGLang's ``get_next_batch_to_run`` merges finished prefills into the running
+batch and drops finished requests; then, where it would form a prefill batch, the
+policy decides:
+
+- decodes it defers are *parked*: removed from the running batch with their KV kept,
+  merged back at the start of the next step;
+- its prefill chunks are realised by SGLang's own ``PrefillAdder`` restricted to the
+  plan (:mod:`sglang_ext.scheduler.prefill_adder`), mixed with the chosen decodes in one
+  hybrid batch (``ForwardMode.MIXED``);
+- with no prefill planned, the chosen decodes run as SGLang's decode batch.
+
+Everything that must see every request of the rank sees parked ones too: the KV
+reservation of prefill admission, decode retraction (parked requests rejoin before
+SGLang retracts), aborts and pauses (they rejoin first), in-flight collection, the
+fully-idle check (and so the idle leak checks) and the load snapshot's running count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sglang.srt.managers.scheduler import NextBatchPlan, Scheduler
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sglang_ext.config import ExtensionConfig
+from sglang_ext.policy.view import RequestView
+from sglang_ext.scheduler.parking import merge_into, split_batch
+from sglang_ext.scheduler.prefill_plan import adder_factory, plan_from_chunks
+from sglang_ext.scheduler.requests import must_decode
+from sglang_ext.scheduler.state import LAUNCH_ATTR, FairBatchingState, StepLaunch
+from sglang_ext.scheduler.step_features import step_features
+
+logger = logging.getLogger("sglang_ext.fairbatching")
+
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+
+
+def install_scheduler_hooks(config: ExtensionConfig) -> None:
+    hooks: dict[str, tuple[Callable[..., Any], HookType]] = {
+        "__init__": (_make_init_hook(config), HookType.AFTER),
+        "get_next_batch_to_run": (_get_next_batch_to_run, HookType.AROUND),
+        "get_new_batch_prefill": (_get_new_batch_prefill, HookType.AROUND),
+        "get_prefill_adder_class": (_get_prefill_adder_class, HookType.AROUND),
+        "update_running_batch": (_update_running_batch, HookType.AROUND),
+        "abort_request": (_unpark_before, HookType.BEFORE),
+        "pause_generation": (_unpark_before, HookType.BEFORE),
+        "is_fully_idle": (_is_fully_idle, HookType.AFTER),
+        "_collect_inflight_batches": (_collect_inflight_batches, HookType.AFTER),
+        "run_batch": (_run_batch, HookType.AROUND),
+        "process_batch_result": (_process_batch_result, HookType.AROUND),
+        "on_idle": (_on_idle, HookType.BEFORE),
+    }
+    for method, (hook, hook_type) in hooks.items():
+        HookRegistry.register(f"{SCHEDULER}.{method}", hook, hook_type)
+
+
+def _make_init_hook(config: ExtensionConfig) -> Callable[..., None]:
+    def after_init(result: Any, self: Scheduler, *args: Any, **kwargs: Any) -> None:
+        attach(self, config)
+
+    return after_init
+
+
+def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
+    """Turn FairBatching on for one scheduler (the ``__init__`` hook; tests call it directly)."""
+    state = FairBatchingState(config)
+    scheduler.fairbatching = state
+    # FairBatching's batches are hybrid: chosen decodes ride along with prefill chunks.
+    scheduler.is_mixed_chunk = True
+    for component in ("load_inquirer", "invariant_checker"):
+        owner = getattr(scheduler, component, None)
+        if owner is not None and hasattr(owner, "get_running_batch"):
+            owner.get_running_batch = _with_parked(scheduler)
+    logger.info(
+        "FairBatching on: policy=%s, default SLO %s, max %d new tokens per step (%s)",
+        config.policy, config.catalog.default, config.max_token_budget, config.source,
+    )
+    return state
+
+
+class _RequestsOf:
+    """A read-only stand-in exposing ``reqs`` of the running batch plus parked requests."""
+
+    def __init__(self, reqs: list[Any]) -> None:
+        self.reqs = reqs
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+def _with_parked(scheduler: Scheduler) -> Callable[[], Any]:
+    def get_running_batch() -> Any:
+        parked = scheduler.fairbatching.parked
+        if parked is None or parked.is_empty():
+            return scheduler.running_batch
+        return _RequestsOf(list(scheduler.running_batch.reqs) + list(parked.reqs))
+
+    return get_running_batch
+
+
+def unpark(scheduler: Scheduler, running: Any) -> Any:
+    state: FairBatchingState = scheduler.fairbatching
+    parked, state.parked = state.parked, None
+    if parked is None:
+        return running
+    return merge_into(running, parked)
+
+
+def _get_next_batch_to_run(orig: Callable[..., Any], self: Scheduler, running_batch: Any, last_batch: Any) -> Any:
+    return orig(self, unpark(self, running_batch), last_batch)
+
+
+def _in_flight_reqs(scheduler: Scheduler) -> set[Any]:
+    """Requests whose previous step is still running (overlap scheduler): their
+    ``output_ids`` lag one token behind what will exist when this step runs."""
+    queue = getattr(scheduler, "result_queue", None)
+    if not scheduler.enable_overlap or not queue:
+        return set()
+    return {req for batch, _ in queue for req in batch.reqs}
+
+
+def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_batch: Any) -> Any:
+    state: FairBatchingState = self.fairbatching
+    records = state.records
+    in_flight = _in_flight_reqs(self)
+    running_reqs = running_batch.reqs
+    views: list[RequestView] = [records.decode_view(req, req in in_flight) for req in running_reqs]
+    chunked = self.chunked_req
+    chunked_view = None
+    if chunked is not None:
+        chunked_view = records.prefill_view(chunked)
+        views.append(chunked_view)
+    views.extend(records.prefill_view(req) for req in self.waiting_queue)
+
+    now = time.perf_counter()
+    state.maybe_collect_garbage(views, now, "slack")
+    now = time.perf_counter()
+    state.update_pab(views, now)
+    decision = state.policy.form_batch(views, now)
+    state.last_decision = decision
+    state.counters.decisions += 1
+
+    chosen = set(decision.decode_ids)
+    park = [i for i, req in enumerate(running_reqs) if req.rid not in chosen and not must_decode(req)]
+    if len(park) == len(running_reqs) and not decision.prefill_chunks:
+        park = []  # never leave the device idle with decodes waiting
+    if park:
+        state.parked = split_batch(self, running_batch, park)
+        state.counters.deferred_decodes += len(park)
+        state.counters.steps_with_deferral += 1
+
+    if not decision.prefill_chunks:
+        return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
+
+    plan = plan_from_chunks(
+        decision.prefill_chunks,
+        chunked.rid if chunked is not None else None,
+        chunked_view.pending_prefill if chunked_view is not None else 0,
+        state.parked_reqs,
+    )
+    state.counters.planned_prefill_tokens += plan.total_tokens
+    self._fairbatching_plan = plan
+    try:
+        result = orig(self, running_batch)
+    finally:
+        self._fairbatching_plan = None
+    if result.batch_to_run is None and state.parked is not None:
+        # SGLang could not admit the planned prefill (KV memory): decode everyone.
+        state.counters.fallbacks += 1
+        return NextBatchPlan(batch_to_run=None, running_batch=unpark(self, result.running_batch))
+    return result
+
+
+def _get_prefill_adder_class(orig: Callable[..., Any], self: Scheduler) -> Any:
+    base = orig(self)
+    plan = getattr(self, "_fairbatching_plan", None)
+    return base if plan is None else adder_factory(base, plan)
+
+
+def _update_running_batch(orig: Callable[..., Any], self: Scheduler, batch: Any) -> Any:
+    state: FairBatchingState = self.fairbatching
+    if state.parked is not None and not batch.check_decode_mem():
+        # Out of KV for this step's decodes: let SGLang's retraction choose among all
+        # decoding requests, parked ones included, and run them all.
+        batch = unpark(self, batch)
+    return orig(self, batch)
+
+
+def _unpark_before(self: Scheduler, *args: Any, **kwargs: Any) -> None:
+    if self.fairbatching.parked is not None:
+        self.running_batch = unpark(self, self.running_batch)
+
+
+def _is_fully_idle(result: bool, self: Scheduler, *args: Any, **kwargs: Any) -> bool:
+    parked = self.fairbatching.parked
+    return bool(result) and (parked is None or parked.is_empty())
+
+
+def _collect_inflight_batches(result: list[Any], self: Scheduler) -> list[Any]:
+    parked = self.fairbatching.parked
+    return result if parked is None else [*result, parked]
+
+
+def _run_batch(orig: Callable[..., Any], self: Scheduler, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    features = step_features(batch)
+    launched_at = time.perf_counter()
+    result = orig(self, batch, *args, **kwargs)
+    if result is not None and features.new_tokens > 0:
+        decision = self.fairbatching.last_decision
+        predicted = decision.predicted_step_s if decision is not None else 0.0
+        try:
+            setattr(result, LAUNCH_ATTR, StepLaunch(launched_at, features, predicted))
+        except AttributeError:
+            pass
+    return result
+
+
+def _process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: Any, result: Any, *args: Any, **kwargs: Any) -> Any:
+    launch = getattr(result, LAUNCH_ATTR, None)
+    if launch is not None:
+        copy_done = getattr(result, "copy_done", None)
+        if copy_done is not None:
+            copy_done.synchronize()
+        self.fairbatching.observe_completion(launch, time.perf_counter())
+    return orig(self, batch, result, *args, **kwargs)
+
+
+def _on_idle(self: Scheduler, *args: Any, **kwargs: Any) -> None:
+    state: FairBatchingState = self.fairbatching
+    if state.parked is not None:
+        self.running_batch = unpark(self, self.running_batch)
+    now = time.perf_counter()
+    views = [state.records.prefill_view(req) for req in self.waiting_queue]
+    state.update_pab(views, now)
+    if not self.running_batch.reqs and self.chunked_req is None:
+        state.maybe_collect_garbage(views, now, "idle")

@@ -1,0 +1,102 @@
+"""A step's planned prefill chunks, realised through SGLang's own ``PrefillAdder``.
+
+The policy decides which requests prefill how many tokens; SGLang's adder still does
+the admission work (prefix matching, KV budget, locking, chunk bookkeeping). The
+planned adder admits only the planned requests, each truncated to its planned tokens,
+and counts parked decodes in the KV reservation as if they were running.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    tokens_by_rid: Mapping[Hashable, int]
+    parked_reqs: Sequence[Any] = ()
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens_by_rid.values())
+
+
+def plan_from_chunks(
+    chunks: Sequence[tuple[Hashable, int]],
+    chunked_rid: Hashable | None,
+    chunked_pending: int,
+    parked_reqs: Sequence[Any] = (),
+) -> PrefillPlan:
+    """SGLang continues its one chunked request before admitting anything else, so a plan
+    that prefills others must include it: it gets its tokens first (it is the oldest
+    prefill), out of the same total."""
+    tokens = dict(chunks)
+    if chunked_rid is not None and tokens and chunked_rid not in tokens:
+        total = sum(tokens.values())
+        first = min(chunked_pending, total)
+        left = total - first
+        rebuilt = {chunked_rid: first}
+        for rid, count in chunks:
+            if left <= 0:
+                break
+            rebuilt[rid] = min(count, left)
+            left -= rebuilt[rid]
+        tokens = rebuilt
+    return PrefillPlan(tokens, tuple(parked_reqs))
+
+
+@functools.cache
+def planned_adder_class(base: type[PrefillAdder]) -> type[PrefillAdder]:
+    class PlannedPrefillAdder(base):
+        def __init__(self, *args: Any, plan: PrefillPlan, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.plan = plan
+            self._unadmitted = dict(plan.tokens_by_rid)
+            total = plan.total_tokens
+            self.rem_chunk_tokens = total
+            self.rem_input_tokens = max(self.rem_input_tokens, total)
+            self.memory_budget.total_offset += sum(
+                self._get_running_request_total_token_offset(r) for r in plan.parked_reqs
+            )
+
+        def budget_state(self) -> AddReqResult:
+            if not self._unadmitted:
+                return AddReqResult.OTHER
+            return super().budget_state()
+
+        def add_chunked_req(self, req: Any) -> Any:
+            if req.rid not in self._unadmitted:
+                return req
+            return self._within_planned_tokens(req, lambda: super(PlannedPrefillAdder, self).add_chunked_req(req))
+
+        def add_one_req(self, req: Any, has_chunked_req: bool, truncation_align_size: Any) -> AddReqResult:
+            if req.rid not in self._unadmitted:
+                return AddReqResult.CONTINUE
+            return self._within_planned_tokens(
+                req,
+                lambda: super(PlannedPrefillAdder, self).add_one_req(
+                    req, has_chunked_req, truncation_align_size
+                ),
+            )
+
+        def _within_planned_tokens(self, req: Any, admit: Any) -> Any:
+            planned = self._unadmitted.pop(req.rid)
+            total_left = self.rem_chunk_tokens
+            limit = min(planned, total_left)
+            self.rem_chunk_tokens = limit
+            try:
+                return admit()
+            finally:
+                self.rem_chunk_tokens = total_left - (limit - self.rem_chunk_tokens)
+
+    PlannedPrefillAdder.__name__ = PlannedPrefillAdder.__qualname__ = f"Planned{base.__name__}"
+    return PlannedPrefillAdder
+
+
+def adder_factory(base: type[PrefillAdder], plan: PrefillPlan) -> Any:
+    return functools.partial(planned_adder_class(base), plan=plan)

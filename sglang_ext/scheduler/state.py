@@ -1,0 +1,147 @@
+"""Per-scheduler FairBatching state: the policy, parked decodes, PAB, step timing, GC.
+
+One instance lives on each SGLang ``Scheduler`` as ``scheduler.fairbatching``; the hook
+functions in :mod:`sglang_ext.scheduler.hooks` drive it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_ext.config import ExtensionConfig
+from sglang_ext.policy.gc import should_collect
+from sglang_ext.policy.view import BatchDecision, RequestState
+from sglang_ext.scheduler.requests import RequestRecords
+from sglang_ext.scheduler.step_features import StepFeatures
+
+logger = logging.getLogger("sglang_ext.fairbatching")
+
+LAUNCH_ATTR = "_fairbatching_launch"
+
+
+@dataclass(frozen=True, slots=True)
+class StepLaunch:
+    launched_at: float
+    features: StepFeatures
+    predicted_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class GcPause:
+    at: float
+    pause_s: float
+    collected: int
+    reason: str  # "idle" or "slack"
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    decisions: int = 0
+    deferred_decodes: int = 0  # decode slots skipped (summed over steps)
+    steps_with_deferral: int = 0
+    planned_prefill_tokens: int = 0
+    fallbacks: int = 0  # plans SGLang could not realise (memory); everything decoded
+
+
+class FairBatchingState:
+    def __init__(self, config: ExtensionConfig) -> None:
+        self.config = config
+        self.policy = config.build_policy()
+        self.records = RequestRecords(config.catalog)
+        self.parked: Any = None  # ScheduleBatch of deferred decodes, or None
+        self.pab_tokens = 0
+        self.last_decision: BatchDecision | None = None
+        self.counters = Counters()
+        self.gc_pauses: deque[GcPause] = deque(maxlen=256)
+        self._last_gc: float | None = None
+        self._last_done: float = 0.0
+        self._last_log = time.perf_counter()
+
+    @property
+    def highest_dispatch_seq(self) -> int:
+        return self.records.highest_dispatch_seq
+
+    @property
+    def parked_reqs(self) -> list[Any]:
+        return [] if self.parked is None else list(self.parked.reqs)
+
+    def update_pab(self, views: Sequence[RequestState], now: float) -> None:
+        budget = self.policy.prefill_admission_budget(views, now)
+        self.pab_tokens = int(budget) if math.isfinite(budget) else 0
+
+    def observe_completion(self, launch: StepLaunch, done_at: float) -> None:
+        """A step's result reached the host at ``done_at``: it ran from its launch, or from
+        the previous step's completion when the device was still busy with that."""
+        start = max(launch.launched_at, self._last_done)
+        self._last_done = done_at
+        measured = done_at - start
+        features = launch.features
+        if measured <= 0 or features.new_tokens <= 0:
+            return
+        self.counters.steps += 1
+        self.policy.observe_step(
+            features.new_tokens, features.context, measured, features.prefill_tokens
+        )
+        self.maybe_log(done_at)
+
+    def maybe_collect_garbage(self, views: Sequence[RequestState], now: float, reason: str) -> None:
+        if not self.config.gc_enabled:
+            return
+        if not should_collect(self.config.gc, views, now, self._last_gc):
+            return
+        started = time.perf_counter()
+        collected = gc.collect()
+        ended = time.perf_counter()
+        self._last_gc = ended
+        pause = GcPause(started, ended - started, collected, reason)
+        self.gc_pauses.append(pause)
+        logger.info(
+            "FairBatching gc: collected %d objects in %.1f ms (%s)",
+            collected, pause.pause_s * 1e3, reason,
+        )
+
+    def maybe_log(self, now: float) -> None:
+        if now - self._last_log < self.config.log_interval_s:
+            return
+        self._last_log = now
+        coefficients = self.policy.step_model.coefficients
+        error = self.policy.step_model.error
+        counters = self.counters
+        logger.info(
+            "FairBatching step model: a=%.3f ms b=%.3f us/token c=%.4f us/ctx-token; "
+            "error mean=%.1f%% p95=%.1f%% over %d steps; PAB=%d tokens; "
+            "deferred %d decode slots in %d of %d decisions; fallbacks=%d",
+            coefficients.a_s * 1e3, coefficients.b_s_per_token * 1e6,
+            coefficients.c_s_per_context_token * 1e6,
+            error.mean_abs_relative * 100, error.p95_abs_relative * 100, counters.steps,
+            self.pab_tokens, counters.deferred_decodes, counters.steps_with_deferral,
+            counters.decisions, counters.fallbacks,
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``/fairbatching`` style introspection and tests read."""
+        coefficients = self.policy.step_model.coefficients
+        error = self.policy.step_model.error
+        return {
+            "policy": self.config.policy,
+            "pab_tokens": self.pab_tokens,
+            "highest_dispatch_seq": self.highest_dispatch_seq,
+            "parked": len(self.parked_reqs),
+            "step_model": {
+                "a_s": coefficients.a_s,
+                "b_s_per_token": coefficients.b_s_per_token,
+                "c_s_per_context_token": coefficients.c_s_per_context_token,
+                "mean_abs_relative_error": error.mean_abs_relative,
+                "p95_abs_relative_error": error.p95_abs_relative,
+            },
+            "counters": vars(self.counters).copy(),
+            "gc_pauses_ms": [round(p.pause_s * 1e3, 3) for p in self.gc_pauses],
+        }

@@ -1,0 +1,103 @@
+"""The extension's config file and the per-request SLO key shape (pure, no SGLang)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.config import CONFIG_ENV, ConfigError, ExtensionConfig, load_from_environment
+from sglang_ext.policy.slo import Slo, SloCatalog, SloError, slo_spec_of
+
+REPO = Path(__file__).resolve().parents[2]
+CATALOG = SloCatalog("standard", {"standard": Slo(2.0, 0.05), "chat": Slo(0.5, 0.05)})
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fairbatching.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_config_loads_and_builds_its_policy() -> None:
+    config = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml")
+    policy = config.build_policy()
+    assert policy.name == config.policy
+    assert config.catalog.default_class == "standard"
+    assert config.initial_step_model.a_s > 0
+
+
+def test_defaults_and_relative_paths(tmp_path: Path) -> None:
+    (tmp_path / "slo.toml").write_text(
+        'default_class = "x"\n[classes.x]\nttft_ms = 300\ntpot_ms = 30\n'
+    )
+    config = ExtensionConfig.load(write(tmp_path, 'slo_file = "slo.toml"\n'))
+    assert config.policy == "fb"
+    assert config.catalog.default == Slo(0.3, 0.03)
+    assert config.max_token_budget == 8192
+    assert config.gc_enabled and config.gc.min_interval_s == 30.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('polcy = "fb"\n', "unknown key(s) ['polcy']"),
+        ('policy = "nope"\n', "unknown policy 'nope'"),
+        ('policy = "sarathi"\n', "not supported inside SGLang"),
+        ("max_token_budget = 0\n", "max_token_budget must be an integer >= 1"),
+        ('slo_file = "missing.toml"\n', "no such SLO file"),
+        ('step_model = "missing.toml"\n', "step_model"),
+        ("[gc]\nenabled = 1\n", "enabled must be true or false"),
+        ("[gc]\nmin_interval_s = -1\n", "min_interval_s"),
+        ("policy = [\n", "invalid TOML"),
+    ],
+)
+def test_bad_config_names_the_file_and_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    if "sarathi" in text:
+        import sglang_ext.sim.baselines  # noqa: F401  (registers the baselines)
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as excinfo:
+        ExtensionConfig.load(path)
+    assert str(path) in str(excinfo.value)
+    assert message in str(excinfo.value)
+
+
+def test_environment_variable_switches_it_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert load_from_environment() is None
+    monkeypatch.setenv(CONFIG_ENV, "  ")
+    assert load_from_environment() is None
+    monkeypatch.setenv(CONFIG_ENV, str(tmp_path / "absent.toml"))
+    with pytest.raises(ConfigError, match=CONFIG_ENV):
+        load_from_environment()
+    monkeypatch.setenv(CONFIG_ENV, str(REPO / "configs" / "fairbatching.toml"))
+    assert load_from_environment() is not None
+
+
+def test_custom_params_slo_shapes() -> None:
+    assert CATALOG.resolve_custom_params(None) == CATALOG.default
+    assert CATALOG.resolve_custom_params({"other": 1}) == CATALOG.default
+    assert CATALOG.resolve_custom_params({"slo": {"class": "chat"}}) == Slo(0.5, 0.05)
+    assert CATALOG.resolve_custom_params({"slo": {"ttft_ms": 100, "tpot_ms": 20}}) == Slo(0.1, 0.02)
+    assert CATALOG.resolve_custom_params({"slo": {"class": "chat", "tpot_ms": 20}}) == Slo(0.5, 0.02)
+
+
+@pytest.mark.parametrize(
+    ("custom_params", "message"),
+    [
+        ([1], "custom_params must be an object"),
+        ({"slo": "chat"}, "custom_params.slo must be an object"),
+        ({"slo": {"class": "gold"}}, "unknown SLO class 'gold'"),
+        ({"slo": {"ttft_ms": -5}}, "ttft_ms must be > 0"),
+        ({"slo": {"ttft_ms": "fast"}}, "ttft_ms must be a number"),
+        ({"slo": {"deadline": 3}}, "unknown SLO key"),
+    ],
+)
+def test_malformed_custom_params_slo(custom_params: object, message: str) -> None:
+    with pytest.raises(SloError, match=message):
+        CATALOG.resolve_custom_params(custom_params)
+
+
+def test_slo_spec_of_passes_the_inner_spec_through() -> None:
+    spec = {"ttft_ms": 1, "tpot_ms": 2}
+    assert slo_spec_of({"slo": spec}) is spec
