@@ -20,6 +20,7 @@ fully-idle check (and so the idle leak checks) and the load snapshot's running c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -76,7 +77,9 @@ def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
     for component in ("load_inquirer", "invariant_checker"):
         owner = getattr(scheduler, component, None)
         if owner is not None and hasattr(owner, "get_running_batch"):
-            owner.get_running_batch = _with_parked(scheduler)
+            # Both are dataclasses (the load inquirer a frozen one): rebuild, don't mutate.
+            setattr(scheduler, component,
+                    dataclasses.replace(owner, get_running_batch=_with_parked(scheduler)))
     logger.info(
         "FairBatching on: policy=%s, default SLO %s, max %d new tokens per step (%s)",
         config.policy, config.catalog.default, config.max_token_budget, config.source,

@@ -6,6 +6,7 @@ functions in :mod:`sglang_ext.scheduler.hooks` drive it.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -95,7 +96,13 @@ class FairBatchingState:
     def maybe_collect_garbage(self, views: Sequence[RequestState], now: float, reason: str) -> None:
         if not self.config.gc_enabled:
             return
-        if not should_collect(self.config.gc, views, now, self._last_gc):
+        gc_config = self.config.gc
+        if self.gc_pauses:
+            # A collection must fit inside every decode's slack, with room to spare.
+            needed = 2.0 * self.gc_pauses[-1].pause_s
+            if needed > gc_config.min_decode_slack_s:
+                gc_config = dataclasses.replace(gc_config, min_decode_slack_s=needed)
+        if not should_collect(gc_config, views, now, self._last_gc):
             return
         started = time.perf_counter()
         collected = gc.collect()

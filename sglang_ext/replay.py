@@ -1,0 +1,193 @@
+"""Replay a trace against a running SGLang server and report the simulator's metrics.
+
+Each request is sent at its trace timestamp (after rescaling to the asked rate) to
+``/generate`` with exactly the trace's prompt length (as token ids) and output length
+(``max_new_tokens`` with ``ignore_eos``), streaming, with its SLO in
+``sampling_params.custom_params``. Token arrival times are taken on the client, so the
+numbers include HTTP and detokenizer overheads, as a user would see them::
+
+    python -m sglang_ext.replay --url http://127.0.0.1:30000 --rate 4 --head 60 \\
+        --slo-mix interactive:0.5,standard:0.5 --out results.json
+
+Needs ``aiohttp`` (installed with SGLang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sglang_ext.policy.slo import SloCatalog, SloError
+from sglang_ext.sim.metrics import RequestRecord, summarize
+from sglang_ext.sim.workloads import TraceRequest, Workload, WorkloadError, bundled_sample, load_workload
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ReplayError(ValueError):
+    """Bad replay arguments (the CLI prints the message and exits 2)."""
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    rid: str
+    at_s: float
+    prompt_tokens: int
+    output_tokens: int
+    slo_class: str
+
+
+def plan_requests(
+    workload: Workload, slo_mix: Sequence[tuple[str, float]], seed: int, vocab: int = 1000
+) -> list[ReplayRequest]:
+    """Assign each trace request an SLO class (by ``slo_mix`` weights, seeded) and an id."""
+    rng = random.Random(seed)
+    names = [name for name, _ in slo_mix]
+    weights = [weight for _, weight in slo_mix]
+    start = workload.requests[0].arrival_s
+    planned = []
+    for index, request in enumerate(workload.requests):
+        slo_class = request.slo_class or rng.choices(names, weights)[0]
+        planned.append(ReplayRequest(f"replay-{seed}-{index}", request.arrival_s - start,
+                                     request.prompt_tokens, request.output_tokens, slo_class))
+    return planned
+
+
+def parse_slo_mix(text: str, catalog: SloCatalog) -> list[tuple[str, float]]:
+    mix = []
+    for part in text.split(","):
+        name, _, weight_text = part.strip().partition(":")
+        if name not in catalog.classes:
+            raise ReplayError(f"--slo-mix: unknown SLO class {name!r}; defined: {', '.join(catalog.classes)}")
+        try:
+            weight = float(weight_text) if weight_text else 1.0
+        except ValueError:
+            raise ReplayError(f"--slo-mix: weight of {name!r} must be a number, got {weight_text!r}") from None
+        if weight <= 0:
+            raise ReplayError(f"--slo-mix: weight of {name!r} must be > 0")
+        mix.append((name, weight))
+    if not mix:
+        raise ReplayError("--slo-mix is empty")
+    return mix
+
+
+async def replay(
+    url: str, requests: Sequence[ReplayRequest], catalog: SloCatalog, *,
+    max_prompt_tokens: int | None = None, timeout_s: float = 600.0,
+) -> list[RequestRecord]:
+    import aiohttp
+
+    records: list[RequestRecord] = []
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        origin = time.perf_counter()
+        tasks = []
+        for request in requests:
+            delay = origin + request.at_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            record = RequestRecord(
+                request.rid, time.perf_counter() - origin, catalog.classes[request.slo_class],
+                request.prompt_tokens, request.output_tokens,
+            )
+            records.append(record)
+            tasks.append(asyncio.create_task(_one(session, url, request, record, origin, max_prompt_tokens)))
+        await asyncio.gather(*tasks)
+    return records
+
+
+async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRecord,
+               origin: float, max_prompt_tokens: int | None) -> None:
+    prompt = request.prompt_tokens if max_prompt_tokens is None else min(request.prompt_tokens, max_prompt_tokens)
+    body = {
+        "rid": request.rid,
+        "input_ids": [11 + (i * 7919) % 900 for i in range(prompt)],
+        "sampling_params": {
+            "max_new_tokens": request.output_tokens,
+            "ignore_eos": True,
+            "custom_params": {"slo": {"class": request.slo_class}},
+        },
+        "stream": True,
+    }
+    try:
+        async with session.post(f"{url}/generate", json=body) as response:
+            if response.status != 200:
+                record.rejected = True
+                return
+            async for line in response.content:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                now = time.perf_counter() - origin
+                chunk = json.loads(payload)
+                produced = chunk.get("meta_info", {}).get("completion_tokens", 0)
+                while record.tokens_emitted < produced:
+                    record.on_token(record.tokens_emitted, now)
+                if chunk.get("meta_info", {}).get("finish_reason") is not None:
+                    record.finish_s = now
+    except (OSError, asyncio.TimeoutError):
+        record.aborted = True
+        return
+    if record.finish_s is None and record.tokens_emitted < record.output_tokens:
+        record.aborted = True
+
+
+def _load(args: argparse.Namespace) -> Workload:
+    try:
+        workload = bundled_sample() if args.trace is None else load_workload(args.trace, args.format)
+        if args.head is not None:
+            workload = workload.head(args.head)
+        return workload.scaled_to_rate(args.rate)
+    except WorkloadError as exc:
+        raise ReplayError(str(exc)) from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_ext.replay", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:30000")
+    parser.add_argument("--trace", help="trace file (default: the bundled Azure conversation sample)")
+    parser.add_argument("--format", default="azure", choices=["azure", "burstgpt", "mooncake", "jsonl"])
+    parser.add_argument("--rate", type=float, required=True, help="mean requests per second after rescaling")
+    parser.add_argument("--head", type=float, help="keep the first N seconds of the trace (before rescaling)")
+    parser.add_argument("--slo-file", default=str(REPO_CONFIGS / "slo.toml"))
+    parser.add_argument("--slo-mix", default="standard:1", help="CLASS:WEIGHT,... for requests the trace leaves unclassed")
+    parser.add_argument("--max-prompt-tokens", type=int, help="cap prompt lengths (server context limit)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="write the summary JSON here")
+    args = parser.parse_args(argv)
+    try:
+        catalog = SloCatalog.from_toml(args.slo_file)
+        mix = parse_slo_mix(args.slo_mix, catalog)
+        requests = plan_requests(_load(args), mix, args.seed)
+    except (ReplayError, SloError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    records = asyncio.run(replay(args.url, requests, catalog, max_prompt_tokens=args.max_prompt_tokens))
+    duration = time.perf_counter() - started
+    summary = summarize(records, args.rate, duration)
+    summary["per_class"] = {
+        name: summarize([r for r in records if r.slo == catalog.classes[name]], args.rate, duration)
+        for name, _ in mix
+        if any(r.slo == catalog.classes[name] for r in records)
+    }
+    text = json.dumps(summary, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
