@@ -93,7 +93,8 @@ def test_decodes_are_deferred_while_a_prefill_runs(fairbatching_run: dict) -> No
     assert mixed, "no step deferred a decode while prefilling"
     for step in mixed:
         assert "tight" in step["decodes"], "the tight-TPOT request was deferred"
-        assert set(step["parked"]) <= {"relaxed-0", "relaxed-1", "relaxed-abort"}
+        assert "tight" not in step["parked"]
+    assert any({"relaxed-0", "relaxed-1"} <= set(step["parked"]) for step in mixed)
 
 
 def test_the_long_prompt_is_chunked_to_the_time_budget(fairbatching_run: dict) -> None:
