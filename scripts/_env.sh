@@ -1,6 +1,8 @@
 # Sourced by the scripts in this folder: makes sure the project's virtual environment
 # exists outside the checkout (so fresh clones share it instead of each holding a
-# copy), installs the project into it idempotently, and puts it first on PATH.
+# copy), installs the project into it idempotently, and puts it first on PATH. With the
+# `sglang` extra it also applies patches/*.patch to the installed SGLang
+# (scripts/patches.sh apply, idempotent).
 #
 #   FB_EXTRAS         extras to install (default: dev)
 #   FAIRBATCHING_ENV  use this environment directory instead of the cache one
@@ -17,26 +19,46 @@ python_bin="${PYTHON:-python3}"
 }
 
 # The environment is keyed by the interpreter version and the dependency pins of the
-# selected extras, so it is rebuilt only when those change.
-env_key="$("$python_bin" - "$repo_root/pyproject.toml" "$extras" <<'PY'
-import hashlib, json, sys, tomllib
-project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+# selected extras, so it is rebuilt only when those change. With the `sglang` extra the
+# key also covers the patches, since they modify the installed SGLang.
+env_key="$("$python_bin" - "$repo_root" "$extras" <<'PY'
+import hashlib, json, pathlib, sys, tomllib
+repo = pathlib.Path(sys.argv[1])
+project = tomllib.load(open(repo / "pyproject.toml", "rb"))["project"]
 extras = sorted(e for e in sys.argv[2].split(",") if e)
 pins = {"base": project.get("dependencies", []),
         "extras": {e: project.get("optional-dependencies", {}).get(e, []) for e in extras}}
+if "sglang" in extras:
+    patches = hashlib.sha256()
+    for path in sorted((repo / "patches").glob("*.patch")):
+        patches.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    pins["patches"] = patches.hexdigest()
 digest = hashlib.sha256(json.dumps(pins, sort_keys=True).encode()).hexdigest()[:12]
 print(f"py{sys.version_info.major}{sys.version_info.minor}-{'-'.join(extras) or 'base'}-{digest}")
 PY
 )"
 env_dir="${FAIRBATCHING_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/fairbatching/env-$env_key}"
 
+# pip on this machine prints one "WARNING: Location 'file:///...' is ignored" line per
+# package it looks up in its configured local indexes; drop those, keep the rest of
+# stderr and pip's exit status.
+pip_() {
+  local status=0
+  { "$@" 2>&1 1>&3 3>&- | { grep -v "^WARNING: Location 'file://[^']*' is ignored" || true; } >&2; } 3>&1 \
+    || status=$?
+  return "$status"
+}
+
 if [ ! -x "$env_dir/bin/python" ]; then
   echo "creating environment $env_dir" >&2
   "$python_bin" -m venv "$env_dir"
-  "$env_dir/bin/python" -m pip install -q --upgrade pip "setuptools>=77" wheel
+  pip_ "$env_dir/bin/python" -m pip install -q --upgrade pip "setuptools>=77" wheel
 fi
-"$env_dir/bin/python" -m pip install -q --no-build-isolation -e "$repo_root[$extras]"
+pip_ "$env_dir/bin/python" -m pip install -q --no-build-isolation -e "$repo_root[$extras]"
 
 export PATH="$env_dir/bin:$PATH"
 export FAIRBATCHING_ENV_DIR="$env_dir"
+if [[ ",$extras," == *,sglang,* ]]; then
+  PYTHON="$env_dir/bin/python" "$repo_root/scripts/patches.sh" apply >&2
+fi
 cd "$repo_root"

@@ -8,13 +8,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_ext.dp_pab import dispatch_seq_of
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 from sglang_ext.policy.view import RequestView
 
 logger = logging.getLogger(__name__)
 
 RECORD_ATTR = "_fairbatching_record"
-DISPATCH_SEQ_KEY = "_fairbatching_dispatch_seq"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +48,9 @@ class RequestRecords:
             # reached the scheduler another way falls back rather than crash it.
             logger.warning("request %s: %s; using the default SLO class", req.rid, exc)
             slo = self.catalog.default
-        dispatch_seq = None
-        if isinstance(custom_params, dict):
-            value = custom_params.get(DISPATCH_SEQ_KEY)
-            if isinstance(value, int) and not isinstance(value, bool):
-                dispatch_seq = value
-                self.highest_dispatch_seq = max(self.highest_dispatch_seq, value)
+        dispatch_seq = dispatch_seq_of(req)
+        if dispatch_seq is not None:
+            self.highest_dispatch_seq = max(self.highest_dispatch_seq, dispatch_seq)
         arrival = req.time_stats.scheduler_recv_time
         record = RequestRecord(slo, arrival, next(self._sequence), dispatch_seq)
         setattr(req, RECORD_ATTR, record)
