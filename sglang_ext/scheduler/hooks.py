@@ -70,7 +70,15 @@ def _make_init_hook(config: ExtensionConfig) -> Callable[..., None]:
 
 def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
     """Turn FairBatching on for one scheduler (the ``__init__`` hook; tests call it directly)."""
-    state = FairBatchingState(config)
+    metrics = None
+    reporter = getattr(scheduler, "metrics_reporter", None)
+    if reporter is not None and getattr(reporter, "enable_metrics", False):
+        from sglang.srt.runtime_context import get_parallel
+
+        from sglang_ext.scheduler.metrics import FairBatchingMetrics
+
+        metrics = FairBatchingMetrics(get_parallel().dp_rank)
+    state = FairBatchingState(config, metrics)
     scheduler.fairbatching = state
     # FairBatching's batches are hybrid: chosen decodes ride along with prefill chunks.
     scheduler.is_mixed_chunk = True

@@ -53,8 +53,10 @@ class Counters:
 
 
 class FairBatchingState:
-    def __init__(self, config: ExtensionConfig) -> None:
+    def __init__(self, config: ExtensionConfig, metrics: Any = None) -> None:
         self.config = config
+        self.metrics = metrics  # FairBatchingMetrics, or None without --enable-metrics
+        self._last_publish = 0.0
         self.policy = config.build_policy()
         self.records = RequestRecords(config.catalog)
         self.parked: Any = None  # ScheduleBatch of deferred decodes, or None
@@ -92,6 +94,9 @@ class FairBatchingState:
             features.new_tokens, features.context, measured, features.prefill_tokens
         )
         self.maybe_log(done_at)
+        if self.metrics is not None and done_at - self._last_publish >= 0.5:
+            self._last_publish = done_at
+            self.metrics.publish(self)
 
     def maybe_collect_garbage(self, views: Sequence[RequestState], now: float, reason: str) -> None:
         if not self.config.gc_enabled:
@@ -110,6 +115,8 @@ class FairBatchingState:
         self._last_gc = ended
         pause = GcPause(started, ended - started, collected, reason)
         self.gc_pauses.append(pause)
+        if self.metrics is not None:
+            self.metrics.observe_gc_pause(pause.pause_s)
         logger.info(
             "FairBatching gc: collected %d objects in %.1f ms (%s)",
             collected, pause.pause_s * 1e3, reason,

@@ -1,0 +1,58 @@
+"""FairBatching's Prometheus metrics, served by SGLang's ``/metrics`` when the server
+runs with ``--enable-metrics`` (SGLang's multiprocess registry; one series per DP rank).
+
+``fairbatching:step_model_{a,b,c}`` coefficients, ``fairbatching:step_model_error``
+(mean and p95 relative error), ``fairbatching:pab_tokens``, ``fairbatching:parked_requests``,
+``fairbatching:deferred_decodes_total``, ``fairbatching:decisions_total``,
+``fairbatching:fallbacks_total`` and ``fairbatching:gc_pause_seconds``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class FairBatchingMetrics:
+    def __init__(self, dp_rank: int | None) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self._labels = {"dp_rank": str(dp_rank if dp_rank is not None else 0)}
+        names = list(self._labels)
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return Gauge(f"fairbatching:{name}", doc, labelnames=[*names, *extra],
+                         multiprocess_mode="mostrecent")
+
+        self.coefficient = gauge("step_model_coefficient",
+                                 "Step model a (s), b (s/token), c (s/context token)", ("term",))
+        self.error = gauge("step_model_error", "Step model relative error", ("stat",))
+        self.pab = gauge("pab_tokens", "Prefill Admission Budget at the default SLO class, tokens")
+        self.parked = gauge("parked_requests", "Decodes parked (deferred with KV kept) now")
+        self.deferred = Counter("fairbatching:deferred_decodes", "Decode slots deferred", names)
+        self.decisions = Counter("fairbatching:decisions", "Batch decisions made", names)
+        self.fallbacks = Counter("fairbatching:fallbacks", "Plans SGLang could not realise", names)
+        self.gc_pause = Histogram("fairbatching:gc_pause_seconds", "Proactive gc.collect() pauses",
+                                  names, buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0))
+        self._last_counts = (0, 0, 0)
+
+    def publish(self, state: Any) -> None:
+        labels = self._labels
+        coefficients = state.policy.step_model.coefficients
+        for term, value in (("a", coefficients.a_s), ("b", coefficients.b_s_per_token),
+                            ("c", coefficients.c_s_per_context_token)):
+            self.coefficient.labels(**labels, term=term).set(value)
+        error = state.policy.step_model.error
+        self.error.labels(**labels, stat="mean").set(error.mean_abs_relative)
+        self.error.labels(**labels, stat="p95").set(error.p95_abs_relative)
+        self.pab.labels(**labels).set(state.pab_tokens)
+        self.parked.labels(**labels).set(len(state.parked_reqs))
+        counters = state.counters
+        counts = (counters.deferred_decodes, counters.decisions, counters.fallbacks)
+        for counter, now, before in zip((self.deferred, self.decisions, self.fallbacks), counts,
+                                        self._last_counts, strict=True):
+            if now > before:
+                counter.labels(**labels).inc(now - before)
+        self._last_counts = counts
+
+    def observe_gc_pause(self, pause_s: float) -> None:
+        self.gc_pause.labels(**self._labels).observe(pause_s)
