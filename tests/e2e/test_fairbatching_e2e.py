@@ -1,0 +1,305 @@
+"""End to end on CPU: stock ``python -m sglang.launch_server`` + the FairBatching plugin +
+the emulated GPU. Servers are shared per test session (see ``conftest.py``).
+
+Assertions are about behaviour (which requests ran, deferrals, attainment trends, PAB
+movement, token counts), never absolute latency.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed", allow_module_level=True)
+
+import requests
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = "llama3.1-8b-h100"
+TIME_SCALE = "2.0"
+KV_TOKENS = "200000"
+TIGHT = {"ttft_ms": 2000, "tpot_ms": 60}
+BASE_ARGS = ("--max-total-tokens", KV_TOKENS, "--enable-metrics", "--max-prefill-tokens", "16384")
+
+
+@pytest.fixture(scope="session")
+def fb_config(tmp_path_factory) -> Path:
+    """The shipped config, with its initial step model scaled like the emulated GPU (as a
+    deployment would start from coefficients fitted on its own GPU)."""
+    from sglang_ext.config import ExtensionConfig
+
+    shipped = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml")
+    directory = tmp_path_factory.mktemp("fb-config")
+    scale = float(TIME_SCALE)
+    coefficients = shipped.initial_step_model
+    type(coefficients)(coefficients.a_s * scale, coefficients.b_s_per_token * scale,
+                       coefficients.c_s_per_context_token * scale).save(directory / "step_model.toml")
+    config = directory / "fairbatching.toml"
+    config.write_text(
+        (REPO / "configs" / "fairbatching.toml").read_text()
+        .replace('slo_file = "slo.toml"', f'slo_file = "{REPO / "configs" / "slo.toml"}"')
+        .replace('step_model = "step_models/llama3.1-8b-h100.toml"', 'step_model = "step_model.toml"')
+    )
+    return config
+
+
+def emulated_env(fb_config: Path | None) -> dict[str, str]:
+    env = {"FAIRBATCHING_EMULATED_GPU": PROFILE, "FAIRBATCHING_EMULATED_GPU_TIME_SCALE": TIME_SCALE}
+    if fb_config is not None:
+        env["FAIRBATCHING_CONFIG"] = str(fb_config)
+    return env
+
+
+@pytest.fixture(scope="module")
+def fb_server(sglang_server, fb_config):
+    return sglang_server(args=BASE_ARGS, env=emulated_env(fb_config))
+
+
+@pytest.fixture(scope="module")
+def stock_server(sglang_server):
+    return sglang_server(args=BASE_ARGS, env=emulated_env(None))
+
+
+@dataclass
+class Stream:
+    """One streamed /generate request, timed on the client."""
+
+    rid: str
+    arrival: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    status: int | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def max_tpot(self) -> float:
+        first = self.token_times[0]
+        return max(((t - first) / j for j, t in enumerate(self.token_times) if j), default=0.0)
+
+
+def stream_generate(url: str, rid: str, prompt_tokens: int, max_new_tokens: int,
+                    slo: dict | None, on_token: Callable[[Stream], None] | None = None) -> Stream:
+    params: dict = {"max_new_tokens": max_new_tokens, "ignore_eos": True}
+    if slo is not None:
+        params["custom_params"] = {"slo": slo}
+    body = {"rid": rid, "input_ids": [5 + (i * 37 + len(rid)) % 900 for i in range(prompt_tokens)],
+            "sampling_params": params, "stream": True}
+    record = Stream(rid, arrival=time.perf_counter())
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as reply:
+        record.status = reply.status_code
+        if reply.status_code != 200:
+            return record
+        for line in reply.iter_lines(decode_unicode=True):
+            if not line or not line.startswith("data:"):
+                continue
+            payload = line.removeprefix("data:").strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            now = time.perf_counter()
+            while len(record.token_times) < chunk["meta_info"]["completion_tokens"]:
+                record.token_times.append(now)
+            reason = chunk["meta_info"].get("finish_reason")
+            if reason:
+                record.finish_reason = reason["type"]
+            if on_token is not None:
+                on_token(record)
+    return record
+
+
+def metric(url: str, name: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)]
+    return sum(values)
+
+
+def pab_tokens(url: str) -> list[int | None]:
+    loads = requests.get(f"{url}/v1/loads", timeout=30).json()
+    return [rank.get("fairbatching_pab_tokens") for rank in loads["loads"]]
+
+
+@dataclass
+class BurstResult:
+    tight: list[Stream]
+    burst: list[Stream]
+    pab_samples: list[int]
+
+
+def run_burst(url: str, tag: str) -> BurstResult:
+    """Eight tight-TPOT streams start decoding; then sixteen 3000-token prompts of the
+    relaxed class arrive at once."""
+    started = threading.Event()
+    first_tokens: set[str] = set()
+
+    def note(stream: Stream) -> None:
+        if stream.token_times:
+            first_tokens.add(stream.rid)
+            if len(first_tokens) >= 8:
+                started.set()
+
+    pab_samples: list[int] = []
+    stop_sampling = threading.Event()
+
+    def sample_pab() -> None:
+        while not stop_sampling.is_set():
+            pab_samples.extend(v for v in pab_tokens(url) if v is not None)
+            time.sleep(0.05)
+
+    with ThreadPoolExecutor(26) as pool:
+        sampler = pool.submit(sample_pab)
+        tight = [pool.submit(stream_generate, url, f"{tag}-tight-{i}", 200, 120, TIGHT, note) for i in range(8)]
+        assert started.wait(120), "tight streams never started"
+        burst = [pool.submit(stream_generate, url, f"{tag}-burst-{i}", 3000, 24, {"class": "relaxed"})
+                 for i in range(16)]
+        tight_results = [f.result() for f in tight]
+        burst_results = [f.result() for f in burst]
+        stop_sampling.set()
+        sampler.result()
+    return BurstResult(tight_results, burst_results, pab_samples)
+
+
+@pytest.fixture(scope="module")
+def fb_burst(fb_server) -> tuple[BurstResult, float]:
+    deferred_before = metric(fb_server.url, "fairbatching:deferred_decodes_total")
+    result = run_burst(fb_server.url, "fb")
+    time.sleep(1.0)  # metrics are published every 0.5 s
+    return result, metric(fb_server.url, "fairbatching:deferred_decodes_total") - deferred_before
+
+
+@pytest.fixture(scope="module")
+def stock_burst(stock_server) -> BurstResult:
+    return run_burst(stock_server.url, "stock")
+
+
+def attainment(streams: list[Stream], tpot_s: float) -> float:
+    return sum(s.max_tpot <= tpot_s for s in streams) / len(streams)
+
+
+def test_burst_completes_with_exact_token_counts(fb_burst) -> None:
+    result, _ = fb_burst
+    for stream in result.tight:
+        assert (stream.status, len(stream.token_times), stream.finish_reason) == (200, 120, "length")
+    for stream in result.burst:
+        assert (stream.status, len(stream.token_times), stream.finish_reason) == (200, 24, "length")
+
+
+def test_decodes_are_deferred_while_prefills_queue(fb_burst) -> None:
+    _, deferred = fb_burst
+    assert deferred > 0
+
+
+def test_tight_class_tpot_attainment_beats_the_plugin_off(fb_burst, stock_burst) -> None:
+    fb, _ = fb_burst
+    tpot_s = TIGHT["tpot_ms"] / 1e3
+    fb_attainment = attainment(fb.tight, tpot_s)
+    stock_attainment = attainment(stock_burst.tight, tpot_s)
+    fb_worst = sorted(s.max_tpot for s in fb.tight)[len(fb.tight) // 2]
+    stock_worst = sorted(s.max_tpot for s in stock_burst.tight)[len(stock_burst.tight) // 2]
+    for name, streams in (("fb", fb.tight), ("stock", stock_burst.tight)):
+        for s in streams:
+            gaps = [b - a for a, b in zip(s.token_times, s.token_times[1:])]
+            worst_j = max(range(1, len(s.token_times)), key=lambda j: (s.token_times[j] - s.token_times[0]) / j)
+            print(name, s.rid, f"max_tpot={s.max_tpot*1e3:.0f}ms at j={worst_j} max_gap={max(gaps)*1e3:.0f}ms ttft={s.ttft*1e3:.0f}ms")
+    print(f"tight TPOT attainment: fairbatching {fb_attainment:.2f} (median max TPOT {fb_worst * 1e3:.0f} ms), "
+          f"plugin off {stock_attainment:.2f} ({stock_worst * 1e3:.0f} ms)")
+    assert fb_attainment > stock_attainment
+    assert fb_worst < stock_worst
+
+
+def test_pab_falls_as_prefills_queue(fb_server, fb_burst) -> None:
+    result, _ = fb_burst
+    idle = max(v for v in pab_tokens(fb_server.url) if v is not None)
+    assert result.pab_samples, "no PAB in /v1/loads"
+    assert min(result.pab_samples) < idle - 16 * 3000 // 2
+
+
+def test_plugin_off_reports_no_fairbatching_state(stock_server) -> None:
+    assert pab_tokens(stock_server.url) == [None]
+    assert "fairbatching:" not in requests.get(f"{stock_server.url}/metrics", timeout=30).text
+
+
+@pytest.mark.parametrize(
+    ("custom_params", "message"),
+    [({"slo": {"class": "gold"}}, "unknown SLO class"), ({"slo": {"ttft_ms": -1}}, "ttft_ms"),
+     ({"slo": "fast"}, "custom_params.slo must be an object")],
+)
+def test_malformed_slo_is_a_400_with_the_reason(fb_server, custom_params, message) -> None:
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 4, "custom_params": custom_params}}
+    reply = requests.post(f"{fb_server.url}/generate", json=body, timeout=60)
+    assert reply.status_code == 400
+    assert message in reply.text
+    model = requests.get(f"{fb_server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "hello", "max_tokens": 4, "custom_params": custom_params}
+    reply = requests.post(f"{fb_server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400
+    assert message in reply.text
+    ok = requests.post(f"{fb_server.url}/generate", json={"text": "hello", "sampling_params": {
+        "max_new_tokens": 4, "custom_params": {"slo": {"class": "interactive"}}}}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 4
+
+
+def test_abort_mid_stream(fb_server) -> None:
+    aborted = threading.Event()
+
+    def abort_after_some_tokens(stream: Stream) -> None:
+        if len(stream.token_times) >= 5 and not aborted.is_set():
+            aborted.set()
+            requests.post(f"{fb_server.url}/abort_request", json={"rid": stream.rid}, timeout=30)
+
+    stream = stream_generate(fb_server.url, "abort-me", 100, 2000, {"class": "relaxed"}, abort_after_some_tokens)
+    assert aborted.is_set()
+    assert stream.finish_reason == "abort"
+    assert len(stream.token_times) < 2000
+    after = stream_generate(fb_server.url, "after-abort", 50, 10, None)
+    assert len(after.token_times) == 10
+
+
+@pytest.fixture(scope="module")
+def fb_no_overlap_server(sglang_server, fb_config):
+    return sglang_server(args=(*BASE_ARGS, "--disable-overlap-schedule"), env=emulated_env(fb_config))
+
+
+def test_without_overlap_scheduling(fb_no_overlap_server) -> None:
+    url = fb_no_overlap_server.url
+    deferred_before = metric(url, "fairbatching:deferred_decodes_total")
+    with ThreadPoolExecutor(12) as pool:
+        tight = [pool.submit(stream_generate, url, f"no-overlap-tight-{i}", 200, 60, TIGHT) for i in range(4)]
+        time.sleep(0.5)
+        burst = [pool.submit(stream_generate, url, f"no-overlap-burst-{i}", 3000, 16, {"class": "relaxed"})
+                 for i in range(8)]
+        results = [f.result() for f in tight + burst]
+    assert [len(r.token_times) for r in results] == [60] * 4 + [16] * 8
+    time.sleep(1.0)
+    assert metric(url, "fairbatching:deferred_decodes_total") > deferred_before
+
+
+@pytest.fixture(scope="module")
+def dp_server(sglang_server, fb_config):
+    env = {**emulated_env(fb_config), "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+    return sglang_server(args=(*BASE_ARGS, "--dp-size", "2", "--load-balance-method", "pab"), env=env)
+
+
+def test_dp2_with_the_pab_method(dp_server) -> None:
+    url = dp_server.url
+    assert len([v for v in pab_tokens(url) if v is not None]) == 2
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(
+            lambda i: stream_generate(url, f"dp-{i}", 1500 if i % 3 == 0 else 100, 12, TIGHT), range(12)))
+    assert all(len(r.token_times) == 12 and r.finish_reason == "length" for r in results)
+    log = dp_server.log_text()
+    assert "Traceback" not in log
