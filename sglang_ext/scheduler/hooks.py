@@ -124,6 +124,7 @@ def unpark(scheduler: Scheduler, running: Any) -> Any:
 
 
 def _get_next_batch_to_run(orig: Callable[..., Any], self: Scheduler, running_batch: Any, last_batch: Any) -> Any:
+    self.fairbatching.last_decision = None
     return orig(self, unpark(self, running_batch), last_batch)
 
 
@@ -149,9 +150,8 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         views.append(chunked_view)
     views.extend(records.prefill_view(req) for req in self.waiting_queue)
 
-    now = time.perf_counter()
-    state.maybe_collect_garbage(views, now, "slack")
-    now = time.perf_counter()
+    state.maybe_collect_garbage(views, time.perf_counter(), "slack")
+    now = state.decision_time(time.perf_counter())
     state.update_pab(views, now)
     decision = state.policy.form_batch(views, now)
     state.last_decision = decision
@@ -223,10 +223,13 @@ def _run_batch(orig: Callable[..., Any], self: Scheduler, batch: Any, *args: Any
     launched_at = time.perf_counter()
     result = orig(self, batch, *args, **kwargs)
     if result is not None and features.new_tokens > 0:
-        decision = self.fairbatching.last_decision
-        predicted = decision.predicted_step_s if decision is not None else 0.0
+        state: FairBatchingState = self.fairbatching
+        decision = state.last_decision
+        budget = decision.time_budget_s if decision is not None else None
+        predicted = state.policy.step_model.predict(features.new_tokens, features.context)
+        state.launched(launched_at, predicted)
         try:
-            setattr(result, LAUNCH_ATTR, StepLaunch(launched_at, features, predicted))
+            setattr(result, LAUNCH_ATTR, StepLaunch(launched_at, features, predicted, budget))
         except AttributeError:
             pass
     return result

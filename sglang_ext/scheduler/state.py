@@ -32,6 +32,7 @@ class StepLaunch:
     launched_at: float
     features: StepFeatures
     predicted_s: float
+    time_budget_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class Counters:
     steps_with_deferral: int = 0
     planned_prefill_tokens: int = 0
     fallbacks: int = 0  # plans SGLang could not realise (memory); everything decoded
+    overruns: int = 0  # steps that took longer than the time budget they were formed under
 
 
 class FairBatchingState:
@@ -66,7 +68,19 @@ class FairBatchingState:
         self.gc_pauses: deque[GcPause] = deque(maxlen=256)
         self._last_gc: float | None = None
         self._last_done: float = 0.0
+        self.device_free_at: float = 0.0  # predicted end of the steps launched so far
+        self._in_flight = 0
         self._last_log = time.perf_counter()
+
+    def launched(self, launched_at: float, predicted_s: float) -> None:
+        """A step went to the device: it starts when the device is free (overlap loop)."""
+        self.device_free_at = max(launched_at, self.device_free_at) + predicted_s
+        self._in_flight += 1
+
+    def decision_time(self, now: float) -> float:
+        """When a step formed now will start: under SGLang's overlap loop the next batch is
+        formed while the previous one still runs, so its tokens come after that one ends."""
+        return max(now, self.device_free_at)
 
     @property
     def highest_dispatch_seq(self) -> int:
@@ -85,11 +99,19 @@ class FairBatchingState:
         the previous step's completion when the device was still busy with that."""
         start = max(launch.launched_at, self._last_done)
         self._last_done = done_at
+        self._in_flight = max(0, self._in_flight - 1)
+        if self._in_flight == 0:
+            self.device_free_at = done_at
         measured = done_at - start
         features = launch.features
         if measured <= 0 or features.new_tokens <= 0:
             return
         self.counters.steps += 1
+        if launch.time_budget_s is not None and measured > launch.time_budget_s:
+            self.counters.overruns += 1
+            logger.debug("FairBatching step overran its budget: %.1f ms > %.1f ms (predicted %.1f ms, "
+                         "%d new tokens, %d context)", measured * 1e3, launch.time_budget_s * 1e3,
+                         launch.predicted_s * 1e3, features.new_tokens, features.context)
         self.policy.observe_step(
             features.new_tokens, features.context, measured, features.prefill_tokens
         )
@@ -101,6 +123,8 @@ class FairBatchingState:
     def maybe_collect_garbage(self, views: Sequence[RequestState], now: float, reason: str) -> None:
         if not self.config.gc_enabled:
             return
+        if not self.gc_pauses and views:
+            return  # the first collection's pause is unknown: take it only when idle
         gc_config = self.config.gc
         if self.gc_pauses:
             # A collection must fit inside every decode's slack, with room to spare.
@@ -132,12 +156,12 @@ class FairBatchingState:
         logger.info(
             "FairBatching step model: a=%.3f ms b=%.3f us/token c=%.4f us/ctx-token; "
             "error mean=%.1f%% p95=%.1f%% over %d steps; PAB=%d tokens; "
-            "deferred %d decode slots in %d of %d decisions; fallbacks=%d",
+            "deferred %d decode slots in %d of %d decisions; fallbacks=%d; budget overruns=%d",
             coefficients.a_s * 1e3, coefficients.b_s_per_token * 1e6,
             coefficients.c_s_per_context_token * 1e6,
             error.mean_abs_relative * 100, error.p95_abs_relative * 100, counters.steps,
             self.pab_tokens, counters.deferred_decodes, counters.steps_with_deferral,
-            counters.decisions, counters.fallbacks,
+            counters.decisions, counters.fallbacks, counters.overruns,
         )
 
     def snapshot(self) -> dict[str, Any]:
