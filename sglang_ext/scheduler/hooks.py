@@ -30,9 +30,9 @@ from sglang.srt.managers.scheduler import NextBatchPlan, Scheduler
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_ext.config import ExtensionConfig
-from sglang_ext.policy.view import RequestView
+from sglang_ext.scheduler.requests import LiveRequestView
 from sglang_ext.scheduler.parking import merge_into, split_batch
-from sglang_ext.scheduler.prefill_plan import adder_factory, plan_from_chunks
+from sglang_ext.scheduler.prefill_plan import PrefillPlan, adder_factory, plan_from_chunks
 from sglang_ext.scheduler.requests import must_decode
 from sglang_ext.scheduler.state import LAUNCH_ATTR, FairBatchingState, StepLaunch
 from sglang_ext.scheduler.step_features import step_features
@@ -40,6 +40,11 @@ from sglang_ext.scheduler.step_features import step_features
 logger = logging.getLogger("sglang_ext.fairbatching")
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+SCHEDULE_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
+
+# The plan being realised right now (the scheduler is single-threaded); read by the
+# waiting-queue ordering hook, which SGLang calls on its SchedulePolicy, not the Scheduler.
+_active_plan: PrefillPlan | None = None
 
 
 def install_scheduler_hooks(config: ExtensionConfig) -> None:
@@ -59,6 +64,7 @@ def install_scheduler_hooks(config: ExtensionConfig) -> None:
     }
     for method, (hook, hook_type) in hooks.items():
         HookRegistry.register(f"{SCHEDULER}.{method}", hook, hook_type)
+    HookRegistry.register(f"{SCHEDULE_POLICY}.calc_priority", _planned_first, HookType.AFTER)
 
 
 def _make_init_hook(config: ExtensionConfig) -> Callable[..., None]:
@@ -124,8 +130,12 @@ def unpark(scheduler: Scheduler, running: Any) -> Any:
 
 
 def _get_next_batch_to_run(orig: Callable[..., Any], self: Scheduler, running_batch: Any, last_batch: Any) -> Any:
+    """Parked requests stay parked across steps until the policy resumes them; the
+    finished-request filtering SGLang does here cannot concern them (they do not run),
+    except a parked request whose in-flight token finished it, which resumes and is
+    filtered on the next decision."""
     self.fairbatching.last_decision = None
-    return orig(self, unpark(self, running_batch), last_batch)
+    return orig(self, running_batch, last_batch)
 
 
 def _in_flight_reqs(scheduler: Scheduler) -> set[Any]:
@@ -139,10 +149,13 @@ def _in_flight_reqs(scheduler: Scheduler) -> set[Any]:
 
 def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_batch: Any) -> Any:
     state: FairBatchingState = self.fairbatching
+    started = time.perf_counter()
     records = state.records
     in_flight = _in_flight_reqs(self)
-    running_reqs = running_batch.reqs
-    views: list[RequestView] = [records.decode_view(req, req in in_flight) for req in running_reqs]
+    parked_reqs = state.parked_reqs
+    views: list[LiveRequestView] = [
+        records.decode_view(req, req in in_flight) for req in (*running_batch.reqs, *parked_reqs)
+    ]
     chunked = self.chunked_req
     chunked_view = None
     if chunked is not None:
@@ -150,22 +163,15 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         views.append(chunked_view)
     views.extend(records.prefill_view(req) for req in self.waiting_queue)
 
-    state.maybe_collect_garbage(views, time.perf_counter(), "slack")
+    started += state.maybe_collect_garbage(views, time.perf_counter(), "slack")
     now = state.decision_time(time.perf_counter())
     state.update_pab(views, now)
     decision = state.policy.form_batch(views, now)
     state.last_decision = decision
     state.counters.decisions += 1
+    running_batch = _realise_decodes(self, state, running_batch, decision)
 
-    chosen = set(decision.decode_ids)
-    park = [i for i, req in enumerate(running_reqs) if req.rid not in chosen and not must_decode(req)]
-    if len(park) == len(running_reqs) and not decision.prefill_chunks:
-        park = []  # never leave the device idle with decodes waiting
-    if park:
-        state.parked = split_batch(self, running_batch, park)
-        state.counters.deferred_decodes += len(park)
-        state.counters.steps_with_deferral += 1
-
+    state.decision_s.append(time.perf_counter() - started)
     if not decision.prefill_chunks:
         return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
 
@@ -176,15 +182,51 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         state.parked_reqs,
     )
     state.counters.planned_prefill_tokens += plan.total_tokens
-    self._fairbatching_plan = plan
+    global _active_plan
+    self._fairbatching_plan = _active_plan = plan
     try:
         result = orig(self, running_batch)
     finally:
-        self._fairbatching_plan = None
+        self._fairbatching_plan = _active_plan = None
     if result.batch_to_run is None and state.parked is not None:
         # SGLang could not admit the planned prefill (KV memory): decode everyone.
         state.counters.fallbacks += 1
         return NextBatchPlan(batch_to_run=None, running_batch=unpark(self, result.running_batch))
+    return result
+
+
+def _realise_decodes(scheduler: Scheduler, state: FairBatchingState, running: Any, decision: Any) -> Any:
+    """Make the running batch hold exactly the decodes the policy chose (plus those that
+    must run), parking the rest. Requests that stay parked stay in place: a parked set
+    that only grows costs one split, not a merge and a split every step."""
+    chosen = set(decision.decode_ids)
+    parked = state.parked
+    if parked is not None and any(req.rid in chosen or must_decode(req) for req in parked.reqs):
+        running = unpark(scheduler, running)
+        parked = None
+    reqs = running.reqs
+    park = [i for i, req in enumerate(reqs) if req.rid not in chosen and not must_decode(req)]
+    if len(park) == len(reqs) and parked is None and not decision.prefill_chunks:
+        park = []  # never leave the device idle with decodes waiting
+    if park:
+        newly_parked = split_batch(scheduler, running, park)
+        state.parked = newly_parked if parked is None else merge_into(parked, newly_parked)
+    if not running.reqs and state.parked is not None and not decision.prefill_chunks:
+        running = unpark(scheduler, running)  # nothing else would run this step
+    deferred = len(state.parked_reqs)
+    if deferred:
+        state.counters.deferred_decodes += deferred
+        state.counters.steps_with_deferral += 1
+    return running
+
+
+def _planned_first(result: Any, policy: Any, waiting_queue: list[Any], *args: Any, **kwargs: Any) -> Any:
+    """Put the planned requests first (stable), so SGLang's admission loop reaches them
+    at once instead of walking, and prefix-matching, the whole queue."""
+    plan = _active_plan
+    if plan is not None:
+        planned = plan.tokens_by_rid
+        waiting_queue.sort(key=lambda req: req.rid not in planned)
     return result
 
 

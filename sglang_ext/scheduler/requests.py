@@ -1,45 +1,61 @@
-"""What the policy sees of an SGLang ``Req``: an SLO record attached once per request
-and a frozen view built each step."""
+"""What the policy sees of an SGLang ``Req``: one live view per request, attached on
+first sight and refreshed in place each step.
+
+The view is deliberately mutable: building a fresh frozen view for every request every
+step cost more than the policy's decision itself (about 5 us per request on the
+reference CPU); refreshing three integers costs a fraction of that. The policy reads
+views within one decision and never keeps them.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from sglang_ext.dp_pab import dispatch_seq_of
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
-from sglang_ext.policy.view import RequestView
 
 logger = logging.getLogger(__name__)
 
 RECORD_ATTR = "_fairbatching_record"
 
 
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    slo: Slo
-    arrival: float  # scheduler receive time, time.perf_counter seconds
-    arrival_seq: int
-    dispatch_seq: int | None  # stamped by the DP controller's pab method
+class LiveRequestView:
+    """Implements ``sglang_ext.policy.view.RequestState`` for one SGLang request."""
+
+    __slots__ = ("req_id", "arrival", "slo", "arrival_seq", "dispatch_seq", "prompt_tokens",
+                 "next_output_index", "pending_prefill", "context", "first_token_time")
+
+    def __init__(self, req_id: Any, arrival: float, slo: Slo, arrival_seq: int,
+                 dispatch_seq: int | None, prompt_tokens: int) -> None:
+        self.req_id = req_id
+        self.arrival = arrival  # scheduler receive time, time.perf_counter seconds
+        self.slo = slo
+        self.arrival_seq = arrival_seq
+        self.dispatch_seq = dispatch_seq  # stamped by the DP controller's pab method
+        self.prompt_tokens = prompt_tokens
+        self.next_output_index = 0
+        self.pending_prefill = prompt_tokens
+        self.context = 0
+        self.first_token_time: float | None = None
 
 
 class RequestRecords:
-    """Attaches a :class:`RequestRecord` to each ``Req`` the first time it is seen."""
+    """Attaches a :class:`LiveRequestView` to each ``Req`` and refreshes it per step."""
 
     def __init__(self, catalog: SloCatalog) -> None:
         self.catalog = catalog
         self._sequence = itertools.count()
         self.highest_dispatch_seq = 0
 
-    def of(self, req: Any) -> RequestRecord:
-        record = getattr(req, RECORD_ATTR, None)
-        if record is None:
-            record = self._attach(req)
-        return record
+    def of(self, req: Any) -> LiveRequestView:
+        view = getattr(req, RECORD_ATTR, None)
+        if view is None:
+            view = self._attach(req)
+        return view
 
-    def _attach(self, req: Any) -> RequestRecord:
+    def _attach(self, req: Any) -> LiveRequestView:
         custom_params = getattr(req.sampling_params, "custom_params", None)
         try:
             slo = self.catalog.resolve_custom_params(custom_params)
@@ -51,45 +67,35 @@ class RequestRecords:
         dispatch_seq = dispatch_seq_of(req)
         if dispatch_seq is not None:
             self.highest_dispatch_seq = max(self.highest_dispatch_seq, dispatch_seq)
-        arrival = req.time_stats.scheduler_recv_time
-        record = RequestRecord(slo, arrival, next(self._sequence), dispatch_seq)
-        setattr(req, RECORD_ATTR, record)
-        return record
+        view = LiveRequestView(req.rid, req.time_stats.scheduler_recv_time, slo,
+                               next(self._sequence), dispatch_seq, len(req.origin_input_ids))
+        setattr(req, RECORD_ATTR, view)
+        return view
 
-    def decode_view(self, req: Any, in_flight: bool) -> RequestView:
+    def decode_view(self, req: Any, in_flight: bool) -> LiveRequestView:
         """A decoding request. Under the overlap scheduler ``in_flight`` requests have a
         token being computed that ``output_ids`` does not show yet: the next token this
         step can produce is one further on."""
-        record = self.of(req)
-        produced = len(req.output_ids) + (1 if in_flight else 0)
-        return RequestView(
-            req_id=req.rid,
-            arrival=record.arrival,
-            slo=record.slo,
-            next_output_index=produced,
-            pending_prefill=0,
-            context=len(req.origin_input_ids) + produced,
-            prompt_tokens=len(req.origin_input_ids),
-            arrival_seq=record.arrival_seq,
-            first_token_time=req.time_stats.prefill_finished_time or None,
-        )
+        view = getattr(req, RECORD_ATTR, None) or self._attach(req)
+        produced = len(req.output_ids) + in_flight
+        view.next_output_index = produced
+        view.pending_prefill = 0
+        view.context = view.prompt_tokens + produced
+        if view.first_token_time is None:
+            view.first_token_time = req.time_stats.prefill_finished_time or None
+        return view
 
-    def prefill_view(self, req: Any) -> RequestView:
+    def prefill_view(self, req: Any) -> LiveRequestView:
         """A request with prompt (or, after retraction, recompute) tokens not in KV yet."""
-        record = self.of(req)
-        total = len(req.origin_input_ids) + len(req.output_ids)
+        view = getattr(req, RECORD_ATTR, None) or self._attach(req)
+        produced = len(req.output_ids)
+        total = view.prompt_tokens + produced
         cached = min(req.prefix_len, total - 1)
-        return RequestView(
-            req_id=req.rid,
-            arrival=record.arrival,
-            slo=record.slo,
-            next_output_index=len(req.output_ids),
-            pending_prefill=total - cached,
-            context=cached,
-            prompt_tokens=len(req.origin_input_ids),
-            arrival_seq=record.arrival_seq,
-            first_token_time=req.time_stats.prefill_finished_time or None,
-        )
+        view.next_output_index = produced
+        view.pending_prefill = total - cached
+        view.context = cached
+        view.first_token_time = req.time_stats.prefill_finished_time or None
+        return view
 
 
 def must_decode(req: Any) -> bool:

@@ -66,6 +66,7 @@ class FairBatchingState:
         self.last_decision: BatchDecision | None = None
         self.counters = Counters()
         self.gc_pauses: deque[GcPause] = deque(maxlen=256)
+        self.decision_s: deque[float] = deque(maxlen=4096)  # adapter + policy time per decision
         self._last_gc: float | None = None
         self._last_done: float = 0.0
         self.device_free_at: float = 0.0  # predicted end of the steps launched so far
@@ -120,11 +121,12 @@ class FairBatchingState:
             self._last_publish = done_at
             self.metrics.publish(self)
 
-    def maybe_collect_garbage(self, views: Sequence[RequestState], now: float, reason: str) -> None:
+    def maybe_collect_garbage(self, views: Sequence[RequestState], now: float, reason: str) -> float:
+        """Collect if the policy core says so; returns the pause in seconds (0.0: none)."""
         if not self.config.gc_enabled:
-            return
+            return 0.0
         if not self.gc_pauses and views:
-            return  # the first collection's pause is unknown: take it only when idle
+            return 0.0  # the first collection's pause is unknown: take it only when idle
         gc_config = self.config.gc
         if self.gc_pauses:
             # A collection must fit inside every decode's slack, with room to spare.
@@ -132,7 +134,7 @@ class FairBatchingState:
             if needed > gc_config.min_decode_slack_s:
                 gc_config = dataclasses.replace(gc_config, min_decode_slack_s=needed)
         if not should_collect(gc_config, views, now, self._last_gc):
-            return
+            return 0.0
         started = time.perf_counter()
         collected = gc.collect()
         ended = time.perf_counter()
@@ -145,6 +147,7 @@ class FairBatchingState:
             "FairBatching gc: collected %d objects in %.1f ms (%s)",
             collected, pause.pause_s * 1e3, reason,
         )
+        return pause.pause_s
 
     def maybe_log(self, now: float) -> None:
         if now - self._last_log < self.config.log_interval_s:
@@ -156,12 +159,14 @@ class FairBatchingState:
         logger.info(
             "FairBatching step model: a=%.3f ms b=%.3f us/token c=%.4f us/ctx-token; "
             "error mean=%.1f%% p95=%.1f%% over %d steps; PAB=%d tokens; "
-            "deferred %d decode slots in %d of %d decisions; fallbacks=%d; budget overruns=%d",
+            "deferred %d decode slots in %d of %d decisions; fallbacks=%d; budget overruns=%d; "
+            "decision time p50/p99 %s us",
             coefficients.a_s * 1e3, coefficients.b_s_per_token * 1e6,
             coefficients.c_s_per_context_token * 1e6,
             error.mean_abs_relative * 100, error.p95_abs_relative * 100, counters.steps,
             self.pab_tokens, counters.deferred_decodes, counters.steps_with_deferral,
             counters.decisions, counters.fallbacks, counters.overruns,
+            "/".join(str(v) for v in _percentiles_us(self.decision_s).values()),
         )
 
     def snapshot(self) -> dict[str, Any]:
@@ -182,4 +187,13 @@ class FairBatchingState:
             },
             "counters": vars(self.counters).copy(),
             "gc_pauses_ms": [round(p.pause_s * 1e3, 3) for p in self.gc_pauses],
+            "decision_us": _percentiles_us(self.decision_s),
         }
+
+
+def _percentiles_us(samples: deque[float]) -> dict[str, int]:
+    if not samples:
+        return {}
+    ordered = sorted(samples)
+    pick = lambda q: int(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6)  # noqa: E731
+    return {"p50": pick(0.50), "p99": pick(0.99)}

@@ -54,6 +54,7 @@ def main(scenario_path: str) -> None:
         chunked_prefill_size=scenario.get("chunked_prefill_size", 8192),
         disable_overlap_schedule=not scenario.get("overlap", False),
         disable_radix_cache=scenario.get("disable_radix_cache", False),
+        enable_mixed_chunk=scenario.get("enable_mixed_chunk", False),
     )
     port_args = PortArgs.init_new(server_args)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
@@ -96,10 +97,13 @@ def main(scenario_path: str) -> None:
             ):
                 scheduler.abort_request(AbortReq(rid=rid))
                 aborted[rid] = step
+        formed = time.perf_counter()
         plan = scheduler.get_next_batch_to_run(scheduler.running_batch, last_batch)
+        formed = time.perf_counter() - formed
         scheduler.running_batch = plan.running_batch
         batch = plan.batch_to_run
         record = _step_record(scheduler, batch, state, step)
+        record["get_next_batch_us"] = round(formed * 1e6, 1)
         if state is not None and state.parked is not None:
             for req in state.parked.reqs:
                 kv_rows[req.rid] = _kv_row(scheduler, req)
@@ -126,6 +130,8 @@ def main(scenario_path: str) -> None:
             steps.append(record)
         step += 1
         if not pending and batch is None and scheduler.is_fully_idle() and not scheduler.waiting_queue:
+            break
+        if step >= scenario.get("max_steps", 1_000_000):
             break
 
     allocator = scheduler.token_to_kv_pool_allocator
