@@ -7,7 +7,7 @@ import time
 from sglang_ext.sim.gpu import RooflineGpu
 
 from .settings import EmulationSettings
-from .shape import BatchShape
+from sglang_ext.batch_shape import BatchShape
 from .timeline import DeviceTimeline, StepLog, StepRecord
 
 __all__ = ["EmulatedDevice"]

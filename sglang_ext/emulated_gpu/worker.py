@@ -22,7 +22,7 @@ from sglang.srt.runtime_context import get_parallel, get_schedule, get_spec
 from .device import EmulatedDevice
 from .runner import EmulatedModelRunner
 from .settings import ENV_LOG, ENV_PROFILE, EmulatedGpuConfigError, EmulationSettings
-from .shape import batch_shape
+from sglang_ext.batch_shape import batch_shape
 from .timeline import DeviceDeadline, StepLog, sleep_until
 from .tokens import TokenPicker
 

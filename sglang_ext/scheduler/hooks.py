@@ -268,7 +268,7 @@ def _run_batch(orig: Callable[..., Any], self: Scheduler, batch: Any, *args: Any
         state: FairBatchingState = self.fairbatching
         decision = state.last_decision
         budget = decision.time_budget_s if decision is not None else None
-        predicted = state.policy.step_model.predict(features.new_tokens, features.context)
+        predicted = state.policy.step_model.predict(features.new_tokens, features.total_context)
         state.launched(launched_at, predicted)
         try:
             setattr(result, LAUNCH_ATTR, StepLaunch(launched_at, features, predicted, budget))

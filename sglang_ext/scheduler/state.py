@@ -20,7 +20,7 @@ from sglang_ext.config import ExtensionConfig
 from sglang_ext.policy.gc import should_collect
 from sglang_ext.policy.view import BatchDecision, RequestState
 from sglang_ext.scheduler.requests import RequestRecords
-from sglang_ext.scheduler.step_features import StepFeatures
+from sglang_ext.sim.gpu import StepShape
 
 logger = logging.getLogger("sglang_ext.fairbatching")
 
@@ -30,7 +30,7 @@ LAUNCH_ATTR = "_fairbatching_launch"
 @dataclass(frozen=True, slots=True)
 class StepLaunch:
     launched_at: float
-    features: StepFeatures
+    features: StepShape
     predicted_s: float
     time_budget_s: float | None = None
 
@@ -112,9 +112,9 @@ class FairBatchingState:
             self.counters.overruns += 1
             logger.debug("FairBatching step overran its budget: %.1f ms > %.1f ms (predicted %.1f ms, "
                          "%d new tokens, %d context)", measured * 1e3, launch.time_budget_s * 1e3,
-                         launch.predicted_s * 1e3, features.new_tokens, features.context)
+                         launch.predicted_s * 1e3, features.new_tokens, features.total_context)
         self.policy.observe_step(
-            features.new_tokens, features.context, measured, features.prefill_tokens
+            features.new_tokens, features.total_context, measured, features.prefill_tokens
         )
         self.maybe_log(done_at)
         if self.metrics is not None and done_at - self._last_publish >= 0.5:

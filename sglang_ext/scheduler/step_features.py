@@ -1,27 +1,15 @@
-"""The step model's features of an SGLang batch, as the simulator defines them:
-new tokens, the prompt part of them, and the KV tokens already present (context)."""
+"""The step model's features of an SGLang batch: the roofline shape the emulated GPU
+charges (``sglang_ext.batch_shape``), so the online model and the emulated device agree
+on what a step computed — new tokens, the prompt part of them, and the KV already
+present (``total_context``)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+
+from sglang_ext.batch_shape import batch_shape
+from sglang_ext.sim.gpu import StepShape
 
 
-class StepFeatures(NamedTuple):
-    new_tokens: int
-    prefill_tokens: int
-    context: int
-    decode_requests: int
-
-
-def step_features(batch: Any) -> StepFeatures:
-    mode = batch.forward_mode
-    if mode is not None and mode.is_extend():
-        decoding = len(batch.decoding_reqs or ())
-        new_tokens = int(sum(batch.extend_lens))
-        return StepFeatures(new_tokens, new_tokens - decoding, int(sum(batch.prefix_lens)), decoding)
-    if mode is not None and mode.is_decode():
-        requests = len(batch.reqs)
-        seq_lens = batch.seq_lens_cpu
-        total = int(seq_lens.sum()) if seq_lens is not None else sum(r.seqlen for r in batch.reqs)
-        return StepFeatures(requests, 0, max(0, total - requests), requests)
-    return StepFeatures(0, 0, 0, 0)
+def step_features(batch: Any) -> StepShape:
+    return batch_shape(batch).step

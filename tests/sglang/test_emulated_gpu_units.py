@@ -31,7 +31,7 @@ from sglang_ext.emulated_gpu.settings import (
     EmulatedGpuConfigError,
     EmulationSettings,
 )
-from sglang_ext.emulated_gpu.shape import BatchShape, batch_shape
+from sglang_ext.batch_shape import BatchShape, batch_shape
 from sglang_ext.emulated_gpu.timeline import (
     DeviceDeadline,
     DeviceTimeline,
