@@ -71,13 +71,14 @@ def main(scenario_path: str) -> None:
     result_queue = scheduler.result_queue if overlap else None
     last_batch = None
     aborted: dict[str, int] = {}
+    retracted = 0
     step = 0
     deadline = time.monotonic() + scenario.get("timeout_s", 120)
     while time.monotonic() < deadline:
         while pending and pending[0].get("at_step", 0) <= step:
             spec = pending.pop(0)
             custom_params = {"slo": spec["slo"]} if "slo" in spec else None
-            params = SamplingParams(max_new_tokens=spec["max_new_tokens"], ignore_eos=True,
+            params = SamplingParams(max_new_tokens=spec["max_new_tokens"], ignore_eos=spec.get("ignore_eos", True),
                                     custom_params=custom_params)
             params.normalize(None)
             recv = TokenizedGenerateReqInput(
@@ -100,6 +101,9 @@ def main(scenario_path: str) -> None:
         formed = time.perf_counter()
         plan = scheduler.get_next_batch_to_run(scheduler.running_batch, last_batch)
         formed = time.perf_counter() - formed
+        reporter = scheduler.metrics_reporter
+        retracted += getattr(reporter, "num_retracted_reqs", 0) or 0
+        reporter.num_retracted_reqs = 0
         scheduler.running_batch = plan.running_batch
         batch = plan.batch_to_run
         record = _step_record(scheduler, batch, state, step)
@@ -142,6 +146,7 @@ def main(scenario_path: str) -> None:
         "outputs": outputs,
         "checks": checks,
         "aborted_at_step": aborted,
+        "retracted": retracted,
         "idle": scheduler.is_fully_idle(),
         "kv_free_plus_evictable": allocator.available_size() + evictable,
         "kv_total": scheduler.max_total_num_tokens,

@@ -121,3 +121,46 @@ def test_stock_scheduler_is_untouched_and_prefills_alone(stock_run: dict) -> Non
     assert stock_run["kv_free_plus_evictable"] == stock_run["kv_total"]
     prefill_steps = [s for s in stock_run["steps"] if "long-prompt" in s["prefills"]]
     assert prefill_steps and all(not s["decodes"] for s in prefill_steps)
+
+
+MEMORY_BOUND = [
+    # Without ignore_eos SGLang reserves only a fraction of max_new_tokens (new_token_ratio),
+    # over-admits, and must retract later; the emulated GPU never emits EOS.
+    *({"rid": f"relaxed-{i}", "prompt_tokens": 200, "max_new_tokens": 300, "slo": {"class": "relaxed"},
+       "ignore_eos": False} for i in range(6)),
+    {"rid": "tight", "prompt_tokens": 100, "max_new_tokens": 300, "slo": {"ttft_ms": 100, "tpot_ms": 15}},
+    {"rid": "prompt", "prompt_tokens": 1200, "max_new_tokens": 20, "slo": {"class": "interactive"}, "at_step": 30},
+]
+
+
+@pytest.fixture(scope="module")
+def memory_bound_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("kv")
+    config = tmp_path / "fb.toml"
+    config.write_text(
+        f'policy = "fb"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
+        f'step_model = "{REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"}"\n'
+    )
+    scenario = {"requests": MEMORY_BOUND, "overlap": False, "max_total_tokens": 3000,
+                "disable_radix_cache": True, "timeout_s": 200, "config": str(config)}
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps(scenario))
+    env = {**os.environ, "FAIRBATCHING_EMULATED_GPU": "llama3.1-8b-h100"}
+    env.pop("FAIRBATCHING_CONFIG", None)
+    done = subprocess.run([sys.executable, str(HARNESS), str(path)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("HARNESS-RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("HARNESS-RESULT "))
+
+
+def test_retraction_under_kv_pressure_sees_parked_requests(memory_bound_run: dict) -> None:
+    """KV for 3,000 tokens, 4,300 wanted: SGLang must retract, parked requests included,
+    and every request still ends with exactly its tokens and no KV leaked."""
+    outputs = memory_bound_run["outputs"]
+    assert {rid: o["tokens"] for rid, o in outputs.items()} == {
+        s["rid"]: s["max_new_tokens"] for s in MEMORY_BOUND}
+    assert memory_bound_run["idle"]
+    assert memory_bound_run["kv_free_plus_evictable"] == memory_bound_run["kv_total"]
+    assert memory_bound_run["fairbatching"]["counters"]["deferred_decodes"] > 0
+    assert memory_bound_run["retracted"] > 0
