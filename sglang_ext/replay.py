@@ -110,7 +110,9 @@ async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRe
     prompt = request.prompt_tokens if max_prompt_tokens is None else min(request.prompt_tokens, max_prompt_tokens)
     body = {
         "rid": request.rid,
-        "input_ids": [11 + (i * 7919) % 900 for i in range(prompt)],
+        # Distinct per request (seeded by its id): a prompt shared by every request would be
+        # served from SGLang's prefix cache, and its prefill would cost (almost) nothing.
+        "input_ids": random.Random(request.rid).choices(range(11, 911), k=prompt),
         "sampling_params": {
             "max_new_tokens": request.output_tokens,
             "ignore_eos": True,

@@ -154,7 +154,8 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     in_flight = _in_flight_reqs(self)
     parked_reqs = state.parked_reqs
     views: list[LiveRequestView] = [
-        records.decode_view(req, req in in_flight) for req in (*running_batch.reqs, *parked_reqs)
+        records.decode_view(req, req in in_flight, state.device_free_at)
+        for req in (*running_batch.reqs, *parked_reqs)
     ]
     chunked = self.chunked_req
     chunked_view = None

@@ -72,17 +72,20 @@ class RequestRecords:
         setattr(req, RECORD_ATTR, view)
         return view
 
-    def decode_view(self, req: Any, in_flight: bool) -> LiveRequestView:
+    def decode_view(self, req: Any, in_flight: bool, in_flight_ends_at: float) -> LiveRequestView:
         """A decoding request. Under the overlap scheduler ``in_flight`` requests have a
         token being computed that ``output_ids`` does not show yet: the next token this
-        step can produce is one further on."""
+        step can produce is one further on. If that in-flight token is the first one,
+        SGLang has not stamped it yet; it is expected when the in-flight step ends
+        (``in_flight_ends_at``) — without this, the anchored variants would measure the
+        second token against the TTFT envelope and allow a long step right after it."""
         view = getattr(req, RECORD_ATTR, None) or self._attach(req)
         produced = len(req.output_ids) + in_flight
         view.next_output_index = produced
         view.pending_prefill = 0
         view.context = view.prompt_tokens + produced
-        if view.first_token_time is None:
-            view.first_token_time = req.time_stats.prefill_finished_time or None
+        first = req.time_stats.prefill_finished_time
+        view.first_token_time = first if first else (in_flight_ends_at if in_flight else None)
         return view
 
     def prefill_view(self, req: Any) -> LiveRequestView:
