@@ -44,6 +44,10 @@ def run_scenario(tmp_path: Path, name: str, *, overlap: bool, fairbatching: bool
             f'step_model = "{REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"}"\n'
         )
         scenario["config"] = str(config)
+    return run_harness(tmp_path, name, scenario)
+
+
+def run_harness(tmp_path: Path, name: str, scenario: dict[str, Any]) -> dict[str, Any]:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(scenario))
     env = {**os.environ, "FAIRBATCHING_EMULATED_GPU": "llama3.1-8b-h100"}
@@ -143,15 +147,7 @@ def memory_bound_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     )
     scenario = {"requests": MEMORY_BOUND, "overlap": False, "max_total_tokens": 3000,
                 "disable_radix_cache": True, "timeout_s": 200, "config": str(config)}
-    path = tmp_path / "kv.json"
-    path.write_text(json.dumps(scenario))
-    env = {**os.environ, "FAIRBATCHING_EMULATED_GPU": "llama3.1-8b-h100"}
-    env.pop("FAIRBATCHING_CONFIG", None)
-    done = subprocess.run([sys.executable, str(HARNESS), str(path)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("HARNESS-RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("HARNESS-RESULT "))
+    return run_harness(tmp_path, "kv", scenario)
 
 
 def test_retraction_under_kv_pressure_sees_parked_requests(memory_bound_run: dict) -> None:
