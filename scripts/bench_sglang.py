@@ -618,7 +618,7 @@ def render(doc: dict) -> str:
         f"{doc['configs'][0].get('server_info', {}).get('chunked_prefill_size')} (on a real H100 it would "
         "be chosen from GPU memory). Prefix cache flushed before every run.",
         "",
-        f"## (a) `sglang.benchmark.serving`, random dataset, Poisson arrivals",
+        "## (a) `sglang.benchmark.serving`, random dataset, Poisson arrivals",
         "",
         f"Rates {', '.join(f'{r:g}' for r in plan['random_rates'])} req/s, "
         f"{plan['random_seconds']:g} s of arrivals each (num-prompts = rate x {plan['random_seconds']:g}); "

@@ -27,7 +27,7 @@ from typing import Any
 
 from sglang_ext.policy.slo import SloCatalog, SloError
 from sglang_ext.sim.metrics import RequestRecord, summarize
-from sglang_ext.sim.workloads import TraceRequest, Workload, WorkloadError, bundled_sample, load_workload
+from sglang_ext.sim.workloads import Workload, WorkloadError, bundled_sample, load_workload
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -42,8 +42,9 @@ logger = logging.getLogger("sglang_ext.fairbatching")
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 SCHEDULE_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
 
-# The plan being realised right now (the scheduler is single-threaded); read by the
-# waiting-queue ordering hook, which SGLang calls on its SchedulePolicy, not the Scheduler.
+# The plan being realised right now (the scheduler process is single-threaded); read by
+# the adder-class hook and by the waiting-queue ordering hook, which SGLang calls on its
+# SchedulePolicy, not the Scheduler.
 _active_plan: PrefillPlan | None = None
 
 
@@ -184,11 +185,11 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     )
     state.counters.planned_prefill_tokens += plan.total_tokens
     global _active_plan
-    self._fairbatching_plan = _active_plan = plan
+    _active_plan = plan
     try:
         result = orig(self, running_batch)
     finally:
-        self._fairbatching_plan = _active_plan = None
+        _active_plan = None
     if result.batch_to_run is None and state.parked is not None:
         # SGLang could not admit the planned prefill (KV memory): decode everyone.
         state.counters.fallbacks += 1
@@ -233,7 +234,7 @@ def _planned_first(result: Any, policy: Any, waiting_queue: list[Any], *args: An
 
 def _get_prefill_adder_class(orig: Callable[..., Any], self: Scheduler) -> Any:
     base = orig(self)
-    plan = getattr(self, "_fairbatching_plan", None)
+    plan = _active_plan
     return base if plan is None else adder_factory(base, plan)
 
 
