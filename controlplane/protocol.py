@@ -1,0 +1,388 @@
+"""The control plane's wire protocol: msgspec Structs, msgpack on the wire, never pickle.
+
+Every frame is ``MAGIC + SCHEMA_VERSION + msgpack(message)``; the message is one member
+of a tagged union (the ``type`` field names it). :func:`decode` checks the frame's size,
+magic and version *before* msgpack decoding, then decodes with a typed decoder for the
+channel, so a peer can only ever produce one of the messages that channel allows.
+Anything else raises :class:`FrameError` with a short machine-readable ``kind``; the
+caller drops the frame, counts it and logs it with the peer.
+
+Sockets (the daemon binds all three, loopback by default)::
+
+    clients  --DEALER-->  ROUTER  client_address   ClientRequest  /  ClientReply
+    agents   --DEALER-->  ROUTER  rank_address     AgentMessage   /  DaemonToAgent
+    ranks    --PUSH---->  PULL    report_address   Report (one-way; loss tolerated)
+
+A rank agent serves one or more ranks (one rank = one data-parallel scheduler). It says
+:class:`Hello` for each rank with a fresh ``epoch``; the daemon fences messages from any
+older epoch. Reports are per rank, numbered by ``seq`` per (rank, epoch), and echo the
+highest dispatch sequence they account for, which travels with each request (SGLang:
+``custom_params["_fairbatching_dispatch_seq"]``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Final, Generic, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+MAGIC: Final = b"\xfb"
+SCHEMA_VERSION: Final = 1
+HEADER: Final = MAGIC + bytes([SCHEMA_VERSION])
+DEFAULT_MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
+RankId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
+NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+Epoch = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+
+
+class RejectReason(enum.StrEnum):
+    NO_BUDGET = "no_budget"  # no rank's PAB covers the prompt (retry after retry_after_s)
+    OVERLOADED = "overloaded"  # in-flight or queue limits reached (retry after retry_after_s)
+    INVALID = "invalid"  # the request itself is wrong; never retry
+    DUPLICATE = "duplicate"  # this request id is already in flight
+    RANK_LOST = "rank_lost"  # the rank serving it went away
+    NO_RANKS = "no_ranks"  # no rank is registered at all
+    DEADLINE = "deadline"  # the client's deadline passed before the request finished
+    QUEUE_TIMEOUT = "queue_timeout"  # waited in the admission queue past its TTL
+    SHUTTING_DOWN = "shutting_down"  # the daemon is draining
+
+
+class FinishReason(enum.StrEnum):
+    LENGTH = "length"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+# ------------------------------------------------------------------ request content
+class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    max_new_tokens: Annotated[int, Meta(ge=1, le=1_000_000)] = 128
+    temperature: NonNegFloat = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    min_new_tokens: NonNegInt = 0
+    stop: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=16)] = []
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class SloSpec(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Either a class name (resolved by the rank's SLO catalog) or explicit targets."""
+
+    slo_class: Annotated[str, Meta(max_length=64)] | None = msgspec.field(default=None, name="class")
+    ttft_ms: Annotated[float, Meta(gt=0.0)] | None = None
+    tpot_ms: Annotated[float, Meta(gt=0.0)] | None = None
+
+    def as_custom_params(self) -> dict[str, object]:
+        """The shape SGLang's extension and the simulator read from ``custom_params["slo"]``."""
+        return msgspec.to_builtins(self)
+
+
+class Prompt(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Exactly one of ``text`` and ``token_ids``."""
+
+    text: Annotated[str, Meta(max_length=1_000_000)] | None = None
+    token_ids: list[TokenId] | None = None
+
+    def validate(self) -> None:
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("a prompt needs exactly one of text and token_ids")
+        if self.token_ids is not None and not self.token_ids:
+            raise ValueError("token_ids must not be empty")
+        if self.text is not None and not self.text:
+            raise ValueError("text must not be empty")
+
+
+# ------------------------------------------------------------------ client -> daemon
+class Submit(Struct, frozen=True, tag="submit", forbid_unknown_fields=True, omit_defaults=True):
+    request_id: RequestId
+    prompt: Prompt
+    sampling: SamplingParams = SamplingParams()
+    slo: SloSpec | None = None
+    deadline_s: Annotated[float, Meta(gt=0.0)] | None = None  # relative to the daemon's receipt
+    stream: bool = True
+
+
+class Cancel(Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
+    request_id: RequestId
+
+
+class Ping(Struct, frozen=True, tag="ping", forbid_unknown_fields=True):
+    nonce: int = 0
+
+
+class StatusRequest(Struct, frozen=True, tag="status_request", forbid_unknown_fields=True):
+    pass
+
+
+ClientRequest = Submit | Cancel | Ping | StatusRequest
+
+
+# ------------------------------------------------------------------ daemon -> client
+class Dispatched(Struct, frozen=True, tag="dispatched"):
+    request_id: str
+    rank: str
+    dispatch_seq: int
+
+
+class Chunk(Struct, frozen=True, tag="chunk", omit_defaults=True):
+    """New output since the previous chunk; ``completion_tokens`` is the running total."""
+
+    request_id: str
+    token_ids: list[int] = []
+    text: str = ""
+    completion_tokens: int = 0
+
+
+class Finish(Struct, frozen=True, tag="finish", omit_defaults=True):
+    request_id: str
+    reason: FinishReason
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # measured at the rank, receipt to first token
+    latency_s: float | None = None
+    text: str = ""  # the whole output, for non-streamed requests
+    token_ids: list[int] = []
+    error: str = ""
+
+
+class Reject(Struct, frozen=True, tag="reject", omit_defaults=True):
+    """The request is over and was not served (or stopped before finishing).
+
+    ``retryable`` says whether resubmitting the same request id can succeed: true for
+    no budget, overloaded, queue timeout and rank lost before any output was streamed.
+    """
+
+    request_id: str
+    reason: RejectReason
+    detail: str = ""
+    retry_after_s: float | None = None
+    retryable: bool = False
+
+
+class Pong(Struct, frozen=True, tag="pong"):
+    nonce: int
+    daemon_id: str
+    draining: bool = False
+
+
+class RankStatus(Struct, frozen=True):
+    rank: str
+    agent: str
+    epoch: int
+    pab_tokens: float | None  # effective (reported minus unreported debits); None = unknown
+    reported_pab_tokens: float | None
+    running: int
+    waiting: int
+    free_kv_tokens: int
+    in_flight: int
+    report_age_s: float | None
+    stale: bool
+    reports: int
+    seq_gaps: int
+    dispatched: int
+
+
+class StatusReply(Struct, frozen=True, tag="status"):
+    daemon_id: str
+    policy: str
+    uptime_s: float
+    draining: bool
+    in_flight: int
+    queued: int
+    ranks: list[RankStatus]
+    counters: dict[str, int]
+
+
+ClientReply = Dispatched | Chunk | Finish | Reject | Pong | StatusReply
+
+
+# ------------------------------------------------------------------ agent <-> daemon
+class Hello(Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
+    """A rank joins (or rejoins with a new epoch). ``agent`` must equal the sender's
+    ZMQ routing id; every later message about ``rank`` must come from it."""
+
+    agent: RankId
+    rank: RankId
+    epoch: Epoch
+
+
+class Goodbye(Struct, frozen=True, tag="goodbye", forbid_unknown_fields=True):
+    """The rank leaves on purpose; its in-flight requests fail with rank lost."""
+
+    rank: RankId
+    epoch: Epoch
+
+
+class Heartbeat(Struct, frozen=True, tag="heartbeat", forbid_unknown_fields=True):
+    agent: RankId
+
+
+class Output(Struct, frozen=True, tag="output", forbid_unknown_fields=True, omit_defaults=True):
+    """Rank -> daemon: new output of a dispatched request (same meaning as :class:`Chunk`)."""
+
+    rank: RankId
+    epoch: Epoch
+    request_id: RequestId
+    token_ids: list[int] = []
+    text: str = ""
+    completion_tokens: NonNegInt = 0
+
+
+class Done(Struct, frozen=True, tag="done", forbid_unknown_fields=True, omit_defaults=True):
+    """Rank -> daemon: the request is over at the rank (finished, cancelled or failed)."""
+
+    rank: RankId
+    epoch: Epoch
+    request_id: RequestId
+    reason: FinishReason
+    prompt_tokens: NonNegInt = 0
+    completion_tokens: NonNegInt = 0
+    ttft_s: NonNegFloat | None = None
+    latency_s: NonNegFloat | None = None
+    text: str = ""
+    token_ids: list[int] = []
+    error: Annotated[str, Meta(max_length=4096)] = ""
+    invalid: bool = False  # the rank refused the request as malformed (client error)
+
+
+AgentMessage = Hello | Goodbye | Heartbeat | Output | Done
+
+
+class Welcome(Struct, frozen=True, tag="welcome"):
+    rank: str
+    epoch: int
+    daemon_id: str
+    report_address: str
+    heartbeat_interval_s: float
+
+
+class Dispatch(Struct, frozen=True, tag="dispatch", omit_defaults=True):
+    request_id: str
+    rank: str
+    epoch: int
+    dispatch_seq: int
+    prompt: Prompt
+    sampling: SamplingParams = SamplingParams()
+    slo: SloSpec | None = None
+    stream: bool = True
+
+
+class Abort(Struct, frozen=True, tag="abort"):
+    rank: str
+    epoch: int
+    request_id: str
+
+
+class Fenced(Struct, frozen=True, tag="fenced"):
+    """The daemon refuses this (rank, epoch): a newer epoch holds the rank, or it left."""
+
+    rank: str
+    epoch: int
+    detail: str
+
+
+DaemonToAgent = Welcome | Dispatch | Abort | Fenced
+
+
+# ------------------------------------------------------------------ rank -> daemon reports
+class Report(Struct, frozen=True, tag="report", forbid_unknown_fields=True):
+    """One rank's load. ``seq`` counts reports per (rank, epoch) from 1;
+    ``echoed_dispatch_seq`` is the highest dispatch sequence this report accounts for."""
+
+    rank: RankId
+    epoch: Epoch
+    seq: Annotated[int, Meta(ge=1)]
+    pab_tokens: float
+    running: NonNegInt
+    waiting: NonNegInt
+    total_tokens: NonNegInt  # tokens held by running + waiting requests (SGLang's total_tokens load)
+    free_kv_tokens: NonNegInt
+    echoed_dispatch_seq: NonNegInt
+    step_time_s: NonNegFloat
+    sent_at: float  # the reporter's monotonic clock (ordering/age diagnostics only)
+
+
+# ------------------------------------------------------------------ framing
+class FrameError(ValueError):
+    """A frame was refused; ``kind`` is one of oversized, truncated, bad_magic,
+    wrong_version, malformed, invalid."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(message: Struct) -> bytes:
+    return HEADER + _ENCODER.encode(message)
+
+
+T = TypeVar("T")
+
+
+class Channel(Generic[T]):
+    """A typed decoder for one direction of one socket."""
+
+    def __init__(self, name: str, message_type: object, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+        self.name = name
+        self.max_frame_bytes = max_frame_bytes
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+
+    def decode(self, frame: bytes | memoryview) -> T:
+        size = len(frame)
+        if size > self.max_frame_bytes:
+            raise FrameError("oversized", f"{size} bytes > {self.max_frame_bytes}")
+        if size < len(HEADER) + 1:
+            raise FrameError("truncated", f"{size} bytes")
+        head = bytes(frame[: len(HEADER)])
+        if head[:1] != MAGIC:
+            raise FrameError("bad_magic", f"first byte {head[0]:#04x}")
+        if head[1] != SCHEMA_VERSION:
+            raise FrameError("wrong_version", f"schema {head[1]}, expected {SCHEMA_VERSION}")
+        try:
+            message = self._decoder.decode(memoryview(frame)[len(HEADER):])
+        except msgspec.ValidationError as error:
+            raise FrameError("invalid", str(error)) from None
+        except msgspec.DecodeError as error:
+            raise FrameError("malformed", str(error)) from None
+        if isinstance(message, (Submit, Dispatch)):
+            try:
+                message.prompt.validate()
+            except ValueError as error:
+                raise FrameError("invalid", str(error)) from None
+        return message
+
+
+def client_request_channel(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Channel[ClientRequest]:
+    return Channel("client", ClientRequest, max_frame_bytes)
+
+
+def client_reply_channel(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Channel[ClientReply]:
+    return Channel("client_reply", ClientReply, max_frame_bytes)
+
+
+def agent_message_channel(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Channel[AgentMessage]:
+    return Channel("agent", AgentMessage, max_frame_bytes)
+
+
+def daemon_to_agent_channel(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Channel[DaemonToAgent]:
+    return Channel("daemon_to_agent", DaemonToAgent, max_frame_bytes)
+
+
+def report_channel(max_frame_bytes: int = 64 * 1024) -> Channel[Report]:
+    return Channel("report", Report, max_frame_bytes)
+
+
+def retryable(reason: RejectReason) -> bool:
+    return reason in {RejectReason.NO_BUDGET, RejectReason.OVERLOADED, RejectReason.QUEUE_TIMEOUT,
+                      RejectReason.RANK_LOST, RejectReason.NO_RANKS}
