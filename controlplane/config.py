@@ -1,0 +1,96 @@
+"""The daemon's configuration: one TOML file (see ``configs/controlplane.toml``).
+
+Every field has a default, so an empty file (or none) is a loopback daemon with the
+``pab`` policy. A wrong key, type or range raises :class:`ConfigError` naming the file
+and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+PositiveFloat = Annotated[float, Meta(gt=0.0)]
+PositiveInt = Annotated[int, Meta(gt=0)]
+PolicyName = Literal["pab", "round_robin", "request_count", "total_tokens", "power_of_two"]
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+class ConfigError(ValueError):
+    """A malformed daemon config; the message names the file and the field."""
+
+
+class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    client_address: str = "tcp://127.0.0.1:5560"
+    rank_address: str = "tcp://127.0.0.1:5561"
+    report_address: str = "tcp://127.0.0.1:5562"
+    allow_non_loopback: bool = False  # binding beyond loopback must be asked for
+
+    policy: PolicyName = "pab"
+    on_no_budget: Literal["reject", "queue"] = "reject"
+    retry_after_s: PositiveFloat = 0.25
+    queue_ttl_s: PositiveFloat = 5.0
+    max_queued: PositiveInt = 1024
+    max_in_flight: PositiveInt = 65536
+    local_inflight_cap: PositiveInt = 64  # per rank, when every rank is stale
+    chars_per_token: PositiveFloat = 4.0
+    seed: int = 0  # power_of_two's sampling
+
+    stale_after_s: PositiveFloat = 1.0
+    heartbeat_interval_s: PositiveFloat = 0.5
+    lost_after_s: PositiveFloat = 3.0
+    drain_timeout_s: Annotated[float, Meta(ge=0.0)] = 10.0
+
+    max_frame_bytes: Annotated[int, Meta(ge=1024, le=256 * 1024 * 1024)] = 4 * 1024 * 1024
+    send_hwm: PositiveInt = 10_000
+    recv_hwm: PositiveInt = 10_000
+    inbox_size: PositiveInt = 10_000  # bounded queue between socket owners and the core
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    daemon_id: str = ""  # empty: a fresh random id per start
+
+    def __post_init__(self) -> None:
+        for key in ("client_address", "rank_address", "report_address"):
+            address = getattr(self, key)
+            if not address.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{key} = {address!r}: expected tcp://host:port, ipc:// or inproc://")
+            if address.startswith("tcp://") and not self.allow_non_loopback:
+                host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+                if host not in LOOPBACK_HOSTS:
+                    raise ValueError(
+                        f"{key} = {address!r} is not loopback; set allow_non_loopback = true to bind "
+                        "it (and put the sockets behind a network you trust: they are unauthenticated)"
+                    )
+        if self.lost_after_s <= self.heartbeat_interval_s:
+            raise ValueError("lost_after_s must exceed heartbeat_interval_s")
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> DaemonConfig:
+        """The ``[daemon]`` table of ``path`` (None: all defaults)."""
+        if path is None:
+            return cls()
+        path = Path(path)
+        try:
+            document = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except OSError as error:
+            raise ConfigError(f"{path}: cannot read config file: {error.strerror or error}") from None
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+            raise ConfigError(f"{path}: invalid TOML: {error}") from None
+        unknown = set(document) - {"daemon"}
+        if unknown:
+            raise ConfigError(f"{path}: unknown table or key {sorted(unknown)}; expected [daemon]")
+        return cls.from_mapping(document.get("daemon", {}), source=str(path))
+
+    @classmethod
+    def from_mapping(cls, table: object, source: str = "<config>") -> DaemonConfig:
+        try:
+            return msgspec.convert(table, cls)
+        except msgspec.ValidationError as error:
+            message = str(error).replace("$.", "daemon.").replace("`$`", "[daemon]")
+            raise ConfigError(f"{source}: {message}") from None
