@@ -48,7 +48,7 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=256 * 1024 * 1024)] = 4 * 1024 * 1024
     send_hwm: PositiveInt = 10_000
     recv_hwm: PositiveInt = 10_000
-    inbox_size: PositiveInt = 10_000  # bounded queue between socket owners and the core
+    outbox_size: PositiveInt = 10_000  # per socket; a full outbox counts as a failed send
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     daemon_id: str = ""  # empty: a fresh random id per start

@@ -353,7 +353,8 @@ class Channel(Generic[T]):
             message = self._decoder.decode(memoryview(frame)[len(HEADER):])
         except msgspec.ValidationError as error:
             raise FrameError("invalid", str(error)) from None
-        except msgspec.DecodeError as error:
+        except (msgspec.DecodeError, UnicodeDecodeError) as error:
+            # msgspec raises UnicodeDecodeError itself for invalid UTF-8 in a str
             raise FrameError("malformed", str(error)) from None
         if isinstance(message, (Submit, Dispatch)):
             try:

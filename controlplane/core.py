@@ -1,0 +1,431 @@
+"""The daemon's state machine, without I/O: events in, messages to send out.
+
+Every handler takes the current time and returns the sends it causes; the asyncio layer
+(:mod:`controlplane.daemon`) owns the sockets and reports failed sends back through
+:meth:`DispatcherCore.on_send_failed`. Every request leaves the table through
+:meth:`DispatcherCore._close`, the one place that releases its in-flight slot, so each
+exit path (finish, error, cancel, deadline, client gone, rank lost, drain) releases it
+exactly once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from controlplane.balancer import RankView, least_in_flight, make_balancer
+from controlplane.config import DaemonConfig
+from controlplane.ledger import DispatchLedger
+from controlplane.protocol import (
+    Abort, AgentMessage, Cancel, Chunk, ClientReply, ClientRequest, DaemonToAgent, Dispatch,
+    Dispatched, Done, Fenced, Finish, FinishReason, Goodbye, Heartbeat, Hello, Output, Ping,
+    Pong, RankStatus, Reject, RejectReason, Report, StatusReply, StatusRequest, Submit, Welcome,
+    retryable,
+)
+from controlplane.registry import Departure, HelloOutcome, RankRegistry, ReportOutcome
+
+UNKNOWN_AGENT = "unknown agent"
+UNKNOWN_RANK = "unknown rank"
+
+
+@dataclass(frozen=True, slots=True)
+class ToClient:
+    identity: bytes
+    message: ClientReply
+
+
+@dataclass(frozen=True, slots=True)
+class ToAgent:
+    identity: bytes
+    message: DaemonToAgent
+
+
+Send = ToClient | ToAgent
+
+
+@dataclass(slots=True)
+class Pending:
+    """A request the daemon holds: queued (``rank is None``) or dispatched."""
+
+    submit: Submit
+    client: bytes
+    prompt_tokens: int
+    received_at: float
+    deadline_at: float | None
+    queued_until: float | None = None
+    rank: str | None = None
+    epoch: int = 0
+    agent: bytes = b""
+    dispatch_seq: int = 0
+    output_sent: bool = False
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    tried: set[str] = field(default_factory=set)
+
+
+class DispatcherCore:
+    def __init__(self, config: DaemonConfig, daemon_id: str, started_at: float) -> None:
+        self.config = config
+        self.daemon_id = daemon_id
+        self.started_at = started_at
+        self.registry = RankRegistry()
+        self.ledger = DispatchLedger()
+        self.balancer = make_balancer(config.policy, config.seed)
+        self.counters: Counter[str] = Counter()
+        self.draining = False
+        self._requests: dict[str, Pending] = {}
+        self._queue: deque[str] = deque()
+        self._deadlines: list[tuple[float, str]] = []
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests) - len(self._queue)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def idle(self) -> bool:
+        return not self._requests
+
+    def status(self, now: float) -> StatusReply:
+        ranks = []
+        for state in self.registry.ranks():
+            report = state.report
+            ranks.append(RankStatus(
+                rank=state.rank, agent=state.agent.decode(errors="replace"), epoch=state.epoch,
+                pab_tokens=self.ledger.effective_budget(state.rank),
+                reported_pab_tokens=report.pab_tokens if report else None,
+                running=report.running if report else 0, waiting=report.waiting if report else 0,
+                free_kv_tokens=report.free_kv_tokens if report else 0,
+                in_flight=len(state.in_flight), report_age_s=state.report_age(now),
+                stale=not state.fresh(now, self.config.stale_after_s), reports=state.reports,
+                seq_gaps=state.seq_gaps, dispatched=state.dispatched,
+            ))
+        return StatusReply(self.daemon_id, self.config.policy, now - self.started_at, self.draining,
+                           self.in_flight, self.queued, ranks, dict(self.counters))
+
+    # ------------------------------------------------------------------ clients
+    def on_client(self, identity: bytes, message: ClientRequest, now: float) -> list[Send]:
+        match message:
+            case Submit():
+                return self._submit(identity, message, now)
+            case Cancel(request_id=request_id):
+                return self._cancel(identity, request_id, now)
+            case Ping(nonce=nonce):
+                return [ToClient(identity, Pong(nonce, self.daemon_id, self.draining))]
+            case StatusRequest():
+                return [ToClient(identity, self.status(now))]
+        return []
+
+    def _submit(self, identity: bytes, submit: Submit, now: float) -> list[Send]:
+        self.counters["submits"] += 1
+        reject = self._refusal(submit)
+        if reject is not None:
+            self.counters[f"rejected_{reject.reason}"] += 1
+            return [ToClient(identity, reject)]
+        prompt = submit.prompt
+        prompt_tokens = (len(prompt.token_ids) if prompt.token_ids is not None
+                         else math.ceil(len(prompt.text.encode()) / self.config.chars_per_token))
+        deadline_at = now + submit.deadline_s if submit.deadline_s is not None else None
+        pending = Pending(submit, identity, prompt_tokens, now, deadline_at)
+        self._requests[submit.request_id] = pending
+        if deadline_at is not None:
+            heapq.heappush(self._deadlines, (deadline_at, submit.request_id))
+        return self._place(submit.request_id, pending, now, may_queue=True)
+
+    def _refusal(self, submit: Submit) -> Reject | None:
+        request_id = submit.request_id
+        if self.draining:
+            return Reject(request_id, RejectReason.SHUTTING_DOWN, "the daemon is draining",
+                          retry_after_s=self.config.retry_after_s, retryable=True)
+        if request_id in self._requests:
+            return Reject(request_id, RejectReason.DUPLICATE, "this request id is already in flight")
+        if len(self._requests) >= self.config.max_in_flight:
+            return Reject(request_id, RejectReason.OVERLOADED, "the daemon's in-flight limit is reached",
+                          retry_after_s=self.config.retry_after_s, retryable=True)
+        if not len(self.registry):
+            return Reject(request_id, RejectReason.NO_RANKS, "no rank is registered",
+                          retry_after_s=self.config.retry_after_s, retryable=True)
+        return None
+
+    def _cancel(self, identity: bytes, request_id: str, now: float) -> list[Send]:
+        pending = self._requests.get(request_id)
+        if pending is None or pending.client != identity:
+            self.counters["cancel_unknown"] += 1
+            return []
+        self.counters["cancelled"] += 1
+        return self._close(request_id, Finish(request_id, FinishReason.CANCELLED), abort=True)
+
+    # ------------------------------------------------------------------ placement
+    def _views(self, now: float) -> tuple[list[RankView], bool]:
+        """Views of the fresh ranks, or (no fresh rank) of every reachable one, and which."""
+        states = [s for s in self.registry.ranks() if not s.unreachable]
+        fresh = [s for s in states if s.fresh(now, self.config.stale_after_s)]
+        chosen = fresh or states
+        views = []
+        for state in chosen:
+            report = state.report
+            views.append(RankView(
+                rank=state.rank, pab_tokens=self.ledger.effective_budget(state.rank),
+                running=report.running if report else 0,
+                waiting=(report.waiting if report else 0) + self.ledger.outstanding_dispatches(state.rank),
+                total_tokens=(report.total_tokens if report else 0) + self.ledger.outstanding_tokens(state.rank),
+                in_flight=len(state.in_flight),
+            ))
+        return views, bool(fresh)
+
+    def _place(self, request_id: str, pending: Pending, now: float, *, may_queue: bool) -> list[Send]:
+        views, fresh = self._views(now)
+        views = [v for v in views if v.rank not in pending.tried]
+        if fresh:
+            rank = self.balancer.choose(views, pending.prompt_tokens)
+        else:
+            rank = least_in_flight(views, self.config.local_inflight_cap)
+            if rank is not None:
+                self.counters["dispatched_local_accounting"] += 1
+        if rank is not None:
+            return self._dispatch(request_id, pending, rank)
+        if not views:
+            reason, detail = RejectReason.NO_RANKS, "no reachable rank"
+        elif fresh and self.config.policy == "pab":
+            reason, detail = RejectReason.NO_BUDGET, f"no rank's budget covers {pending.prompt_tokens} prompt tokens"
+        else:
+            reason, detail = RejectReason.OVERLOADED, "every rank is at its in-flight cap"
+        if may_queue and self.config.on_no_budget == "queue" and reason is RejectReason.NO_BUDGET:
+            if len(self._queue) < self.config.max_queued:
+                pending.queued_until = now + self.config.queue_ttl_s
+                self._queue.append(request_id)
+                self.counters["queued"] += 1
+                return []
+            reason, detail = RejectReason.OVERLOADED, "the admission queue is full"
+        return self._close(request_id, self._reject(request_id, reason, detail))
+
+    def _dispatch(self, request_id: str, pending: Pending, rank: str) -> list[Send]:
+        state = self.registry.get(rank)
+        assert state is not None
+        seq = self.ledger.record_dispatch(rank, pending.prompt_tokens)
+        pending.rank, pending.epoch, pending.agent, pending.dispatch_seq = rank, state.epoch, state.agent, seq
+        pending.queued_until = None
+        pending.tried.add(rank)
+        state.in_flight.add(request_id)
+        state.dispatched += 1
+        self.counters["dispatched"] += 1
+        submit = pending.submit
+        dispatch = Dispatch(request_id, rank, state.epoch, seq, submit.prompt, submit.sampling,
+                            submit.slo, submit.stream)
+        return [ToAgent(state.agent, dispatch),
+                ToClient(pending.client, Dispatched(request_id, rank, seq))]
+
+    def _pump_queue(self, now: float) -> list[Send]:
+        if not self._queue:
+            return []
+        sends: list[Send] = []
+        waiting, self._queue = self._queue, deque()
+        for request_id in waiting:
+            pending = self._requests.get(request_id)
+            if pending is None or pending.rank is not None:
+                continue
+            if pending.queued_until is not None and now > pending.queued_until:
+                self.counters["queue_timeouts"] += 1
+                sends += self._close(request_id, self._reject(
+                    request_id, RejectReason.QUEUE_TIMEOUT, "no rank's budget covered it in time"))
+                continue
+            views, fresh = self._views(now)
+            rank = self.balancer.choose(views, pending.prompt_tokens) if fresh else None
+            if rank is None:
+                self._queue.append(request_id)
+            else:
+                sends += self._dispatch(request_id, pending, rank)
+        return sends
+
+    def _reject(self, request_id: str, reason: RejectReason, detail: str, *, output_sent: bool = False) -> Reject:
+        self.counters[f"rejected_{reason}"] += 1
+        can_retry = retryable(reason) and not output_sent
+        retry_after = self.config.retry_after_s if can_retry else None
+        return Reject(request_id, reason, detail, retry_after_s=retry_after, retryable=can_retry)
+
+    # ------------------------------------------------------------------ the one exit
+    def _close(self, request_id: str, reply: ClientReply | None, *, abort: bool = False) -> list[Send]:
+        pending = self._requests.pop(request_id, None)
+        if pending is None:
+            return []
+        sends: list[Send] = []
+        if pending.rank is None:
+            try:
+                self._queue.remove(request_id)
+            except ValueError:
+                pass
+        else:
+            state = self.registry.get(pending.rank)
+            if state is not None and state.epoch == pending.epoch:
+                state.in_flight.discard(request_id)
+                if abort:
+                    sends.append(ToAgent(pending.agent, Abort(pending.rank, pending.epoch, request_id)))
+        self.counters["closed"] += 1
+        if reply is not None:
+            sends.append(ToClient(pending.client, reply))
+        return sends
+
+    # ------------------------------------------------------------------ agents
+    def on_agent(self, identity: bytes, message: AgentMessage, now: float) -> list[Send]:
+        match message:
+            case Hello():
+                return self._hello(identity, message, now)
+            case Heartbeat(agent=agent):
+                if agent.encode() != identity:
+                    self.counters["identity_mismatch"] += 1
+                    return []
+                if not self.registry.knows_agent(identity):
+                    return [ToAgent(identity, Fenced("", 0, UNKNOWN_AGENT))]
+                self.registry.seen(identity, now)
+                return []
+            case Goodbye(rank=rank, epoch=epoch):
+                if not self.registry.owns(identity, rank, epoch):
+                    return self._fence(identity, rank, epoch)
+                self.registry.seen(identity, now)
+                self.counters["ranks_left"] += 1
+                return self._depart(self.registry.leave(rank), f"rank {rank} left")
+            case Output() | Done():
+                return self._rank_output(identity, message, now)
+        return []
+
+    def _hello(self, identity: bytes, hello: Hello, now: float) -> list[Send]:
+        if hello.agent.encode() != identity:
+            self.counters["identity_mismatch"] += 1
+            return []
+        outcome, departure = self.registry.hello(identity, hello.rank, hello.epoch, now)
+        if outcome is HelloOutcome.FENCED:
+            self.counters["fenced_messages"] += 1
+            held = self.registry.get(hello.rank)
+            return [ToAgent(identity, Fenced(hello.rank, hello.epoch,
+                                             f"epoch {hello.epoch} is older than the rank's epoch {held.epoch}"))]
+        self.counters[f"ranks_{outcome.value}"] += 1
+        sends: list[Send] = []
+        if departure is not None:
+            self.ledger.reset(hello.rank)
+            sends += self._depart(departure, f"rank {hello.rank} restarted (epoch {hello.epoch})", reset=False)
+        if outcome is HelloOutcome.JOINED:
+            self.ledger.reset(hello.rank)
+        sends.append(ToAgent(identity, Welcome(hello.rank, hello.epoch, self.daemon_id,
+                                               self.config.report_address,
+                                               self.config.heartbeat_interval_s)))
+        return sends + self._pump_queue(now)
+
+    def _fence(self, identity: bytes, rank: str, epoch: int) -> list[Send]:
+        self.counters["fenced_messages"] += 1
+        held = self.registry.get(rank)
+        detail = UNKNOWN_RANK if held is None else f"rank {rank} is in epoch {held.epoch}"
+        return [ToAgent(identity, Fenced(rank, epoch, detail))]
+
+    def _rank_output(self, identity: bytes, message: Output | Done, now: float) -> list[Send]:
+        if not self.registry.owns(identity, message.rank, message.epoch):
+            return self._fence(identity, message.rank, message.epoch)
+        self.registry.seen(identity, now)
+        request_id = message.request_id
+        pending = self._requests.get(request_id)
+        if pending is None or pending.rank != message.rank or pending.epoch != message.epoch:
+            self.counters["late_messages"] += 1
+            return []
+        if isinstance(message, Output):
+            if pending.submit.stream:
+                pending.output_sent = True
+                return [ToClient(pending.client, Chunk(request_id, message.token_ids, message.text,
+                                                        message.completion_tokens))]
+            pending.text.append(message.text)
+            pending.token_ids.extend(message.token_ids)
+            return []
+        if message.invalid:
+            return self._close(request_id, self._reject(request_id, RejectReason.INVALID, message.error))
+        self.counters[f"finished_{message.reason}"] += 1
+        text = "" if pending.submit.stream else "".join(pending.text) + message.text
+        token_ids = [] if pending.submit.stream else pending.token_ids + message.token_ids
+        finish = Finish(request_id, message.reason, message.prompt_tokens, message.completion_tokens,
+                        message.ttft_s, message.latency_s, text, token_ids, message.error)
+        return self._close(request_id, finish)
+
+    def _depart(self, departure: Departure | None, why: str, *, reset: bool = True) -> list[Send]:
+        if departure is None:
+            return []
+        if reset:
+            self.ledger.reset(departure.rank)
+        sends: list[Send] = []
+        for request_id in sorted(departure.in_flight):
+            pending = self._requests.get(request_id)
+            if pending is None or pending.epoch != departure.epoch:
+                continue
+            self.counters["rank_lost_requests"] += 1
+            sends += self._close(request_id, self._reject(request_id, RejectReason.RANK_LOST, why,
+                                                          output_sent=pending.output_sent))
+        return sends
+
+    # ------------------------------------------------------------------ reports
+    def on_report(self, report: Report, now: float) -> list[Send]:
+        outcome, gaps = self.registry.report(report, now)
+        self.counters[f"reports_{outcome.value}"] += 1
+        if gaps:
+            self.counters["report_seq_gaps"] += gaps
+        if outcome is not ReportOutcome.APPLIED:
+            return []
+        self.ledger.apply_report(report.rank, report.pab_tokens, report.echoed_dispatch_seq)
+        return self._pump_queue(now)
+
+    # ------------------------------------------------------------------ time and failures
+    def on_tick(self, now: float) -> list[Send]:
+        sends: list[Send] = []
+        for departure in self.registry.lost_agents(now, self.config.lost_after_s):
+            self.counters["ranks_lost"] += 1
+            sends += self._depart(departure, f"rank {departure.rank} stopped responding")
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline_at, request_id = heapq.heappop(self._deadlines)
+            pending = self._requests.get(request_id)
+            if pending is None or pending.deadline_at != deadline_at:
+                continue
+            self.counters["deadline_expired"] += 1
+            sends += self._close(request_id, self._reject(request_id, RejectReason.DEADLINE,
+                                                          "the request's deadline passed"), abort=True)
+        return sends + self._pump_queue(now)
+
+    def on_send_failed(self, send: Send, now: float) -> list[Send]:
+        """A send could not be delivered (peer gone or its queue full)."""
+        self.counters["send_failures"] += 1
+        message = send.message
+        if isinstance(send, ToClient):
+            request_id = getattr(message, "request_id", None)
+            if request_id is None or request_id not in self._requests:
+                return []
+            self.counters["client_gone"] += 1
+            return self._close(request_id, None, abort=True)
+        self.registry.mark_unreachable(send.identity)
+        if not isinstance(message, Dispatch):
+            return []
+        pending = self._requests.get(message.request_id)
+        if pending is None or pending.dispatch_seq != message.dispatch_seq or pending.rank != message.rank:
+            return []
+        self.counters["dispatch_undelivered"] += 1
+        self.ledger.release(message.rank, message.dispatch_seq)
+        state = self.registry.get(message.rank)
+        if state is not None:
+            state.in_flight.discard(message.request_id)
+        pending.rank, pending.epoch, pending.agent, pending.dispatch_seq = None, 0, b"", 0
+        return self._place(message.request_id, pending, now, may_queue=True)
+
+    # ------------------------------------------------------------------ drain
+    def begin_drain(self) -> list[Send]:
+        self.draining = True
+        sends: list[Send] = []
+        for request_id in list(self._queue):
+            sends += self._close(request_id, self._reject(request_id, RejectReason.SHUTTING_DOWN,
+                                                          "the daemon is draining"))
+        return sends
+
+    def abort_all(self, detail: str) -> list[Send]:
+        sends: list[Send] = []
+        for request_id, pending in list(self._requests.items()):
+            sends += self._close(request_id, self._reject(request_id, RejectReason.SHUTTING_DOWN, detail,
+                                                          output_sent=pending.output_sent), abort=True)
+        return sends

@@ -1,0 +1,269 @@
+"""The control-plane daemon: asyncio on uvloop, one owner task per ZMQ socket.
+
+Tasks, all children of one :class:`asyncio.TaskGroup` (the supervisor; if one fails
+the daemon stops)::
+
+    client socket owner   ROUTER  recv -> core.on_client,  its outbox -> send
+    rank socket owner     ROUTER  recv -> core.on_agent,   its outbox -> send
+    report socket owner   PULL    recv -> core.on_report
+    ticker                        core.on_tick every TICK_S (staleness, lost ranks, deadlines, queue TTL)
+    drain watcher                 SIGTERM/SIGINT -> drain -> stop
+
+The core (:mod:`controlplane.core`) is synchronous and does no I/O; sends it returns go
+to the owning socket's bounded outbox. A send that fails (``EHOSTUNREACH`` under
+``ROUTER_MANDATORY``, ``EAGAIN`` at the high-water mark, or a full outbox) is handed back
+to the core, which turns it into "client gone" or "rank unreachable".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from controlplane.config import DaemonConfig
+from controlplane.core import DispatcherCore, Send, ToAgent, ToClient
+from controlplane.protocol import (
+    Channel, FrameError, agent_message_channel, client_request_channel, encode, report_channel,
+)
+
+TICK_S = 0.05
+FLUSH_GRACE_S = 0.2
+
+
+def configure_logging(level: str) -> None:
+    """structlog, JSON lines on stderr."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.dict_tracebacks,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+class _Stop(Exception):
+    """Raised inside the supervisor to end every task after a drain."""
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.daemon_id = config.daemon_id or uuid.uuid4().hex[:12]
+        self.core = DispatcherCore(config, self.daemon_id, time.monotonic())
+        self.log = structlog.get_logger("controlplane").bind(daemon=self.daemon_id)
+        self._context = zmq.asyncio.Context()
+        self._client_outbox: asyncio.Queue[ToClient] = asyncio.Queue(config.outbox_size)
+        self._agent_outbox: asyncio.Queue[ToAgent] = asyncio.Queue(config.outbox_size)
+        self._drain_requested = asyncio.Event()
+        self._ready = asyncio.Event()
+        self.client_socket = self._socket(zmq.ROUTER, config.client_address)
+        self.rank_socket = self._socket(zmq.ROUTER, config.rank_address, handover=True)
+        self.report_socket = self._socket(zmq.PULL, config.report_address)
+
+    def _socket(self, kind: int, address: str, *, handover: bool = False) -> zmq.asyncio.Socket:
+        socket = self._context.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, self.config.send_hwm)
+        socket.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
+        if kind == zmq.ROUTER:
+            socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if handover:
+                socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            socket.bind(address)
+        except zmq.ZMQError as error:
+            socket.close()
+            raise OSError(f"cannot bind {address}: {error}") from None
+        return socket
+
+    def request_drain(self) -> None:
+        self._drain_requested.set()
+
+    @property
+    def ready(self) -> asyncio.Event:
+        return self._ready
+
+    async def serve(self) -> None:
+        """Run until drained (SIGTERM/SIGINT or :meth:`request_drain`)."""
+        self.log.info("daemon started", client=self.config.client_address, rank=self.config.rank_address,
+                      report=self.config.report_address, policy=self.config.policy, pid=os.getpid())
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._own_router(self.client_socket, self._client_outbox,
+                                                   client_request_channel(self.config.max_frame_bytes),
+                                                   self.core.on_client, "client"))
+                tasks.create_task(self._own_router(self.rank_socket, self._agent_outbox,
+                                                   agent_message_channel(self.config.max_frame_bytes),
+                                                   self.core.on_agent, "agent"))
+                tasks.create_task(self._own_reports())
+                tasks.create_task(self._tick())
+                tasks.create_task(self._drain_watcher())
+                self._ready.set()
+        except* _Stop:
+            pass
+        finally:
+            for socket in (self.client_socket, self.rank_socket, self.report_socket):
+                socket.close(linger=0)
+            self._context.term()
+            self.log.info("daemon stopped", counters=dict(self.core.counters))
+
+    # ------------------------------------------------------------------ plumbing
+    def _deliver(self, sends: list[Send]) -> None:
+        pending = list(sends)
+        while pending:
+            send = pending.pop(0)
+            outbox = self._client_outbox if isinstance(send, ToClient) else self._agent_outbox
+            try:
+                outbox.put_nowait(send)
+            except asyncio.QueueFull:
+                self.log.warning("outbox full", peer=send.identity.decode(errors="replace"),
+                                 message=type(send.message).__name__)
+                pending.extend(self.core.on_send_failed(send, time.monotonic()))
+
+    def _drop(self, where: str, peer: bytes | None, error: FrameError) -> None:
+        self.core.counters[f"frames_dropped_{error.kind}"] += 1
+        self.log.warning("frame dropped", socket=where, kind=error.kind, detail=error.detail[:200],
+                         peer=peer.decode(errors="replace") if peer is not None else None)
+
+    async def _own_router(
+        self,
+        socket: zmq.asyncio.Socket,
+        outbox: asyncio.Queue,
+        channel: Channel,
+        handle: Callable[[bytes, object, float], list[Send]],
+        where: str,
+    ) -> None:
+        receive: asyncio.Future | None = None
+        take: asyncio.Future | None = None
+        try:
+            while True:
+                if receive is None:
+                    receive = asyncio.ensure_future(socket.recv_multipart(copy=False))
+                if take is None:
+                    take = asyncio.ensure_future(outbox.get())
+                done, _ = await asyncio.wait({receive, take}, return_when=asyncio.FIRST_COMPLETED)
+                if take in done:
+                    self._send(socket, take.result())
+                    take = None
+                    while not outbox.empty():
+                        self._send(socket, outbox.get_nowait())
+                if receive in done:
+                    frames = receive.result()
+                    receive = None
+                    self._receive(frames, channel, handle, where)
+        finally:
+            for future in (receive, take):
+                if future is not None:
+                    future.cancel()
+
+    def _receive(self, frames: list, channel: Channel, handle: Callable, where: str) -> None:
+        peer = frames[0].bytes
+        if len(frames) != 2:
+            self._drop(where, peer, FrameError("bad_framing", f"{len(frames) - 1} payload frames, expected 1"))
+            return
+        try:
+            message = channel.decode(frames[1].buffer)
+        except FrameError as error:
+            self._drop(where, peer, error)
+            return
+        self._deliver(self._handled(handle, peer, message, where))
+
+    def _handled(self, handle: Callable, *args) -> list[Send]:
+        """The core's reply to one message; a bug in it is logged and counted, and the daemon
+        keeps serving the other requests."""
+        *inputs, where = args
+        try:
+            return handle(*inputs, time.monotonic())
+        except Exception:
+            self.core.counters["internal_errors"] += 1
+            self.log.exception("message handling failed", socket=where,
+                               message=type(inputs[-1]).__name__)
+            return []
+
+    def _send(self, socket: zmq.asyncio.Socket, send: Send) -> None:
+        try:
+            socket.send_multipart([send.identity, encode(send.message)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as error:
+            if error.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self.log.info("send failed", peer=send.identity.decode(errors="replace"),
+                          message=type(send.message).__name__, error=error.strerror)
+            self._deliver(self.core.on_send_failed(send, time.monotonic()))
+
+    async def _own_reports(self) -> None:
+        channel = report_channel()
+        while True:
+            frames = await self.report_socket.recv_multipart(copy=False)
+            if len(frames) != 1:
+                self._drop("report", None, FrameError("bad_framing", f"{len(frames)} frames, expected 1"))
+                continue
+            try:
+                report = channel.decode(frames[0].buffer)
+            except FrameError as error:
+                self._drop("report", None, error)
+                continue
+            self._deliver(self._handled(self.core.on_report, report, "report"))
+
+    async def _tick(self) -> None:
+        known: set[str] = set()
+        while True:
+            await asyncio.sleep(TICK_S)
+            self._deliver(self.core.on_tick(time.monotonic()))
+            ranks = {state.rank for state in self.core.registry.ranks()}
+            for rank in sorted(ranks - known):
+                self.log.info("rank joined", rank=rank)
+            for rank in sorted(known - ranks):
+                self.log.warning("rank gone", rank=rank)
+            known = ranks
+
+    async def _drain_watcher(self) -> None:
+        await self._drain_requested.wait()
+        self.log.info("draining", in_flight=self.core.in_flight, queued=self.core.queued)
+        self._deliver(self.core.begin_drain())
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while not self.core.idle and time.monotonic() < deadline:
+            await asyncio.sleep(TICK_S)
+        if not self.core.idle:
+            self.log.warning("drain timed out; aborting", in_flight=self.core.in_flight)
+            self._deliver(self.core.abort_all("the daemon stopped before the request finished"))
+        flush_deadline = time.monotonic() + FLUSH_GRACE_S
+        while (not self._client_outbox.empty() or not self._agent_outbox.empty()) \
+                and time.monotonic() < flush_deadline:
+            await asyncio.sleep(0.01)
+        raise _Stop
+
+
+def run(config: DaemonConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit code."""
+    import uvloop
+
+    configure_logging(config.log_level)
+
+    async def main() -> None:
+        daemon = Daemon(config)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, daemon.request_drain)
+        await daemon.serve()
+
+    try:
+        uvloop.run(main())
+    except OSError as error:
+        structlog.get_logger("controlplane").error("cannot start", error=str(error))
+        return 1
+    return 0

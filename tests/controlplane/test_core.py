@@ -1,0 +1,292 @@
+"""The daemon's state machine, driven with real protocol messages and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from controlplane.config import DaemonConfig
+from controlplane.core import UNKNOWN_AGENT, UNKNOWN_RANK, DispatcherCore, ToAgent, ToClient
+from controlplane.protocol import (
+    Abort, Cancel, Chunk, Dispatch, Dispatched, Done, Fenced, Finish, FinishReason, Goodbye,
+    Heartbeat, Hello, Output, Ping, Pong, Prompt, Reject, RejectReason, Report, SamplingParams,
+    StatusRequest, StatusReply, Submit, Welcome,
+)
+
+CLIENT = b"client-1"
+
+
+def make_core(**overrides) -> DispatcherCore:
+    return DispatcherCore(DaemonConfig(**overrides), "daemon-A", started_at=0.0)
+
+
+def join(core: DispatcherCore, rank: str, *, agent: str | None = None, epoch: int = 1,
+         pab: float = 10_000.0, now: float = 0.0, echo: int = 0, seq: int = 1) -> None:
+    agent = agent or f"agent-{rank}"
+    sends = core.on_agent(agent.encode(), Hello(agent, rank, epoch), now)
+    assert any(isinstance(s.message, Welcome) for s in sends)
+    report(core, rank, pab, epoch=epoch, seq=seq, echo=echo, now=now)
+
+
+def report(core: DispatcherCore, rank: str, pab: float, *, epoch: int = 1, seq: int, echo: int = 0,
+           now: float = 0.0, waiting: int = 0, running: int = 0) -> list:
+    return core.on_report(Report(rank, epoch, seq, pab, running, waiting, 0, 100_000, echo, 0.01, now), now)
+
+
+def submit(core: DispatcherCore, request_id: str, tokens: int = 100, now: float = 0.0, client: bytes = CLIENT,
+           **fields) -> list:
+    message = Submit(request_id, Prompt(token_ids=[1] * tokens), SamplingParams(max_new_tokens=4), **fields)
+    return core.on_client(client, message, now)
+
+
+def dispatches(sends) -> list[Dispatch]:
+    return [s.message for s in sends if isinstance(s, ToAgent) and isinstance(s.message, Dispatch)]
+
+
+def replies(sends, kind):
+    return [s.message for s in sends if isinstance(s, ToClient) and isinstance(s.message, kind)]
+
+
+def test_submit_dispatches_to_the_largest_covering_budget_and_debits_it():
+    core = make_core()
+    join(core, "r0", pab=5_000)
+    join(core, "r1", pab=8_000)
+    sends = submit(core, "a", tokens=3_000)
+    (dispatch,) = dispatches(sends)
+    assert (dispatch.rank, dispatch.dispatch_seq) == ("r1", 1)
+    assert replies(sends, Dispatched) == [Dispatched("a", "r1", 1)]
+    assert core.ledger.effective_budget("r1") == 5_000
+    (second,) = dispatches(submit(core, "b", tokens=3_000))
+    assert second.rank in {"r0", "r1"} and core.in_flight == 2
+
+
+def test_no_budget_rejects_with_retry_after_and_frees_the_id():
+    core = make_core(retry_after_s=0.5)
+    join(core, "r0", pab=1_000)
+    (reject,) = replies(submit(core, "a", tokens=2_000), Reject)
+    assert (reject.reason, reject.retryable, reject.retry_after_s) == (RejectReason.NO_BUDGET, True, 0.5)
+    assert core.in_flight == 0 and core.idle
+    report(core, "r0", 5_000, seq=2)
+    assert dispatches(submit(core, "a", tokens=2_000))  # the same id again is not a duplicate
+
+
+def test_no_budget_queues_until_a_report_covers_it_or_the_ttl_passes():
+    core = make_core(on_no_budget="queue", queue_ttl_s=1.0)
+    join(core, "r0", pab=1_000)
+    assert submit(core, "a", tokens=2_000) == [] and core.queued == 1
+    assert submit(core, "b", tokens=2_000, now=0.1) == []
+    (dispatch,) = dispatches(report(core, "r0", 2_500, seq=2, now=0.5))
+    assert dispatch.request_id == "a" and core.queued == 1
+    sends = core.on_tick(1.2)
+    (reject,) = replies(sends, Reject)
+    assert (reject.request_id, reject.reason) == ("b", RejectReason.QUEUE_TIMEOUT) and core.queued == 0
+
+
+def test_duplicate_in_flight_id_is_refused_but_a_finished_one_may_return():
+    core = make_core()
+    join(core, "r0")
+    (dispatch,) = dispatches(submit(core, "a"))
+    (reject,) = replies(submit(core, "a"), Reject)
+    assert (reject.reason, reject.retryable) == (RejectReason.DUPLICATE, False)
+    core.on_agent(b"agent-r0", Done("r0", 1, "a", FinishReason.LENGTH, 100, 4), 0.1)
+    assert dispatches(submit(core, "a"))
+
+
+def test_report_reconciles_debits_it_includes_and_keeps_those_it_does_not():
+    core = make_core()
+    join(core, "r0", pab=10_000)
+    submit(core, "a", tokens=1_000)  # seq 1
+    submit(core, "b", tokens=2_000)  # seq 2
+    assert core.ledger.effective_budget("r0") == 7_000
+    report(core, "r0", 9_000, seq=2, echo=1)  # taken after a, before b
+    assert core.ledger.effective_budget("r0") == 7_000
+    report(core, "r0", 7_000, seq=3, echo=2)
+    assert core.ledger.effective_budget("r0") == 7_000 and core.ledger.outstanding_dispatches("r0") == 0
+
+
+def test_reports_are_ordered_per_rank_and_gaps_counted():
+    core = make_core()
+    join(core, "r0", pab=1_000)
+    join(core, "r1", pab=1_000, seq=7)
+    report(core, "r0", 5_000, seq=4)
+    report(core, "r0", 9_000, seq=3)  # older: dropped
+    assert core.ledger.effective_budget("r0") == 5_000
+    assert core.registry.get("r0").seq_gaps == 2 and core.registry.get("r1").seq_gaps == 0
+    assert core.counters["reports_out_of_order"] == 1
+
+
+def test_output_streams_to_the_client_and_done_finishes_exactly_once():
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a")
+    sends = core.on_agent(b"agent-r0", Output("r0", 1, "a", [5, 6], "hi", 2), 0.1)
+    assert replies(sends, Chunk) == [Chunk("a", [5, 6], "hi", 2)]
+    done = Done("r0", 1, "a", FinishReason.LENGTH, 100, 4, ttft_s=0.05, latency_s=0.2)
+    (finish,) = replies(core.on_agent(b"agent-r0", done, 0.2), Finish)
+    assert (finish.reason, finish.completion_tokens, finish.ttft_s) == (FinishReason.LENGTH, 4, 0.05)
+    assert core.on_agent(b"agent-r0", done, 0.3) == [] and core.counters["late_messages"] == 1
+    assert core.registry.get("r0").in_flight == set() and core.idle
+
+
+def test_non_streamed_output_is_accumulated_into_the_finish():
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a", stream=False)
+    assert core.on_agent(b"agent-r0", Output("r0", 1, "a", [5], "a", 1), 0.1) == []
+    core.on_agent(b"agent-r0", Output("r0", 1, "a", [6], "b", 2), 0.1)
+    (finish,) = replies(core.on_agent(b"agent-r0", Done("r0", 1, "a", FinishReason.LENGTH, 1, 2), 0.2), Finish)
+    assert (finish.text, finish.token_ids) == ("ab", [5, 6])
+
+
+def test_rank_refusing_a_request_as_invalid_becomes_a_non_retryable_reject():
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a")
+    done = Done("r0", 1, "a", FinishReason.ERROR, error="unknown SLO class 'gold'", invalid=True)
+    (reject,) = replies(core.on_agent(b"agent-r0", done, 0.1), Reject)
+    assert (reject.reason, reject.retryable, reject.detail) == (RejectReason.INVALID, False, "unknown SLO class 'gold'")
+
+
+def test_cancel_aborts_at_the_rank_and_only_the_owner_may_cancel():
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a")
+    assert core.on_client(b"someone-else", Cancel("a"), 0.1) == []
+    sends = core.on_client(CLIENT, Cancel("a"), 0.1)
+    assert [s.message for s in sends if isinstance(s, ToAgent)] == [Abort("r0", 1, "a")]
+    assert replies(sends, Finish)[0].reason == FinishReason.CANCELLED
+    assert core.on_client(CLIENT, Cancel("a"), 0.2) == [] and core.idle
+
+
+def test_lost_rank_fails_only_its_requests_once_retryable_only_before_output():
+    core = make_core(lost_after_s=1.0, heartbeat_interval_s=0.2, stale_after_s=10.0)
+    join(core, "r0", pab=10_000)
+    join(core, "r1", pab=5_000)
+    submit(core, "a", tokens=100)  # r0
+    submit(core, "b", tokens=100)  # r0 (9_900 > 5_000)
+    core.on_agent(b"agent-r0", Output("r0", 1, "b", [1], "x", 1), 0.5)
+    core.on_agent(b"agent-r1", Heartbeat("agent-r1"), 1.4)
+    sends = core.on_tick(1.6)
+    rejects = {r.request_id: r for r in replies(sends, Reject)}
+    assert set(rejects) == {"a", "b"}
+    assert rejects["a"].retryable and rejects["a"].reason == RejectReason.RANK_LOST
+    assert not rejects["b"].retryable
+    assert "r0" not in core.registry and "r1" in core.registry
+    assert core.on_tick(1.7) == [] and core.counters["rank_lost_requests"] == 2
+
+
+def test_restarted_rank_fences_its_old_epoch():
+    core = make_core()
+    join(core, "r0", epoch=5)
+    submit(core, "a")
+    sends = core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 6), 1.0)
+    assert replies(sends, Reject)[0].reason == RejectReason.RANK_LOST
+    late = core.on_agent(b"agent-r0", Output("r0", 5, "a", [1], "x", 1), 1.1)
+    assert isinstance(late[0].message, Fenced)
+    old_hello = core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 4), 1.2)
+    assert isinstance(old_hello[0].message, Fenced)
+    report(core, "r0", 99_999, epoch=5, seq=9)
+    assert core.counters["reports_fenced"] == 1
+    assert core.ledger.effective_budget("r0") is None  # the new epoch has not reported yet
+
+
+def test_unknown_agent_and_rank_are_told_so_after_a_daemon_restart():
+    core = make_core()
+    (fenced,) = core.on_agent(b"agent-x", Heartbeat("agent-x"), 0.0)
+    assert fenced.message.detail == UNKNOWN_AGENT
+    (fenced,) = core.on_agent(b"agent-x", Output("r9", 3, "zz", [], "", 0), 0.0)
+    assert fenced.message.detail == UNKNOWN_RANK
+
+
+def test_identity_must_match_the_agent_named_in_the_message():
+    core = make_core()
+    assert core.on_agent(b"mallory", Hello("agent-r0", "r0", 1), 0.0) == []
+    join(core, "r0")
+    submit(core, "a")
+    assert isinstance(core.on_agent(b"mallory", Done("r0", 1, "a", FinishReason.LENGTH), 0.1)[0].message, Fenced)
+    assert core.in_flight == 1
+
+
+def test_stale_ranks_are_unknown_and_local_accounting_caps_in_flight():
+    core = make_core(stale_after_s=1.0, local_inflight_cap=2, lost_after_s=100.0)
+    join(core, "r0", pab=0.0)
+    join(core, "r1", pab=0.0)
+    (reject,) = replies(submit(core, "a", now=0.5), Reject)
+    assert reject.reason == RejectReason.NO_BUDGET  # fresh reports: budgets are known and empty
+    ranks = [dispatches(submit(core, f"s{i}", now=5.0))[0].rank for i in range(4)]
+    assert sorted(ranks) == ["r0", "r0", "r1", "r1"]
+    (reject,) = replies(submit(core, "s4", now=5.0), Reject)
+    assert reject.reason == RejectReason.OVERLOADED and core.counters["dispatched_local_accounting"] == 4
+
+
+def test_a_fresh_rank_is_preferred_over_stale_ones():
+    core = make_core(stale_after_s=1.0, lost_after_s=100.0)
+    join(core, "r0", pab=50_000, now=0.0)
+    join(core, "r1", pab=1_000, now=4.5)
+    assert dispatches(submit(core, "a", tokens=500, now=5.0))[0].rank == "r1"
+
+
+def test_deadline_aborts_at_the_rank():
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a", deadline_s=1.0)
+    assert core.on_tick(0.5) == []
+    sends = core.on_tick(1.5)
+    assert replies(sends, Reject)[0].reason == RejectReason.DEADLINE
+    assert [s.message for s in sends if isinstance(s, ToAgent)] == [Abort("r0", 1, "a")]
+
+
+def test_client_gone_releases_and_aborts_once():
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a")
+    chunk = core.on_agent(b"agent-r0", Output("r0", 1, "a", [1], "x", 1), 0.1)[0]
+    sends = core.on_send_failed(chunk, 0.1)
+    assert [s.message for s in sends] == [Abort("r0", 1, "a")]
+    assert core.on_send_failed(chunk, 0.2) == [] and core.idle and core.counters["client_gone"] == 1
+
+
+def test_undelivered_dispatch_is_undone_and_placed_elsewhere():
+    core = make_core()
+    join(core, "r0", pab=9_000)
+    join(core, "r1", pab=8_000)
+    sends = submit(core, "a", tokens=1_000)
+    failed = next(s for s in sends if isinstance(s, ToAgent))
+    resent = core.on_send_failed(failed, 0.0)
+    assert dispatches(resent)[0].rank == "r1"
+    assert core.ledger.effective_budget("r0") == 9_000 and core.registry.get("r0").in_flight == set()
+    core.on_agent(b"agent-r0", Heartbeat("agent-r0"), 0.1)
+    assert not core.registry.get("r0").unreachable
+
+
+def test_goodbye_fails_in_flight_and_no_ranks_rejects_retryably():
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a")
+    sends = core.on_agent(b"agent-r0", Goodbye("r0", 1), 0.1)
+    assert replies(sends, Reject)[0].reason == RejectReason.RANK_LOST
+    (reject,) = replies(submit(core, "b"), Reject)
+    assert (reject.reason, reject.retryable) == (RejectReason.NO_RANKS, True)
+
+
+def test_drain_rejects_new_and_queued_then_aborts_the_rest():
+    core = make_core(on_no_budget="queue")
+    join(core, "r0", pab=1_000)
+    submit(core, "big", tokens=5_000)
+    submit(core, "a", tokens=10)
+    sends = core.begin_drain()
+    assert [(r.request_id, r.reason) for r in replies(sends, Reject)] == [("big", RejectReason.SHUTTING_DOWN)]
+    assert replies(submit(core, "c"), Reject)[0].reason == RejectReason.SHUTTING_DOWN
+    sends = core.abort_all("stopping")
+    assert replies(sends, Reject)[0].request_id == "a" and core.idle
+
+
+def test_ping_and_status():
+    core = make_core()
+    join(core, "r0", pab=4_000)
+    submit(core, "a", tokens=1_000)
+    assert core.on_client(CLIENT, Ping(7), 0.0)[0].message == Pong(7, "daemon-A")
+    (status,) = replies(core.on_client(CLIENT, StatusRequest(), 0.5), StatusReply)
+    (rank,) = status.ranks
+    assert (rank.rank, rank.pab_tokens, rank.reported_pab_tokens, rank.in_flight) == ("r0", 3_000, 4_000, 1)
+    assert rank.report_age_s == pytest.approx(0.5) and not rank.stale
+    assert status.in_flight == 1 and status.counters["dispatched"] == 1

@@ -1,0 +1,169 @@
+"""Wire protocol: every message round-trips; random and mutated frames only ever raise FrameError."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane import protocol as p
+
+SAMPLES_BY_CHANNEL = {
+    p.client_request_channel: [
+        p.Submit("req-1", p.Prompt(text="Hello"), p.SamplingParams(max_new_tokens=8, temperature=0.0, stop=["\n"]),
+                 p.SloSpec(slo_class="tight"), deadline_s=2.5, stream=False),
+        p.Submit("req-2", p.Prompt(token_ids=[1, 2, 3]), slo=p.SloSpec(ttft_ms=500, tpot_ms=50)),
+        p.Cancel("req-1"),
+        p.Ping(42),
+        p.StatusRequest(),
+    ],
+    p.client_reply_channel: [
+        p.Dispatched("req-1", "rank-0", 7),
+        p.Chunk("req-1", [5, 6], "ab", 2),
+        p.Finish("req-1", p.FinishReason.LENGTH, 3, 8, 0.12, 0.5, "text", [1, 2]),
+        p.Reject("req-1", p.RejectReason.NO_BUDGET, "none covers", 0.25, True),
+        p.Pong(42, "d1", True),
+        p.StatusReply("d1", "pab", 3.0, False, 1, 0, [
+            p.RankStatus("rank-0", "agent-0", 9, 100.0, 200.0, 1, 2, 3000, 1, 0.1, False, 10, 0, 4),
+            p.RankStatus("rank-1", "agent-0", 9, None, None, 0, 0, 0, 0, None, True, 0, 0, 0),
+        ], {"dispatched": 4}),
+    ],
+    p.agent_message_channel: [
+        p.Hello("agent-0", "rank-0", 123456789),
+        p.Goodbye("rank-0", 123456789),
+        p.Heartbeat("agent-0"),
+        p.Output("rank-0", 3, "req-1", [9], " tok", 4),
+        p.Done("rank-0", 3, "req-1", p.FinishReason.STOP, 10, 4, 0.1, 0.9),
+        p.Done("rank-0", 3, "req-2", p.FinishReason.ERROR, error="bad slo", invalid=True),
+    ],
+    p.daemon_to_agent_channel: [
+        p.Welcome("rank-0", 3, "d1", "tcp://127.0.0.1:5562", 0.5),
+        p.Dispatch("req-1", "rank-0", 3, 11, p.Prompt(token_ids=[1]), p.SamplingParams(ignore_eos=True),
+                   p.SloSpec(slo_class="relaxed"), False),
+        p.Abort("rank-0", 3, "req-1"),
+        p.Fenced("rank-0", 2, "older epoch"),
+    ],
+    p.report_channel: [p.Report("rank-0", 3, 1, 1234.5, 2, 3, 4096, 80_000, 11, 0.02, 5.5)],
+}
+ALL_SAMPLES = [(factory, message) for factory, messages in SAMPLES_BY_CHANNEL.items() for message in messages]
+
+
+@pytest.mark.parametrize(("factory", "message"), ALL_SAMPLES, ids=lambda x: type(x).__name__)
+def test_every_message_round_trips(factory, message):
+    assert factory().decode(p.encode(message)) == message
+
+
+@pytest.mark.parametrize(("factory", "message"), ALL_SAMPLES, ids=lambda x: type(x).__name__)
+def test_messages_are_refused_on_other_channels(factory, message):
+    for other in SAMPLES_BY_CHANNEL:
+        if other is factory or type(message) in {type(m) for m in SAMPLES_BY_CHANNEL[other]}:
+            continue
+        with pytest.raises(p.FrameError):
+            other().decode(p.encode(message))
+
+
+def test_slo_spec_is_the_custom_params_shape():
+    assert p.SloSpec(slo_class="tight").as_custom_params() == {"class": "tight"}
+    assert p.SloSpec(ttft_ms=100, tpot_ms=20).as_custom_params() == {"ttft_ms": 100.0, "tpot_ms": 20.0}
+
+
+@pytest.mark.parametrize(
+    ("frame", "kind"),
+    [
+        (b"", "truncated"),
+        (b"\xfb\x01", "truncated"),
+        (b"\x00\x01\x80", "bad_magic"),
+        (b"\xfb\x07\x80", "wrong_version"),
+        (b"\xfb\x01\xc1", "malformed"),
+        (p.HEADER + msgspec.msgpack.encode({"type": "nope"}), "invalid"),
+        (p.HEADER + msgspec.msgpack.encode({"type": "cancel"}), "invalid"),
+        (p.HEADER + msgspec.msgpack.encode({"type": "cancel", "request_id": "x", "extra": 1}), "invalid"),
+        (p.HEADER + msgspec.msgpack.encode({"type": "cancel", "request_id": "has space"}), "invalid"),
+        (p.encode(p.Submit("r", p.Prompt())), "invalid"),
+        (p.encode(p.Submit("r", p.Prompt(text="x", token_ids=[1]))), "invalid"),
+        (p.encode(p.Submit("r", p.Prompt(token_ids=[]))), "invalid"),
+        (p.HEADER + msgspec.msgpack.encode({"type": "submit", "request_id": "r", "prompt": {"token_ids": [-1]}}), "invalid"),
+        (p.HEADER + msgspec.msgpack.encode({"type": "submit", "request_id": "r", "prompt": {"text": "x"},
+                                            "sampling": {"max_new_tokens": 0}}), "invalid"),
+    ],
+)
+def test_bad_frames_are_refused_with_their_kind(frame, kind):
+    with pytest.raises(p.FrameError) as refused:
+        p.client_request_channel().decode(frame)
+    assert refused.value.kind == kind
+
+
+def test_frame_size_is_checked_before_decoding():
+    channel = p.client_request_channel(max_frame_bytes=1024)
+    big = p.encode(p.Submit("r", p.Prompt(text="x" * 2000)))
+    with pytest.raises(p.FrameError) as refused:
+        channel.decode(big)
+    assert refused.value.kind == "oversized"
+    with pytest.raises(p.FrameError) as refused:
+        p.report_channel().decode(p.HEADER + b"\x00" * (64 * 1024))
+    assert refused.value.kind == "oversized"
+
+
+def test_epoch_and_seq_bounds():
+    for frame in (
+        p.HEADER + msgspec.msgpack.encode({"type": "hello", "agent": "a", "rank": "r", "epoch": 0}),
+        p.HEADER + msgspec.msgpack.encode({"type": "hello", "agent": "a", "rank": "r", "epoch": 2**64 - 1}),
+    ):
+        with pytest.raises(p.FrameError):
+            p.agent_message_channel().decode(frame)
+
+
+CHANNELS = list(SAMPLES_BY_CHANNEL)
+ENCODED = [p.encode(m) for _, m in ALL_SAMPLES]
+
+
+@settings(max_examples=400, deadline=None)
+@given(frame=st.binary(max_size=512), channel=st.sampled_from(CHANNELS))
+def test_random_frames_never_escape_as_other_errors(frame, channel):
+    try:
+        channel().decode(frame)
+    except p.FrameError:
+        pass
+
+
+@settings(max_examples=600, deadline=None)
+@given(data=st.data(), channel=st.sampled_from(CHANNELS))
+def test_mutated_valid_frames_decode_or_raise_frame_error(data, channel):
+    frame = bytearray(data.draw(st.sampled_from(ENCODED)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        position = data.draw(st.integers(0, len(frame) - 1))
+        operation = data.draw(st.sampled_from(["flip", "delete", "insert", "truncate"]))
+        if operation == "flip":
+            frame[position] ^= 1 << data.draw(st.integers(0, 7))
+        elif operation == "delete" and len(frame) > 1:
+            del frame[position]
+        elif operation == "insert":
+            frame.insert(position, data.draw(st.integers(0, 255)))
+        else:
+            del frame[position:]
+        if not frame:
+            break
+    try:
+        message = channel().decode(bytes(frame))
+    except p.FrameError:
+        return
+    assert isinstance(message, msgspec.Struct)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20) | st.binary(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=20,
+))
+def test_random_msgpack_documents_are_refused_cleanly(payload):
+    try:
+        frame = p.HEADER + msgspec.msgpack.encode(payload)
+    except (OverflowError, msgspec.EncodeError):
+        return
+    for channel in CHANNELS:
+        try:
+            channel().decode(frame)
+        except p.FrameError:
+            pass
