@@ -196,11 +196,12 @@ class Daemon:
             return []
 
     def _send(self, socket: zmq.asyncio.Socket, send: Send) -> None:
-        try:
-            socket.send_multipart([send.identity, encode(send.message)], flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as error:
-            if error.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                raise
+        # With NOBLOCK, zmq.asyncio attempts the send at once and resolves the future now.
+        sent = socket.send_multipart([send.identity, encode(send.message)], flags=zmq.NOBLOCK, copy=False)
+        error = sent.exception() if sent.done() else None
+        if error is not None:
+            if not isinstance(error, zmq.ZMQError) or error.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise error
             self.log.info("send failed", peer=send.identity.decode(errors="replace"),
                           message=type(send.message).__name__, error=error.strerror)
             self._deliver(self.core.on_send_failed(send, time.monotonic()))

@@ -1,0 +1,186 @@
+"""The daemon on real loopback sockets: the protocol flow, bad frames from every peer, drain."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from controlplane import protocol as p
+
+from live import thread_daemon
+
+CLIENT_REPLIES = p.client_reply_channel()
+AGENT_INBOX = p.daemon_to_agent_channel()
+
+
+class Peer:
+    """A raw DEALER (client or agent) speaking the wire protocol."""
+
+    def __init__(self, address: str, identity: bytes | None = None) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            self.socket.setsockopt(zmq.ROUTING_ID, identity)
+        self.socket.connect(address)
+
+    def send(self, message) -> None:
+        self.socket.send(p.encode(message))
+
+    def send_raw(self, *frames: bytes) -> None:
+        self.socket.send_multipart(list(frames))
+
+    def receive(self, channel, timeout_s: float = 5.0):
+        assert self.socket.poll(int(timeout_s * 1000)), "no reply"
+        return channel.decode(self.socket.recv())
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def pusher(address: str) -> zmq.Socket:
+    socket = zmq.Context.instance().socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    return socket
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with thread_daemon(stale_after_s=30.0, lost_after_s=60.0, heartbeat_interval_s=0.5) as running:
+        yield running
+
+
+def test_request_flows_client_to_rank_and_back(daemon):
+    config = daemon.config
+    agent = Peer(config.rank_address, b"agent-flow")
+    client = Peer(config.client_address)
+    reports = pusher(config.report_address)
+    try:
+        agent.send(p.Hello("agent-flow", "flow-0", 11))
+        welcome = agent.receive(AGENT_INBOX)
+        assert welcome == p.Welcome("flow-0", 11, daemon.daemon.daemon_id, config.report_address, 0.5)
+        reports.send(p.encode(p.Report("flow-0", 11, 1, 50_000.0, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
+        time.sleep(0.2)
+        client.send(p.Submit("flow-a", p.Prompt(token_ids=[1, 2, 3]), p.SamplingParams(max_new_tokens=2),
+                             p.SloSpec(slo_class="tight")))
+        dispatch = agent.receive(AGENT_INBOX)
+        assert (dispatch.request_id, dispatch.rank, dispatch.epoch, dispatch.dispatch_seq) == ("flow-a", "flow-0", 11, 1)
+        assert dispatch.slo == p.SloSpec(slo_class="tight")
+        assert client.receive(CLIENT_REPLIES) == p.Dispatched("flow-a", "flow-0", 1)
+        agent.send(p.Output("flow-0", 11, "flow-a", [7], "x", 1))
+        agent.send(p.Done("flow-0", 11, "flow-a", p.FinishReason.LENGTH, 3, 2, 0.01, 0.02))
+        assert client.receive(CLIENT_REPLIES) == p.Chunk("flow-a", [7], "x", 1)
+        finish = client.receive(CLIENT_REPLIES)
+        assert (finish.reason, finish.prompt_tokens, finish.completion_tokens) == (p.FinishReason.LENGTH, 3, 2)
+        client.send(p.StatusRequest())
+        status = client.receive(CLIENT_REPLIES)
+        (rank,) = [r for r in status.ranks if r.rank == "flow-0"]
+        assert (rank.in_flight, rank.pab_tokens, rank.dispatched) == (0, 50_000.0 - 3, 1)
+    finally:
+        agent.send(p.Goodbye("flow-0", 11))
+        for peer in (agent, client):
+            peer.close()
+        reports.close()
+
+
+def test_client_gone_mid_stream_aborts_at_the_rank(daemon):
+    config = daemon.config
+    agent = Peer(config.rank_address, b"agent-gone")
+    reports = pusher(config.report_address)
+    try:
+        agent.send(p.Hello("agent-gone", "gone-0", 5))
+        agent.receive(AGENT_INBOX)
+        reports.send(p.encode(p.Report("gone-0", 5, 1, 1e9, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
+        time.sleep(0.2)
+        client = Peer(config.client_address, b"short-lived-client")
+        client.send(p.Submit("gone-a", p.Prompt(text="hello"), p.SamplingParams(max_new_tokens=50)))
+        dispatch = agent.receive(AGENT_INBOX)
+        assert dispatch.rank in ("gone-0", "flow-0")
+        client.close()
+        time.sleep(0.3)
+        agent.send(p.Output(dispatch.rank, dispatch.epoch, "gone-a", [1], "x", 1))
+        abort = agent.receive(AGENT_INBOX)
+        assert abort == p.Abort(dispatch.rank, dispatch.epoch, "gone-a")
+        assert daemon.counters()["client_gone"] >= 1
+    finally:
+        agent.send(p.Goodbye("gone-0", 5))
+        agent.close()
+        reports.close()
+
+
+GARBAGE = st.one_of(
+    st.binary(max_size=300),
+    st.builds(lambda body: p.HEADER + body, st.binary(max_size=300)),
+    st.builds(lambda doc: p.HEADER + msgspec.msgpack.encode(doc),
+              st.dictionaries(st.sampled_from(["type", "request_id", "rank", "epoch", "prompt", "seq", "agent"]),
+                              st.one_of(st.text(max_size=10), st.integers(-5, 2**40), st.none(),
+                                        st.sampled_from(["submit", "hello", "output", "done", "report", "cancel"])),
+                              max_size=6)),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=st.lists(GARBAGE, min_size=1, max_size=3), target=st.sampled_from(["client", "rank", "report"]))
+def test_live_daemon_survives_random_frames(daemon, frames, target):
+    config = daemon.config
+    if target == "report":
+        socket = pusher(config.report_address)
+        socket.send_multipart(frames)
+        socket.close()
+    else:
+        peer = Peer(config.client_address if target == "client" else config.rank_address, b"fuzzer")
+        peer.send_raw(*frames)
+        peer.close()
+
+
+def test_bad_frames_were_dropped_counted_and_the_daemon_still_answers(daemon):
+    config = daemon.config
+    client = Peer(config.client_address)
+    try:
+        client.send_raw(b"\xfb\x09\x80")
+        client.send_raw(b"\xfb\x01" + b"\x00" * (config.max_frame_bytes + 10))
+        client.send_raw(p.encode(p.Ping(1)), p.encode(p.Ping(2)))
+        client.send(p.Ping(3))
+        assert client.receive(CLIENT_REPLIES).nonce == 3
+        counters = daemon.counters()
+        for kind in ("wrong_version", "oversized", "bad_framing"):
+            assert counters.get(f"frames_dropped_{kind}", 0) >= 1, kind
+        assert counters.get("internal_errors", 0) == 0
+        assert daemon.thread.is_alive()
+    finally:
+        client.close()
+
+
+def test_drain_on_request_rejects_new_work_and_stops():
+    with thread_daemon(drain_timeout_s=0.5) as running:
+        config = running.config
+        agent = Peer(config.rank_address, b"agent-drain")
+        client = Peer(config.client_address)
+        reports = pusher(config.report_address)
+        try:
+            agent.send(p.Hello("agent-drain", "drain-0", 1))
+            agent.receive(AGENT_INBOX)
+            reports.send(p.encode(p.Report("drain-0", 1, 1, 1e9, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
+            time.sleep(0.2)
+            client.send(p.Submit("drain-a", p.Prompt(text="hi")))
+            assert isinstance(agent.receive(AGENT_INBOX), p.Dispatch)
+            assert isinstance(client.receive(CLIENT_REPLIES), p.Dispatched)
+            running.loop.call_soon_threadsafe(running.daemon.request_drain)
+            time.sleep(0.1)
+            client.send(p.Submit("drain-b", p.Prompt(text="hi")))
+            refused = client.receive(CLIENT_REPLIES)
+            assert (refused.request_id, refused.reason) == ("drain-b", p.RejectReason.SHUTTING_DOWN)
+            aborted = client.receive(CLIENT_REPLIES)
+            assert (aborted.request_id, aborted.reason) == ("drain-a", p.RejectReason.SHUTTING_DOWN)
+            assert agent.receive(AGENT_INBOX) == p.Abort("drain-0", 1, "drain-a")
+            running.thread.join(5)
+            assert not running.thread.is_alive()
+        finally:
+            for peer in (agent, client):
+                peer.close()
+            reports.close()
