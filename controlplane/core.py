@@ -141,8 +141,7 @@ class DispatcherCore:
     def _refusal(self, submit: Submit) -> Reject | None:
         request_id = submit.request_id
         if self.draining:
-            return Reject(request_id, RejectReason.SHUTTING_DOWN, "the daemon is draining",
-                          retry_after_s=self.config.retry_after_s, retryable=True)
+            return Reject(request_id, RejectReason.SHUTTING_DOWN, "the daemon is draining")
         if request_id in self._requests:
             return Reject(request_id, RejectReason.DUPLICATE, "this request id is already in flight")
         if len(self._requests) >= self.config.max_in_flight:

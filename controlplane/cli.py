@@ -1,0 +1,158 @@
+"""``fairbatching-controlplane`` (also ``python -m controlplane``): run the daemon, or ask a
+running one for its status and its ranks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import textwrap
+from collections.abc import Sequence
+
+import msgspec
+
+from controlplane.client import DEFAULT_ADDRESS, AsyncClient
+from controlplane.config import ConfigError, DaemonConfig
+from controlplane.errors import DaemonUnavailable
+from controlplane.protocol import RankStatus, StatusReply
+
+EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_CODES = """exit codes:
+  0  success
+  1  unexpected error
+  2  usage or config error
+  3  daemon unreachable (no reply within --timeout)"""
+RANK_COLUMNS = ("rank", "agent", "epoch", "PAB", "reported PAB", "running", "waiting", "in flight",
+                "report age", "stale", "seq gaps")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # a bug: one line, not a traceback, and its own exit code
+        print(f"error: unexpected {type(error).__name__}: {error}", file=sys.stderr)
+        return EXIT_UNEXPECTED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fairbatching-controlplane",
+        description=textwrap.fill("The FairBatching control plane: a daemon that routes requests to "
+                                  "data-parallel ranks on their prefill admission budget (see "
+                                  "docs/controlplane.md)."),
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    serve = _command(commands, "serve", "run the daemon until SIGTERM or SIGINT (then drain)",
+                     "Run the daemon in the foreground; logs are JSON lines on stderr. SIGTERM or "
+                     "SIGINT stops it gracefully: new requests are refused, in-flight ones get "
+                     "drain_timeout_s to finish, and it exits 0. It exits 1 when it cannot bind "
+                     "an address, 2 on a config error.")
+    serve.add_argument("--config", metavar="PATH",
+                       help="TOML file with a [daemon] table (e.g. configs/controlplane.toml); "
+                            "every key is optional. Default: all defaults, loopback addresses")
+    serve.set_defaults(run=_serve)
+
+    status = _command(commands, "status", "summarise a running daemon",
+                      "Print a running daemon's id, policy, uptime, drain state, requests in flight "
+                      "and queued, rank count and counters.")
+    ranks = _command(commands, "ranks", "list a running daemon's ranks and their load",
+                     "Print one row per registered rank: agent, epoch, effective and reported PAB "
+                     "(prefill admission budget, tokens), running and waiting requests, requests in "
+                     "flight from the daemon, report age, staleness and report sequence gaps.")
+    for command, show in ((status, _show_status), (ranks, _show_ranks)):
+        command.add_argument("--address", default=DEFAULT_ADDRESS,
+                             help="the daemon's client address (default: %(default)s)")
+        command.add_argument("--timeout", type=_positive_seconds, default=2.0, metavar="S",
+                             help="seconds to wait for the reply (default: %(default)s)")
+        command.add_argument("--json", action="store_true", help="print JSON instead of text")
+        command.set_defaults(run=_ask, show=show)
+    return parser
+
+
+def _command(commands, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    return commands.add_parser(name, help=summary, epilog=EXIT_CODES,
+                               description=textwrap.fill(description, break_on_hyphens=False),
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = DaemonConfig.load(args.config)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    from controlplane import daemon
+
+    return daemon.run(config)
+
+
+def _ask(args: argparse.Namespace) -> int:
+    async def fetch() -> StatusReply:
+        async with AsyncClient(args.address, connect_timeout_s=args.timeout) as client:
+            return await client.status()
+
+    try:
+        reply = asyncio.run(fetch())
+    except DaemonUnavailable as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except ValueError as error:  # an address ZMQ cannot connect to
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    args.show(reply, args.json)
+    return EXIT_OK
+
+
+def _show_status(reply: StatusReply, as_json: bool) -> None:
+    if as_json:
+        print(msgspec.json.encode(reply).decode())
+        return
+    stale = sum(rank.stale for rank in reply.ranks)
+    rows = [("daemon", reply.daemon_id), ("policy", reply.policy), ("uptime", f"{reply.uptime_s:.1f} s"),
+            ("draining", "yes" if reply.draining else "no"), ("in flight", str(reply.in_flight)),
+            ("queued", str(reply.queued)), ("ranks", f"{len(reply.ranks)} ({stale} stale)")]
+    print("\n".join(f"{key:<10} {value}" for key, value in rows))
+    if reply.counters:
+        width = max(map(len, reply.counters))
+        print("counters")
+        print("\n".join(f"  {name:<{width}}  {reply.counters[name]}" for name in sorted(reply.counters)))
+
+
+def _show_ranks(reply: StatusReply, as_json: bool) -> None:
+    if as_json:
+        print(msgspec.json.encode(reply.ranks).decode())
+    elif not reply.ranks:
+        print("no ranks registered")
+    else:
+        print(_table(RANK_COLUMNS, [_rank_row(rank) for rank in reply.ranks]))
+
+
+def _rank_row(rank: RankStatus) -> tuple[str, ...]:
+    def tokens(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    age = "-" if rank.report_age_s is None else f"{rank.report_age_s:.2f} s"
+    return (rank.rank, rank.agent, str(rank.epoch), tokens(rank.pab_tokens), tokens(rank.reported_pab_tokens),
+            str(rank.running), str(rank.waiting), str(rank.in_flight), age, "yes" if rank.stale else "no",
+            str(rank.seq_gaps))
+
+
+def _table(header: Sequence[str], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in (tuple(header), *rows))

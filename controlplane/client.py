@@ -1,0 +1,678 @@
+"""The client SDK: a DEALER socket to the daemon's client ROUTER (``docs/controlplane.md``).
+
+:class:`AsyncClient` owns one socket and one receiver task, which routes every reply to
+its request's bounded inbox by request id (pings by nonce, status replies in order).
+:class:`Client` runs an :class:`AsyncClient` on a private event-loop thread.
+
+Promises:
+
+- A request keeps its id on every retry. It is resubmitted (at most ``max_retries``
+  times, after ``retry_after_s`` or an exponential backoff, with jitter, never past its
+  deadline) when the daemon refused it before dispatch (``no_budget``, ``overloaded``,
+  ``queue_timeout``, ``no_ranks``), when its rank was lost before any output reached the
+  client, or when the daemon connection was lost (a disconnect, a Pong from another
+  ``daemon_id``, or no Pong within ``connect_timeout_s`` after ``daemon_timeout_s`` of
+  silence) before any output reached the client. After output, those raise
+  :class:`RankLost` / :class:`DaemonUnavailable`. Nothing else is retried.
+- No wait is unbounded: a silent request pings the daemon every ``daemon_timeout_s``;
+  a deadline bounds the whole call (the daemon is given what is left of it).
+- A request that ends on the client's side (deadline, break, exception, task
+  cancellation, close) is cancelled at the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from controlplane.errors import (
+    Cancelled, ControlPlaneError, DaemonUnavailable, RequestFailed, SlowConsumer, from_reject,
+    rejected,
+)
+from controlplane.protocol import (
+    DEFAULT_MAX_FRAME_BYTES, Cancel, Chunk, Dispatched, Finish, FinishReason, FrameError, Ping,
+    Pong, Prompt, RejectReason, SamplingParams, SloSpec, StatusReply, StatusRequest,
+    Submit, client_reply_channel, client_request_channel, encode, retryable,
+)
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5560"
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    token_ids: tuple[int, ...]  # new since the previous chunk
+    text: str  # new since the previous chunk
+    completion_tokens: int  # running total
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float | None  # measured at the rank: its receipt to the first token
+    latency_s: float  # measured here: the call to the finish, retries included
+    rank_latency_s: float | None  # measured at the rank
+    rank: str | None
+    attempts: int  # submits sent, the first one included
+
+
+@dataclass(frozen=True, slots=True)
+class _Lost:
+    """The daemon connection under the outstanding attempt was lost."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    error: ControlPlaneError
+    cancel_sent: bool = False
+
+
+class _Inbox:
+    """One request's replies, bounded. A marker always fits; a stop discards what waits."""
+
+    __slots__ = ("items", "limit", "wakeup", "incarnation")
+
+    def __init__(self, limit: int) -> None:
+        self.items: deque[object] = deque()
+        self.limit = limit
+        self.wakeup = asyncio.Event()
+        self.incarnation: int | None = None  # the connection the outstanding attempt went to
+
+    def put(self, message: object) -> bool:
+        if len(self.items) >= self.limit:
+            return False
+        self.items.append(message)
+        self.wakeup.set()
+        return True
+
+    def interrupt(self, marker: _Lost | _Stop) -> None:
+        self.incarnation = None
+        if isinstance(marker, _Stop):
+            self.items.clear()
+        self.items.append(marker)
+        self.wakeup.set()
+
+    async def get(self, timeout: float) -> object | None:
+        """The next item, or None after ``timeout`` seconds without one."""
+        if not self.items:
+            self.wakeup.clear()
+            try:
+                await asyncio.wait_for(self.wakeup.wait(), max(timeout, 0.0))
+            except TimeoutError:
+                return None
+        return self.items.popleft()
+
+
+class AsyncClient:
+    """Use as ``async with AsyncClient(...) as client`` (or call :meth:`close`). The socket
+    connects lazily on first use, on the running event loop, which it then stays on."""
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        max_retries: int = 3,
+        connect_timeout_s: float = 5.0,
+        daemon_timeout_s: float = 10.0,
+        retry_backoff_s: float = 0.05,
+        stream_buffer: int = 4096,
+        hwm: int = 10_000,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        if max_retries < 0 or stream_buffer < 1 or hwm < 1:
+            raise ValueError("max_retries must be >= 0, stream_buffer and hwm >= 1")
+        if min(connect_timeout_s, daemon_timeout_s) <= 0 or retry_backoff_s < 0:
+            raise ValueError("timeouts must be > 0 and retry_backoff_s >= 0")
+        self.address = address
+        self.max_retries = max_retries
+        self.connect_timeout_s = connect_timeout_s  # a ping's or status request's reply
+        self.daemon_timeout_s = daemon_timeout_s  # silence on a request before a ping
+        self.retry_backoff_s = retry_backoff_s
+        self.stream_buffer = stream_buffer
+        self.hwm = hwm
+        self.frames_dropped = 0
+        self._requests = client_request_channel(max_frame_bytes)
+        self._replies = client_reply_channel(max_frame_bytes)
+        self._socket: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._inboxes: dict[str, _Inbox] = {}
+        self._pings: dict[int, asyncio.Future[Pong]] = {}
+        self._statuses: deque[asyncio.Future[StatusReply]] = deque()
+        self._nonces = itertools.count(1)
+        self._daemon_id: str | None = None  # None: not yet known on this connection
+        self._incarnation = 0  # bumped on a disconnect or a new daemon id
+        self._failure: ControlPlaneError | None = None
+        self._closed = False
+
+    @property
+    def daemon_id(self) -> str | None:
+        return self._daemon_id
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ public calls
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int | None = None,
+        slo: SloSpec | str | dict | None = None,
+        deadline_s: float | None = None,
+        request_id: str | None = None,
+    ) -> Result:
+        """Submit one request (unstreamed) and wait for its result.
+
+        Raises a :class:`RequestRejected` subclass (:class:`InvalidRequest` before sending
+        anything), :class:`DaemonUnavailable`, :class:`Cancelled` or :class:`RequestFailed`."""
+        submit = self._submit(prompt, sampling, max_new_tokens, slo, request_id, stream=False)
+        exchange = self._exchange(submit, deadline_s)
+        try:
+            async for item in exchange:
+                if isinstance(item, Result):
+                    return item
+        finally:
+            await exchange.aclose()
+        raise AssertionError("an exchange ends with a Result or an error")
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int | None = None,
+        slo: SloSpec | str | dict | None = None,
+        deadline_s: float | None = None,
+        request_id: str | None = None,
+    ) -> Stream:
+        """A streamed request, submitted on the first iteration::
+
+            async with client.stream("Hello", max_new_tokens=16) as stream:
+                async for chunk in stream:      # StreamChunk
+                    ...
+            stream.result                       # Result, once iteration ended normally
+
+        Leaving early (break, an exception, task cancellation) cancels the request at the
+        daemon: at once inside ``async with`` or on :meth:`Stream.aclose`, else when the
+        stream is garbage-collected. Errors are raised by the iteration, as in :meth:`generate`."""
+        submit = self._submit(prompt, sampling, max_new_tokens, slo, request_id, stream=True)
+        return Stream(submit.request_id, self._exchange(submit, deadline_s))
+
+    async def cancel(self, request_id: str) -> None:
+        """Cancel a request of this client; its call raises :class:`Cancelled`."""
+        self._start()
+        inbox = self._inboxes.get(request_id)
+        self._send(Cancel(request_id))
+        if inbox is not None:
+            inbox.interrupt(_Stop(Cancelled("cancelled by the client", request_id=request_id),
+                                  cancel_sent=True))
+
+    async def ping(self, timeout_s: float | None = None) -> Pong:
+        self._start()
+        nonce = next(self._nonces)
+        reply: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
+        self._pings[nonce] = reply
+        try:
+            self._send(Ping(nonce))
+            return await self._reply(reply, timeout_s)
+        finally:
+            self._pings.pop(nonce, None)
+
+    async def status(self, timeout_s: float | None = None) -> StatusReply:
+        self._start()
+        reply: asyncio.Future[StatusReply] = asyncio.get_running_loop().create_future()
+        self._statuses.append(reply)
+        try:
+            self._send(StatusRequest())
+            return await self._reply(reply, timeout_s)
+        finally:
+            reply.cancel()
+
+    async def close(self) -> None:
+        """Cancel every outstanding request (their calls raise :class:`Cancelled`), stop the
+        receiver and close the socket. Idempotent."""
+        if self._closed:
+            return
+        for request_id, inbox in list(self._inboxes.items()):
+            sent = inbox.incarnation is not None and self._try_send(Cancel(request_id))
+            inbox.interrupt(_Stop(Cancelled("the client was closed", request_id=request_id), sent))
+        self._closed = True
+        self._fail_waiters(Cancelled("the client was closed"))
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._socket.close(linger=0)
+
+    # ------------------------------------------------------------------ one request
+    def _submit(self, prompt: str | Sequence[int], sampling: SamplingParams | None,
+                max_new_tokens: int | None, slo: SloSpec | str | dict | None,
+                request_id: str | None, *, stream: bool) -> Submit:
+        """The request, checked as the daemon will check it (it drops, unanswered, a frame
+        it cannot decode)."""
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        try:
+            body = Prompt(text=prompt) if isinstance(prompt, str) else Prompt(token_ids=[int(t) for t in prompt])
+            sampling = sampling if sampling is not None else SamplingParams()
+            if max_new_tokens is not None:
+                sampling = msgspec.structs.replace(sampling, max_new_tokens=max_new_tokens)
+            if isinstance(slo, str):
+                slo = SloSpec(slo_class=slo)
+            elif isinstance(slo, dict):
+                slo = msgspec.convert(slo, SloSpec)
+            submit = Submit(request_id, body, sampling, slo, None, stream)
+            self._requests.decode(encode(submit))
+        except (FrameError, msgspec.ValidationError, TypeError, ValueError) as error:
+            raise rejected(RejectReason.INVALID, str(error), request_id=request_id) from None
+        return submit
+
+    async def _exchange(self, submit: Submit, deadline_s: float | None) -> AsyncIterator[StreamChunk | Result]:
+        """Yields the chunks, then the Result; raises on failure. Its ``finally`` cancels
+        an attempt still outstanding at the daemon."""
+        request_id = submit.request_id
+        if deadline_s is not None and not deadline_s > 0:
+            raise rejected(RejectReason.INVALID, f"deadline_s must be > 0, got {deadline_s}", request_id=request_id)
+        self._start()
+        if request_id in self._inboxes:
+            raise rejected(RejectReason.DUPLICATE, "this request id is in flight on this client",
+                           request_id=request_id)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline_at = started + deadline_s if deadline_s is not None else None
+        inbox = self._inboxes[request_id] = _Inbox(self.stream_buffer)
+        attempts, outstanding, recovering, streamed = 0, False, False, False
+        rank: str | None = None
+        texts: list[str] = []
+        token_ids: list[int] = []
+        completion_tokens = 0
+        try:
+            while True:
+                attempts += 1
+                if inbox.items and isinstance(stop := inbox.items[0], _Stop):
+                    raise stop.error  # cancelled or closed during the backoff
+                await self._ensure_daemon(deadline_at, request_id)
+                self._send(msgspec.structs.replace(submit, deadline_s=_time_left(deadline_at, request_id)))
+                inbox.incarnation, outstanding = self._incarnation, True
+                while True:
+                    message = await self._next(inbox, deadline_at, request_id)
+                    if isinstance(message, Dispatched):
+                        rank = message.rank
+                    elif isinstance(message, Chunk):
+                        streamed = True
+                        texts.append(message.text)
+                        token_ids.extend(message.token_ids)
+                        completion_tokens = message.completion_tokens
+                        yield StreamChunk(tuple(message.token_ids), message.text, message.completion_tokens)
+                    else:
+                        break
+                outstanding = False
+                inbox.incarnation = None
+                if isinstance(message, Finish):
+                    yield self._result(message, texts, token_ids, completion_tokens, rank, attempts,
+                                       loop.time() - started)
+                    return
+                if isinstance(message, _Stop):
+                    outstanding = not message.cancel_sent
+                    raise message.error
+                if isinstance(message, _Lost):
+                    if streamed:
+                        raise DaemonUnavailable(f"{message.why} after output was received; the "
+                                                "request's fate is unknown", request_id=request_id)
+                    error: ControlPlaneError = DaemonUnavailable(message.why, request_id=request_id)
+                    retry_after, recovering = None, True
+                else:
+                    error = from_reject(message)
+                    reason = message.reason
+                    # a duplicate after a lost connection: the old attempt is still known there
+                    may_retry = retryable(reason) or (recovering and reason is RejectReason.DUPLICATE)
+                    if not may_retry or (reason is RejectReason.RANK_LOST and streamed):
+                        raise error
+                    retry_after, recovering = message.retry_after_s, reason is RejectReason.DUPLICATE
+                if attempts > self.max_retries:
+                    raise error
+                delay = max(retry_after or 0.0, self.retry_backoff_s * 2 ** (attempts - 1))
+                delay *= 1.0 + 0.25 * random.random()
+                if deadline_at is not None and loop.time() + delay >= deadline_at:
+                    raise error
+                await asyncio.sleep(delay)
+        finally:
+            if self._inboxes.get(request_id) is inbox:
+                del self._inboxes[request_id]
+            if outstanding:
+                self._try_send(Cancel(request_id))
+
+    @staticmethod
+    def _result(finish: Finish, texts: list[str], token_ids: list[int], completion_tokens: int,
+                rank: str | None, attempts: int, latency_s: float) -> Result:
+        request_id = finish.request_id
+        if finish.reason is FinishReason.CANCELLED:
+            raise Cancelled("the request was cancelled", request_id=request_id)
+        if finish.reason is FinishReason.ERROR:
+            raise RequestFailed(finish.error or "the rank failed the request", request_id=request_id)
+        return Result(
+            request_id=request_id, text=finish.text or "".join(texts),
+            token_ids=tuple(finish.token_ids or token_ids), finish_reason=finish.reason,
+            prompt_tokens=finish.prompt_tokens,
+            completion_tokens=finish.completion_tokens or completion_tokens, ttft_s=finish.ttft_s,
+            latency_s=latency_s, rank_latency_s=finish.latency_s, rank=rank, attempts=attempts,
+        )
+
+    async def _next(self, inbox: _Inbox, deadline_at: float | None, request_id: str) -> object:
+        """The next reply or marker; a ping after each ``daemon_timeout_s`` of silence."""
+        while True:
+            message = await inbox.get(_bounded(self.daemon_timeout_s, _time_left(deadline_at, request_id)))
+            if message is not None:
+                return message
+            try:
+                await self.ping(_bounded(self.connect_timeout_s, _time_left(deadline_at, request_id)))
+            except DaemonUnavailable as error:
+                _time_left(deadline_at, request_id)  # a deadline that passed meanwhile wins
+                self._daemon_id = None
+                return _Lost(str(error))
+
+    async def _ensure_daemon(self, deadline_at: float | None, request_id: str) -> None:
+        """Know the daemon id of this connection before submitting (one ping when unknown)."""
+        if self._daemon_id is not None:
+            return
+        try:
+            await self.ping(_bounded(self.connect_timeout_s, _time_left(deadline_at, request_id)))
+        except DaemonUnavailable as error:
+            _time_left(deadline_at, request_id)
+            error.request_id = request_id
+            raise
+
+    # ------------------------------------------------------------------ the socket
+    def _start(self) -> None:
+        if self._closed:
+            raise ControlPlaneError("the client is closed")
+        if self._failure is not None:
+            raise self._failure
+        if self._socket is not None:
+            return
+        socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, self.hwm)
+        socket.setsockopt(zmq.RCVHWM, self.hwm)
+        socket.setsockopt(zmq.RECONNECT_IVL, 100)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            socket.connect(self.address)
+        except zmq.ZMQError as error:
+            socket.disable_monitor()
+            monitor.close(linger=0)
+            socket.close(linger=0)
+            raise ValueError(f"cannot connect to {self.address!r}: {error}") from None
+        self._socket, self._monitor = socket, monitor
+        self._receiver = asyncio.create_task(self._receive(), name=f"controlplane-client {self.address}")
+
+    def _send(self, message: msgspec.Struct) -> None:
+        if self._closed or self._socket is None:
+            raise ControlPlaneError("the client is closed")
+        try:
+            self._socket.send(encode(message), zmq.NOBLOCK).result()
+        except zmq.Again:
+            raise DaemonUnavailable(f"the send queue to {self.address} is full (is the daemon up?)") from None
+
+    def _try_send(self, message: msgspec.Struct) -> bool:
+        try:
+            self._send(message)
+        except ControlPlaneError:
+            return False
+        return True
+
+    async def _reply(self, reply: asyncio.Future[T], timeout_s: float | None) -> T:
+        timeout_s = self.connect_timeout_s if timeout_s is None else timeout_s
+        try:
+            return await asyncio.wait_for(reply, max(timeout_s, 0.0))
+        except TimeoutError:
+            raise DaemonUnavailable(f"no reply from the daemon at {self.address} "
+                                    f"within {timeout_s:.3g} s") from None
+
+    async def _receive(self) -> None:
+        assert self._socket is not None and self._monitor is not None
+        frames: asyncio.Future | None = None
+        event: asyncio.Future | None = None
+        try:
+            while True:
+                frames = frames or asyncio.ensure_future(self._socket.recv_multipart())
+                event = event or asyncio.ensure_future(self._monitor.recv_multipart())
+                done, _ = await asyncio.wait({frames, event}, return_when=asyncio.FIRST_COMPLETED)
+                if event in done:
+                    if parse_monitor_message(event.result())["event"] == zmq.EVENT_DISCONNECTED:
+                        self._new_incarnation(f"the connection to {self.address} dropped", None)
+                    event = None
+                if frames in done:
+                    self._route(frames.result())
+                    frames = None
+        except Exception as error:
+            log.exception("controlplane client receiver failed")
+            self._failure = ControlPlaneError(f"the client's receiver failed: {error!r}")
+            self._fail_waiters(self._failure)
+            for inbox in self._inboxes.values():
+                inbox.interrupt(_Stop(self._failure))
+        finally:
+            for future in (frames, event):
+                if future is not None:
+                    future.cancel()
+
+    def _route(self, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 1:
+                raise FrameError("bad_framing", f"{len(frames)} frames, expected 1")
+            message = self._replies.decode(frames[0])
+        except FrameError as error:
+            self.frames_dropped += 1
+            log.warning("dropped a frame from the daemon: %s", error)
+            return
+        if isinstance(message, Pong):
+            self._saw_daemon(message.daemon_id)
+            waiter = self._pings.get(message.nonce)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
+        elif isinstance(message, StatusReply):
+            self._saw_daemon(message.daemon_id)
+            while self._statuses:
+                waiter = self._statuses.popleft()
+                if not waiter.done():
+                    waiter.set_result(message)
+                    break
+        else:
+            inbox = self._inboxes.get(message.request_id)
+            if inbox is not None and not inbox.put(message):
+                sent = self._try_send(Cancel(message.request_id))
+                inbox.interrupt(_Stop(SlowConsumer(
+                    f"{inbox.limit} replies were waiting to be read", request_id=message.request_id), sent))
+
+    def _saw_daemon(self, daemon_id: str) -> None:
+        if self._daemon_id is None:
+            self._daemon_id = daemon_id
+        elif daemon_id != self._daemon_id:
+            self._new_incarnation(f"the daemon restarted ({self._daemon_id} -> {daemon_id})", daemon_id)
+
+    def _new_incarnation(self, why: str, daemon_id: str | None) -> None:
+        """Every attempt sent before now went to a daemon (or connection) that cannot answer it."""
+        self._incarnation += 1
+        self._daemon_id = daemon_id
+        for inbox in self._inboxes.values():
+            if inbox.incarnation is not None and inbox.incarnation < self._incarnation:
+                inbox.interrupt(_Lost(why))
+
+    def _fail_waiters(self, error: ControlPlaneError) -> None:
+        for waiter in [*self._pings.values(), *self._statuses]:
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._statuses.clear()
+
+
+def _time_left(deadline_at: float | None, request_id: str) -> float | None:
+    """Seconds to the deadline (None: no deadline); DeadlineExceeded once it has passed."""
+    if deadline_at is None:
+        return None
+    left = deadline_at - asyncio.get_running_loop().time()
+    if left <= 0:
+        raise rejected(RejectReason.DEADLINE, "the deadline passed (client side)", request_id=request_id)
+    return left
+
+
+def _bounded(timeout_s: float, left: float | None) -> float:
+    return timeout_s if left is None else min(timeout_s, left)
+
+
+class Stream:
+    """An async iterator of :class:`StreamChunk`; ``result`` is the :class:`Result` once the
+    iteration has ended normally (None before)."""
+
+    def __init__(self, request_id: str, exchange: AsyncIterator[StreamChunk | Result]) -> None:
+        self.request_id = request_id
+        self.result: Result | None = None
+        self._exchange = exchange
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self.result is not None:
+            raise StopAsyncIteration
+        item = await anext(self._exchange)
+        if isinstance(item, Result):
+            self.result = item
+            await self.aclose()
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        """Cancel the request at the daemon unless it is over. Idempotent."""
+        await self._exchange.aclose()
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class Client:
+    """A synchronous :class:`AsyncClient` (same arguments) on a private event-loop thread."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, **options: Any) -> None:
+        self._client = AsyncClient(address, **options)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="controlplane-client", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def daemon_id(self) -> str | None:
+        return self._client.daemon_id
+
+    def generate(self, prompt: str | Sequence[int], **options: Any) -> Result:
+        """:meth:`AsyncClient.generate`; interrupting it (KeyboardInterrupt) cancels the request."""
+        return self._call(self._client.generate(prompt, **options))
+
+    def stream(self, prompt: str | Sequence[int], **options: Any) -> SyncStream:
+        """:meth:`AsyncClient.stream` as a plain iterator (``with client.stream(...) as s:``)."""
+        return SyncStream(self, self._client.stream(prompt, **options))
+
+    def cancel(self, request_id: str) -> None:
+        self._call(self._client.cancel(request_id))
+
+    def status(self, timeout_s: float | None = None) -> StatusReply:
+        return self._call(self._client.status(timeout_s))
+
+    def ping(self, timeout_s: float | None = None) -> Pong:
+        return self._call(self._client.ping(timeout_s))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._client.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():
+            coroutine.close()
+            raise ControlPlaneError("the client is closed")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+
+class SyncStream:
+    """Iterate for :class:`StreamChunk`; ``result`` as in :class:`Stream`. Leaving the loop
+    early cancels the request (when the iterator is dropped, or at once with ``with``)."""
+
+    def __init__(self, client: Client, stream: Stream) -> None:
+        self._client = client
+        self._stream = stream
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    @property
+    def result(self) -> Result | None:
+        return self._stream.result
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        try:
+            while (chunk := self._client._call(self._next())) is not None:
+                yield chunk
+        finally:
+            self.close()
+
+    async def _next(self) -> StreamChunk | None:
+        try:
+            return await anext(self._stream)
+        except StopAsyncIteration:
+            return None
+
+    def close(self) -> None:
+        if not self._client._loop.is_closed():
+            self._client._call(self._stream.aclose())
+
+    def __enter__(self) -> SyncStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""``fairbatching-controlplane`` / ``python -m controlplane``: help, exit codes, and status and
+ranks against a daemon started by ``serve``.
+
+(Named apart from tests/sim/test_cli.py: test folders have no __init__.py, so basenames must differ.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from controlplane import protocol as p
+from controlplane.cli import main
+
+from live import REPO, loopback_config, start_process_daemon
+
+
+def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "controlplane", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout)
+
+
+def unused_address() -> str:
+    return loopback_config().client_address
+
+
+def test_help_documents_every_command_and_the_exit_codes() -> None:
+    top = cli("--help")
+    assert top.returncode == 0
+    for text in ("serve", "status", "ranks", "exit codes", "daemon unreachable"):
+        assert text in top.stdout
+
+
+@pytest.mark.parametrize(("command", "expected"), [("serve", "--config"), ("status", "--timeout"),
+                                                   ("ranks", "sequence gaps")])
+def test_each_subcommand_has_help(command: str, expected: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert caught.value.code == 0 and "exit codes" in out and expected in out
+    assert f"fairbatching-controlplane {command}" in out
+
+
+@pytest.mark.parametrize("argv", [[], ["bogus"], ["status", "--timeout", "0"], ["ranks", "--timeout", "x"],
+                                  ["status", "--address", "not-an-address"]])
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2 and "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "no such config file"),
+    ("[daemon\n", "invalid TOML"),
+    ("[daemon]\nbogus = 1\n", "bogus"),
+    ('[daemon]\nclient_address = "tcp://10.1.2.3:5560"\n', "not loopback"),
+])
+def test_serve_with_a_bad_config_exits_2_with_one_line(tmp_path, content: str | None, message: str) -> None:
+    path = tmp_path / "daemon.toml"
+    if content is not None:
+        path.write_text(content)
+    run = cli("serve", "--config", str(path))
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1 and message in run.stderr
+
+
+def test_an_unreachable_daemon_exits_3() -> None:
+    started = time.monotonic()
+    run = cli("status", "--address", unused_address(), "--timeout", "0.3")
+    assert run.returncode == 3 and "no reply" in run.stderr
+    assert time.monotonic() - started < 10
+    assert main(["ranks", "--address", unused_address(), "--timeout", "0.2", "--json"]) == 3
+
+
+def test_status_and_ranks_of_a_served_daemon(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    config = loopback_config(stale_after_s=30.0, lost_after_s=60.0, daemon_id="cli-daemon")
+    running = start_process_daemon(tmp_path, config)
+    agent = zmq.Context.instance().socket(zmq.DEALER)
+    reports = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        agent.setsockopt(zmq.ROUTING_ID, b"agent-x")
+        for sock, address in ((agent, config.rank_address), (reports, config.report_address)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        agent.send(p.encode(p.Hello("agent-x", "rank-x", 4)))
+        assert agent.poll(5000) and isinstance(p.daemon_to_agent_channel().decode(agent.recv()), p.Welcome)
+        reports.send(p.encode(p.Report("rank-x", 4, 1, 1234.0, 2, 3, 0, 100, 0, 0.01, 0.0)))
+        reports.send(p.encode(p.Report("rank-x", 4, 3, 1500.0, 2, 3, 0, 100, 0, 0.01, 0.0)))  # one lost
+
+        address = ["--address", config.client_address]
+        deadline = time.monotonic() + 5
+        while True:  # the reports travel on their own socket
+            assert main(["ranks", *address, "--json"]) == 0
+            (rank,) = json.loads(capsys.readouterr().out)
+            if rank["reported_pab_tokens"] == 1500.0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (rank["rank"], rank["agent"], rank["epoch"], rank["seq_gaps"]) == ("rank-x", "agent-x", 4, 1)
+
+        assert main(["ranks", *address]) == 0
+        header, row = capsys.readouterr().out.splitlines()
+        assert header.split("  ")[0] == "rank" and "seq gaps" in header and "report age" in header
+        assert row.split()[:6] == ["rank-x", "agent-x", "4", "1500", "1500", "2"]
+
+        assert main(["status", *address]) == 0
+        text = capsys.readouterr().out
+        for line in ("daemon     cli-daemon", "policy     pab", "draining   no", "in flight  0",
+                     "ranks      1 (0 stale)", "counters"):
+            assert line in text
+
+        run = cli("status", *address, "--json")
+        assert run.returncode == 0
+        status = json.loads(run.stdout)
+        assert status["daemon_id"] == "cli-daemon" and status["counters"]["ranks_joined"] == 1
+    finally:
+        agent.close()
+        reports.close()
+        code = running.terminate()
+    assert code == 0  # SIGTERM drains and exits 0
