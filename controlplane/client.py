@@ -58,6 +58,7 @@ class StreamChunk:
     token_ids: tuple[int, ...]  # new since the previous chunk
     text: str  # new since the previous chunk
     completion_tokens: int  # running total
+    rank: str | None = None  # the rank serving the request
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +331,7 @@ class AsyncClient:
                         texts.append(message.text)
                         token_ids.extend(message.token_ids)
                         completion_tokens = message.completion_tokens
-                        yield StreamChunk(tuple(message.token_ids), message.text, message.completion_tokens)
+                        yield StreamChunk(tuple(message.token_ids), message.text, message.completion_tokens, rank)
                     else:
                         break
                 outstanding = False

@@ -1,4 +1,4 @@
-"""``python -m sglang_ext.sim {run,sweep,calibrate}`` — see ``--help`` of each."""
+"""``python -m sglang_ext.sim {run,sweep,cluster,calibrate}`` — see ``--help`` of each."""
 
 from __future__ import annotations
 
@@ -10,9 +10,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from controlplane.balancer import BALANCERS
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 from sglang_ext.policy.step_model import StepCoefficients, StepModelError
 from sglang_ext.sim.calibration import offline_fit, profile_samples
+from sglang_ext.sim.cluster import (
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_QUEUE_TTL_S,
+    DEFAULT_REPORT_DELAY_S,
+    ClusterConfig,
+    ClusterConfigError,
+    simulate_cluster,
+)
 from sglang_ext.sim.profile import (
     PROFILES_DIR,
     HardwareProfile,
@@ -24,6 +33,7 @@ from sglang_ext.sim.profile import (
 from sglang_ext.sim.runner import (
     DEFAULT_TOKEN_BUDGETS,
     PolicySpecError,
+    RunResult,
     Scenario,
     parse_policy,
     simulate,
@@ -72,6 +82,26 @@ def _rate_list(text: str) -> tuple[float, ...]:
     if not rates:
         raise argparse.ArgumentTypeError("expected comma-separated rates, e.g. 2,4,8")
     return tuple(sorted(set(rates)))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
 
 
 def _budget_list(text: str) -> tuple[int, ...]:
@@ -150,6 +180,31 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--jobs", type=int, help="worker processes (default: all cores)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
     _common(sweep)
+    cluster = commands.add_parser(
+        "cluster",
+        help="data-parallel ranks behind the control plane's balancer, one offered load",
+        description="N simulated ranks, each running --policy, behind one dispatcher that "
+        "routes with the control plane's balancer and PAB ledger (reports reach it "
+        "--report-delay-ms late). pab's `on_no_budget = \"queue\"`: a request no rank's "
+        "budget covers waits in a FIFO admission queue, rejected after --queue-ttl.",
+    )
+    cluster.add_argument("--ranks", type=_positive_int, default=8, help="data-parallel ranks")
+    cluster.add_argument("--balancer", choices=BALANCERS, default="pab",
+                         help="the control plane's policy for choosing a rank")
+    cluster.add_argument("--policy", default="fb",
+                         help="every rank's batch policy, NAME@BUDGET for budgeted ones")
+    cluster.add_argument("--rate", type=_positive_float,
+                         help="offered load of the whole cluster, req/s (default: the trace's "
+                         "own rate x --ranks)")
+    cluster.add_argument("--report-delay-ms", type=_non_negative_float,
+                         default=DEFAULT_REPORT_DELAY_S * 1e3,
+                         help="a rank's report reaches the dispatcher this late")
+    cluster.add_argument("--queue-ttl", type=_positive_float, default=DEFAULT_QUEUE_TTL_S,
+                         help="seconds a request may wait in pab's admission queue "
+                         "(the daemon's queue_ttl_s)")
+    cluster.add_argument("--max-queued", type=_positive_int, default=DEFAULT_MAX_QUEUED,
+                         help="admission queue bound; a fuller queue rejects (max_queued)")
+    _common(cluster)
     calibrate = commands.add_parser(
         "calibrate", help="offline-fit the step model a + b*new_tokens + c*context on a profile"
     )
@@ -257,6 +312,43 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    spec = parse_policy(args.policy)
+    config = ClusterConfig(
+        ranks=args.ranks,
+        balancer=args.balancer,
+        report_delay_s=args.report_delay_ms / 1e3,
+        queue_ttl_s=args.queue_ttl,
+        max_queued=args.max_queued,
+    )
+    scenario = _scenario(args)
+    rate = args.rate or scenario.workload.mean_rate * config.ranks
+    result = simulate_cluster(scenario, spec, rate, config)
+    plan = SweepPlan((result.label,), (spec,))
+    run = RunResult(result.label, result.load, None)
+    document, _ = assemble(scenario, plan, (rate,), rate, [run])
+    document["cluster"] = {
+        "ranks": config.ranks,
+        "balancer": config.balancer,
+        "rank_policy": spec.label,
+        "report_delay_s": config.report_delay_s,
+        "on_no_budget": "queue",
+        "queue_ttl_s": config.queue_ttl_s,
+        "max_queued": config.max_queued,
+    }
+    print(summary_table(document, plan.requested))
+    load = result.load
+    print(
+        f"\ndispatched per rank {load['dispatched_per_rank']} (max/mean "
+        f"{load['dispatch_imbalance']:.2f}); rejected {load['rejected']} "
+        f"(dispatcher: {load['queue_timeout']} queue timeout, {load['overloaded']} overloaded; "
+        f"ranks: {load['rejected_by_ranks']}); {load['queued']} queued"
+    )
+    path = write_results(document, _out_dir(args))
+    print(f"\nwrote {path}")
+    return 0
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     profile = _load_profile(args.profile)
     fit = offline_fit(profile)
@@ -279,13 +371,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 USER_ERRORS = (
     CliError, WorkloadError, ProfileError, SloError, PolicySpecError, StepModelError,
-    json.JSONDecodeError,
+    ClusterConfigError, json.JSONDecodeError,
 )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"run": _cmd_run, "sweep": _cmd_sweep, "calibrate": _cmd_calibrate}[args.command]
+    handler = {
+        "run": _cmd_run, "sweep": _cmd_sweep, "cluster": _cmd_cluster,
+        "calibrate": _cmd_calibrate,
+    }[args.command]
     try:
         return handler(args)
     except USER_ERRORS as exc:

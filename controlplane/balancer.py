@@ -1,0 +1,150 @@
+"""Rank choice: the ``pab`` policy and the baselines users run today, pure and stdlib only.
+
+The caller passes only the ranks it considers fresh (stale means unknown, never idle)
+as :class:`RankView` values built from the last reports plus its own dispatches since
+(see ``docs/controlplane.md``). A balancer may keep a little state of its own (a cursor,
+a seeded RNG) but does no I/O. ``choose`` returns a rank name, or None when the policy
+declines: no rank given, or (``pab`` only) no rank's budget covers the prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+BALANCERS: tuple[str, ...] = ("pab", "round_robin", "request_count", "total_tokens", "power_of_two")
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    rank: str
+    pab_tokens: float | None  # effective: reported minus unreported debits; None = never reported
+    running: int  # last reported running
+    waiting: int  # last reported waiting + dispatches the last report does not include yet
+    total_tokens: int  # last reported total_tokens + prompt tokens of those dispatches
+    in_flight: int  # the daemon's own count of dispatched, unfinished requests
+
+
+class Balancer(Protocol):
+    name: str
+
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None: ...
+
+
+class PabBalancer:
+    """The rank whose effective PAB covers the prompt with the most to spare (ties: the
+    first given); None when no rank's budget covers it (the caller queues or rejects)."""
+
+    name = "pab"
+
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None:
+        best: RankView | None = None
+        for view in ranks:
+            budget = view.pab_tokens
+            if budget is None or budget < prompt_tokens:
+                continue
+            if best is None or budget > best.pab_tokens:
+                best = view
+        return None if best is None else best.rank
+
+
+class RoundRobinBalancer:
+    """The next rank name after the last one chosen, in sorted order (wrapping), so the
+    rotation survives ranks joining, leaving or going stale."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None:
+        if not ranks:
+            return None
+        names = sorted(view.rank for view in ranks)
+        last = self._last
+        chosen = names[0] if last is None else next((n for n in names if n > last), names[0])
+        self._last = chosen
+        return chosen
+
+
+class LowestScoreBalancer:
+    """The rank with the lowest ``score``; ties go to the first one met scanning from a
+    start index that advances by one every call (vLLM's guard against herding)."""
+
+    def __init__(self, name: str, score: Callable[[RankView], float]) -> None:
+        self.name = name
+        self._score = score
+        self._start = 0
+
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None:
+        count = len(ranks)
+        if count == 0:
+            return None
+        start = self._start % count
+        self._start = start + 1
+        best: RankView | None = None
+        best_score = 0.0
+        for offset in range(count):
+            view = ranks[(start + offset) % count]
+            score = self._score(view)
+            if best is None or score < best_score:
+                best, best_score = view, score
+        return best.rank
+
+
+def request_count_score(view: RankView) -> float:
+    """vLLM's data-parallel load score."""
+    return view.waiting * 4 + view.running
+
+
+def total_tokens_score(view: RankView) -> float:
+    """SGLang's ``total_tokens`` load: tokens held by the rank's requests."""
+    return view.total_tokens
+
+
+class PowerOfTwoBalancer:
+    """Two distinct ranks drawn by a seeded RNG; the one with fewer in flight wins (ties:
+    the first drawn). One rank: that rank."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._random = random.Random(seed)
+
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None:
+        if not ranks:
+            return None
+        if len(ranks) == 1:
+            return ranks[0].rank
+        first, second = self._random.sample(range(len(ranks)), 2)
+        a, b = ranks[first], ranks[second]
+        return b.rank if b.in_flight < a.in_flight else a.rank
+
+
+def make_balancer(name: str, seed: int = 0) -> Balancer:
+    """A fresh balancer by policy name (``seed`` drives ``power_of_two``'s draws)."""
+    if name == "pab":
+        return PabBalancer()
+    if name == "round_robin":
+        return RoundRobinBalancer()
+    if name == "request_count":
+        return LowestScoreBalancer("request_count", request_count_score)
+    if name == "total_tokens":
+        return LowestScoreBalancer("total_tokens", total_tokens_score)
+    if name == "power_of_two":
+        return PowerOfTwoBalancer(seed)
+    raise ValueError(f"unknown balancer {name!r}; expected one of {', '.join(BALANCERS)}")
+
+
+def least_in_flight(ranks: Sequence[RankView], cap: int) -> str | None:
+    """Local accounting when every rank is stale: the rank with the fewest in-flight
+    requests among those below ``cap`` (ties: the first given); None if all are at it."""
+    best: RankView | None = None
+    for view in ranks:
+        if view.in_flight >= cap:
+            continue
+        if best is None or view.in_flight < best.in_flight:
+            best = view
+    return None if best is None else best.rank

@@ -1,0 +1,349 @@
+"""A data-parallel cluster in virtual time: N simulated ranks behind one dispatcher.
+
+The dispatcher routes exactly as the control-plane daemon does (``docs/controlplane.md``):
+a :mod:`controlplane.balancer` policy chooses among :class:`RankView` values built from
+each rank's last report plus the :mod:`controlplane.ledger`'s debits since, every
+dispatch is debited and numbered per rank, and a report's echo of the highest dispatch
+sequence it accounts for reconciles the debits.
+
+- **Ranks.** One :class:`SimEngine` per rank, each with its own policy instance built
+  as a single-rank run builds it, seeded ``seed + rank index`` (rank 0 is the
+  single-rank run's engine). A dispatched request reaches its rank at once.
+- **Reports.** After each of its steps (and when it ingests a request it does not keep
+  busy, e.g. one its own admission refused) a rank reports its PAB, running and waiting
+  counts, tokens held, requests over so far and the highest dispatch sequence it has
+  ingested; the dispatcher gets the report ``report_delay_s`` later. Every rank reports
+  once at time 0, before traffic, as ranks register before a daemon takes requests.
+- **No covering budget** (``pab`` only): the daemon's ``on_no_budget = "queue"``. The
+  request waits in a FIFO admission queue (the head blocks those behind it), retried on
+  every report; past ``queue_ttl_s`` from its arrival it is rejected (``queue_timeout``),
+  and an arrival that finds ``max_queued`` requests waiting is rejected (``overloaded``).
+  A rejected request counts as an SLO violation; TTFT counts from the original arrival,
+  so time spent queued is part of it.
+- Events at the same virtual time run reports first, then arrivals, then steps (a
+  single-rank run also submits an arrival before a step that starts at the same time).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from controlplane.balancer import BALANCERS, RankView, make_balancer
+from controlplane.config import DaemonConfig
+from controlplane.ledger import DispatchLedger
+from sglang_ext.policy.slo import Slo
+from sglang_ext.sim.engine import SimEngine
+from sglang_ext.sim.metrics import LatencySamples, RequestRecord, latency_samples, summarize
+from sglang_ext.sim.runner import PolicySpec, Scenario, build_policy
+from sglang_ext.sim.workloads import TraceRequest
+
+_DAEMON_DEFAULTS = DaemonConfig()
+DEFAULT_REPORT_DELAY_S = 0.005
+DEFAULT_QUEUE_TTL_S = _DAEMON_DEFAULTS.queue_ttl_s
+DEFAULT_MAX_QUEUED = _DAEMON_DEFAULTS.max_queued
+
+_REPORT, _ARRIVAL, _STEP = 0, 1, 2  # tie order at equal times
+
+
+class ClusterConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    ranks: int
+    balancer: str
+    report_delay_s: float = DEFAULT_REPORT_DELAY_S
+    queue_ttl_s: float = DEFAULT_QUEUE_TTL_S
+    max_queued: int = DEFAULT_MAX_QUEUED
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ClusterConfigError(f"ranks must be >= 1, got {self.ranks}")
+        if self.balancer not in BALANCERS:
+            raise ClusterConfigError(
+                f"unknown balancer {self.balancer!r}; expected one of {', '.join(BALANCERS)}"
+            )
+        if not (math.isfinite(self.report_delay_s) and self.report_delay_s >= 0):
+            raise ClusterConfigError(f"report delay must be >= 0 s, got {self.report_delay_s}")
+        if not (math.isfinite(self.queue_ttl_s) and self.queue_ttl_s > 0):
+            raise ClusterConfigError(f"queue TTL must be > 0 s, got {self.queue_ttl_s}")
+        if self.max_queued < 1:
+            raise ClusterConfigError(f"max queued must be >= 1, got {self.max_queued}")
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    rank: int
+    taken_at: float
+    pab_tokens: float
+    running: int
+    waiting: int
+    total_tokens: int
+    finished: int  # requests over at the rank (finished, refused or aborted) so far
+    echoed_dispatch_seq: int
+
+
+@dataclass(frozen=True)
+class ClusterResult:
+    label: str  # "<policy> + <balancer>"
+    load: dict  # summarize()'s load point plus the cluster's own counters
+    samples: LatencySamples | None
+
+
+@dataclass(slots=True)
+class _Queued:
+    index: int
+    request: TraceRequest
+    slo: Slo
+
+
+class _Rank:
+    __slots__ = ("index", "name", "engine", "last_report", "dispatched", "ingested_seq",
+                 "step_scheduled")
+
+    def __init__(self, index: int, engine: SimEngine) -> None:
+        self.index = index
+        self.name = str(index)
+        self.engine = engine
+        self.last_report: RankReport | None = None
+        self.dispatched = 0
+        self.ingested_seq = 0
+        self.step_scheduled = False
+
+    def report(self) -> RankReport:
+        engine = self.engine
+        running = waiting = total_tokens = 0
+        active = engine.active_requests
+        for request in active:
+            if request.context:
+                running += 1
+            else:
+                waiting += 1
+            total_tokens += request.context + request.pending_prefill
+        return RankReport(
+            rank=self.index,
+            taken_at=engine.now,
+            pab_tokens=engine.prefill_admission_budget(),
+            running=running,
+            waiting=waiting,
+            total_tokens=total_tokens,
+            finished=len(engine.records) - len(active),
+            echoed_dispatch_seq=self.ingested_seq,
+        )
+
+
+class ClusterSimulation:
+    """One run: :meth:`run` once, then read :attr:`records`, :attr:`placement` and
+    :meth:`load`."""
+
+    def __init__(self, scenario: Scenario, spec: PolicySpec, cluster: ClusterConfig) -> None:
+        self.scenario = scenario
+        self.spec = spec
+        self.cluster = cluster
+        self.ranks = [
+            _Rank(i, SimEngine(
+                scenario.profile, build_policy(scenario, spec), seed=scenario.seed + i
+            ))
+            for i in range(cluster.ranks)
+        ]
+        self.ledger = DispatchLedger()
+        self.balancer = make_balancer(cluster.balancer, scenario.seed)
+        self.queue: deque[_Queued] = deque()
+        self.placement: dict[int, int] = {}
+        self.rejected_by_dispatcher: dict[int, RequestRecord] = {}
+        self.counters = {
+            "queued": 0, "queue_timeout": 0, "overloaded": 0, "dispatched_from_queue": 0,
+            "max_queue_depth": 0, "reports": 0,
+        }
+        self.queue_waits_s: list[float] = []
+        self._events: list[tuple[float, int, int, object]] = []
+        self._event_count = 0
+        self._deadline = math.inf
+        self.last_arrival_s = 0.0
+
+    # ---------------------------------------------------------------- events
+    def _push(self, time_s: float, kind: int, payload: object) -> None:
+        self._event_count += 1
+        heapq.heappush(self._events, (time_s, kind, self._event_count, payload))
+
+    def _schedule_step(self, rank: _Rank) -> None:
+        engine = rank.engine
+        if not rank.step_scheduled and engine.has_work and engine.now < self._deadline:
+            rank.step_scheduled = True
+            self._push(engine.now, _STEP, rank)
+
+    def _send_report(self, rank: _Rank) -> None:
+        report = rank.report()
+        self._push(report.taken_at + self.cluster.report_delay_s, _REPORT, report)
+
+    def run(self, rate: float) -> None:
+        scenario = self.scenario
+        workload = scenario.workload.with_arrivals(scenario.arrivals, rate, scenario.seed)
+        requests = workload.requests
+        self.last_arrival_s = requests[-1].arrival_s
+        self._deadline = self.last_arrival_s + scenario.drain_s
+        resolve = scenario.catalog.resolve
+        for rank in self.ranks:
+            self._apply_report(rank.report())
+        next_arrival = 0
+        self._push(requests[0].arrival_s, _ARRIVAL, None)
+        while self._events:
+            time_s, kind, _, payload = heapq.heappop(self._events)
+            if kind == _STEP:
+                rank = payload
+                rank.step_scheduled = False
+                rank.engine.step()
+                self._send_report(rank)
+                self._schedule_step(rank)
+            elif kind == _REPORT:
+                self._apply_report(payload)
+                self._drain_queue(time_s)
+            else:
+                request = requests[next_arrival]
+                slo = resolve({"class": request.slo_class} if request.slo_class else None)
+                self._arrive(time_s, _Queued(next_arrival, request, slo))
+                next_arrival += 1
+                if next_arrival < len(requests):
+                    self._push(requests[next_arrival].arrival_s, _ARRIVAL, None)
+        for queued in self.queue:
+            self._reject(queued, "queue_timeout")
+        self.queue.clear()
+
+    # ---------------------------------------------------------------- dispatcher
+    def _apply_report(self, report: RankReport) -> None:
+        rank = self.ranks[report.rank]
+        self.ledger.apply_report(rank.name, report.pab_tokens, report.echoed_dispatch_seq)
+        rank.last_report = report
+        self.counters["reports"] += 1
+
+    def _views(self) -> list[RankView]:
+        ledger = self.ledger
+        views = []
+        for rank in self.ranks:
+            report = rank.last_report
+            views.append(RankView(
+                rank=rank.name,
+                pab_tokens=ledger.effective_budget(rank.name),
+                running=report.running,
+                waiting=report.waiting + ledger.outstanding_dispatches(rank.name),
+                total_tokens=report.total_tokens + ledger.outstanding_tokens(rank.name),
+                in_flight=rank.dispatched - report.finished,
+            ))
+        return views
+
+    def _arrive(self, now: float, queued: _Queued) -> None:
+        if self.queue:
+            self._enqueue(queued)
+            self._drain_queue(now)
+            return
+        chosen = self.balancer.choose(self._views(), queued.request.prompt_tokens)
+        if chosen is None:
+            self._enqueue(queued)
+        else:
+            self._dispatch(now, queued, self.ranks[int(chosen)])
+
+    def _enqueue(self, queued: _Queued) -> None:
+        if len(self.queue) >= self.cluster.max_queued:
+            self._reject(queued, "overloaded")
+            return
+        self.queue.append(queued)
+        self.counters["queued"] += 1
+        self.counters["max_queue_depth"] = max(self.counters["max_queue_depth"], len(self.queue))
+
+    def _drain_queue(self, now: float) -> None:
+        queue = self.queue
+        ttl = self.cluster.queue_ttl_s
+        while queue:
+            head = queue[0]
+            if now - head.request.arrival_s > ttl:
+                queue.popleft()
+                self._reject(head, "queue_timeout")
+                continue
+            chosen = self.balancer.choose(self._views(), head.request.prompt_tokens)
+            if chosen is None:
+                return
+            queue.popleft()
+            self.counters["dispatched_from_queue"] += 1
+            self.queue_waits_s.append(now - head.request.arrival_s)
+            self._dispatch(now, head, self.ranks[int(chosen)])
+
+    def _dispatch(self, now: float, queued: _Queued, rank: _Rank) -> None:
+        request = queued.request
+        seq = self.ledger.record_dispatch(rank.name, request.prompt_tokens)
+        rank.dispatched += 1
+        self.placement[queued.index] = rank.index
+        engine = rank.engine
+        if not engine.has_work and engine.now < now:
+            engine.advance_to(now)
+        engine.submit(
+            queued.index, request.arrival_s, request.prompt_tokens, request.output_tokens,
+            queued.slo,
+        )
+        rank.ingested_seq = seq
+        if engine.has_work:
+            self._schedule_step(rank)
+        else:
+            self._send_report(rank)
+
+    def _reject(self, queued: _Queued, reason: str) -> None:
+        request = queued.request
+        record = RequestRecord(
+            queued.index, request.arrival_s, queued.slo, request.prompt_tokens,
+            request.output_tokens, rejected=True,
+        )
+        self.rejected_by_dispatcher[queued.index] = record
+        self.counters[reason] += 1
+
+    # ---------------------------------------------------------------- results
+    @property
+    def records(self) -> dict[int, RequestRecord]:
+        """Every request by its index in the workload: the ranks' records and the
+        dispatcher's rejections."""
+        merged: dict[int, RequestRecord] = dict(self.rejected_by_dispatcher)
+        for rank in self.ranks:
+            merged.update(rank.engine.records)
+        return merged
+
+    def load(self, rate: float) -> dict:
+        """``summarize()``'s load point for the whole cluster plus its own counters."""
+        engines = [rank.engine for rank in self.ranks]
+        duration = max(self.last_arrival_s, *(engine.now for engine in engines))
+        load = summarize(self.records.values(), rate, duration)
+        dispatched = [rank.dispatched for rank in self.ranks]
+        mean_dispatched = sum(dispatched) / len(dispatched)
+        waits = sorted(self.queue_waits_s)
+        busy = sum(engine.busy_s for engine in engines)
+        load |= {
+            "ranks": self.cluster.ranks,
+            "balancer": self.cluster.balancer,
+            "report_delay_s": self.cluster.report_delay_s,
+            "queue_ttl_s": self.cluster.queue_ttl_s,
+            "steps": sum(engine.steps for engine in engines),
+            "gpu_busy_fraction": busy / (duration * len(engines)) if duration > 0 else 0.0,
+            "dispatched_per_rank": dispatched,
+            "dispatch_imbalance": max(dispatched) / mean_dispatched if mean_dispatched else 0.0,
+            "rejected_by_ranks": sum(
+                record.rejected for engine in engines for record in engine.records.values()
+            ),
+            "rejected_by_dispatcher": len(self.rejected_by_dispatcher),
+            "queue_wait_ms_p50": waits[len(waits) // 2] * 1e3 if waits else None,
+            "queue_wait_ms_max": waits[-1] * 1e3 if waits else None,
+        } | self.counters
+        return load
+
+
+def simulate_cluster(
+    scenario: Scenario, spec: PolicySpec, rate: float, cluster: ClusterConfig,
+    *, keep_samples: bool = False,
+) -> ClusterResult:
+    """Replay the scenario's workload at ``rate`` req/s (the whole cluster's offered load)."""
+    simulation = ClusterSimulation(scenario, spec, cluster)
+    simulation.run(rate)
+    samples = latency_samples(simulation.records.values()) if keep_samples else None
+    return ClusterResult(f"{spec.label} + {cluster.balancer}", simulation.load(rate), samples)
+
+

@@ -1,0 +1,207 @@
+"""The cluster simulator: N ranks behind the control plane's balancer and PAB ledger."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from sim_helpers import CATALOG, llama, synthetic_workload
+
+from controlplane.balancer import BALANCERS
+from sglang_ext.policy.slo import Slo, SloCatalog
+from sglang_ext.sim.cli import main
+from sglang_ext.sim.cluster import (
+    ClusterConfig,
+    ClusterConfigError,
+    ClusterSimulation,
+    simulate_cluster,
+)
+from sglang_ext.sim.runner import PolicySpec, Scenario, parse_policy, simulate
+from sglang_ext.sim.workloads import TraceRequest, Workload
+
+TIGHT = SloCatalog.single(Slo.from_ms(200, 50), "tight")  # PAB of an idle rank ~ 9k tokens
+
+
+def scenario(workload: Workload, catalog: SloCatalog = CATALOG, drain_s: float = 120.0) -> Scenario:
+    return Scenario(workload=workload, profile=llama(), catalog=catalog, drain_s=drain_s)
+
+
+def burst(count: int, prompt: int, output: int = 20, gap_s: float = 1e-4) -> Workload:
+    return Workload(
+        tuple(TraceRequest(i * gap_s, prompt, output) for i in range(count)), "burst"
+    )
+
+
+def run(
+    workload: Workload, ranks: int, balancer: str, *, policy: str = "fb-anchor-margin",
+    catalog: SloCatalog = CATALOG, rate: float | None = None, **config,
+) -> ClusterSimulation:
+    simulation = ClusterSimulation(
+        scenario(workload, catalog), parse_policy(policy), ClusterConfig(ranks, balancer, **config)
+    )
+    simulation.run(rate or workload.mean_rate)
+    return simulation
+
+
+def check_conservation(simulation: ClusterSimulation, count: int) -> None:
+    by_rank = [set(rank.engine.records) for rank in simulation.ranks]
+    rejected = set(simulation.rejected_by_dispatcher)
+    seen = [*rejected]
+    for ids in by_rank:
+        seen.extend(ids)
+    assert sorted(seen) == list(range(count)), "every request exactly once"
+    assert set(simulation.placement) == set().union(*by_rank)
+    for index, rank in simulation.placement.items():
+        assert index in by_rank[rank]
+    for record in simulation.records.values():
+        assert record.rejected or record.aborted or record.finished
+    counters = simulation.counters
+    assert counters["queue_timeout"] + counters["overloaded"] == len(rejected)
+    assert [rank.dispatched for rank in simulation.ranks] == [len(ids) for ids in by_rank]
+    for rank in simulation.ranks:
+        assert simulation.ledger.outstanding_dispatches(rank.name) == 0, "debits reconciled"
+
+
+@pytest.mark.parametrize("balancer", BALANCERS)
+def test_every_request_finishes_or_is_rejected_exactly_once(balancer: str) -> None:
+    workload = synthetic_workload(60)
+    simulation = run(workload, 3, balancer, rate=40.0)
+    check_conservation(simulation, len(workload))
+    assert sum(rank.dispatched for rank in simulation.ranks) == len(workload)
+    assert all(rank.dispatched > 0 for rank in simulation.ranks)
+
+
+def test_pab_queues_times_out_and_overflows_without_losing_a_request() -> None:
+    workload = burst(40, prompt=3000, output=30)
+    simulation = run(
+        workload, 2, "pab", policy="fb-anchor-margin-pab", catalog=TIGHT,
+        queue_ttl_s=0.3, max_queued=12,
+    )
+    check_conservation(simulation, len(workload))
+    counters = simulation.counters
+    assert counters["queued"] > 0
+    assert counters["dispatched_from_queue"] > 0
+    assert counters["queue_timeout"] > 0
+    assert counters["overloaded"] > 0
+    load = simulation.load(workload.mean_rate)
+    assert load["rejected"] >= load["rejected_by_dispatcher"] > 0
+    assert load["attainment"] < 1.0
+
+
+def test_pab_never_dispatches_a_prompt_the_effective_budget_cannot_cover() -> None:
+    workload = burst(40, prompt=3000, output=30)
+    simulation = ClusterSimulation(
+        scenario(workload, TIGHT), parse_policy("fb-anchor-margin"), ClusterConfig(3, "pab")
+    )
+    choose = simulation.balancer.choose
+    chosen_budgets: list[tuple[float, int]] = []
+
+    def recording_choose(views, prompt_tokens):
+        rank = choose(views, prompt_tokens)
+        if rank is not None:
+            budget = next(view.pab_tokens for view in views if view.rank == rank)
+            chosen_budgets.append((budget, prompt_tokens))
+        return rank
+
+    simulation.balancer.choose = recording_choose
+    simulation.run(workload.mean_rate)
+    assert chosen_budgets and all(budget >= prompt for budget, prompt in chosen_budgets)
+    assert simulation.counters["queued"] > 0
+
+
+def test_pab_spreads_a_burst_across_ranks_between_reports() -> None:
+    # 16 arrivals within 1.6 ms: no report reaches the dispatcher before the last one,
+    # so only the ledger's debits can spread them.
+    simulation = run(burst(16, prompt=2000), 4, "pab")
+    assert [rank.dispatched for rank in simulation.ranks] == [4, 4, 4, 4]
+    assert simulation.counters["queued"] == 0
+
+
+def test_round_robin_takes_turns() -> None:
+    simulation = run(burst(10, prompt=500), 4, "round_robin")
+    assert [rank.dispatched for rank in simulation.ranks] == [3, 3, 2, 2]
+    assert [simulation.placement[i] for i in range(5)] == [0, 1, 2, 3, 0]
+
+
+@pytest.mark.parametrize("balancer", ["round_robin", "request_count", "pab"])
+def test_one_rank_equals_a_single_engine_run(balancer: str) -> None:
+    workload = synthetic_workload(50)
+    rate = 6.0
+    single = simulate(scenario(workload), PolicySpec("fb-anchor-margin"), rate).load
+    cluster = simulate_cluster(
+        scenario(workload), PolicySpec("fb-anchor-margin"), rate, ClusterConfig(1, balancer)
+    ).load
+    assert cluster["queued"] == 0
+    for key in (
+        "requests", "attainment", "effective_rps", "envelope_attainment", "ttft_attainment",
+        "tpot_attainment", "rejected", "aborted", "unfinished", "preemptions",
+        "recomputed_tokens", "output_tokens_per_s", "ttft_ms", "tpot_ms", "mean_tpot_ms",
+        "max_tbt_ms", "steps",
+    ):
+        assert cluster[key] == single[key], key
+
+
+def test_report_delay_only_changes_when_the_dispatcher_learns() -> None:
+    workload = synthetic_workload(40)
+    for delay in (0.0, 0.05):
+        simulation = run(workload, 2, "request_count", rate=20.0, report_delay_s=delay)
+        check_conservation(simulation, len(workload))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"ranks": 0, "balancer": "pab"}, "ranks must be >= 1"),
+        ({"ranks": 2, "balancer": "nope"}, "unknown balancer 'nope'; expected one of pab"),
+        ({"ranks": 2, "balancer": "pab", "report_delay_s": -1.0}, "report delay"),
+        ({"ranks": 2, "balancer": "pab", "queue_ttl_s": 0.0}, "queue TTL"),
+        ({"ranks": 2, "balancer": "pab", "max_queued": 0}, "max queued"),
+    ],
+)
+def test_config_errors_say_what_is_wrong(fields: dict, message: str) -> None:
+    with pytest.raises(ClusterConfigError, match=message):
+        ClusterConfig(**fields)
+
+
+# ------------------------------------------------------------------ CLI
+def test_cluster_command_writes_a_results_document(tmp_path: Path, capsys) -> None:
+    code = main([
+        "cluster", "--ranks", "3", "--balancer", "request_count", "--policy", "sarathi@512",
+        "--rate", "20", "--head-seconds", "15", "--out", str(tmp_path),
+    ])
+    assert code == 0
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["cluster"]["ranks"] == 3
+    assert document["cluster"]["balancer"] == "request_count"
+    label = "sarathi@512 + request_count"
+    assert document["requested"] == [label]
+    (load,) = document["policies"][label]["loads"]
+    assert load["rate"] == 20.0
+    assert len(load["dispatched_per_rank"]) == 3
+    assert sum(load["dispatched_per_rank"]) == load["requests"]
+    assert label in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ranks", "0"], "--ranks: expected an integer >= 1"),
+        (["--ranks", "two"], "--ranks: expected an integer"),
+        (["--balancer", "least"], "invalid choice: 'least'"),
+        (["--report-delay-ms", "-5"], "--report-delay-ms: expected a number >= 0"),
+        (["--queue-ttl", "0"], "--queue-ttl: expected a number > 0"),
+    ],
+)
+def test_cluster_command_rejects_bad_flags(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["cluster", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cluster_command_reports_a_bad_policy_in_one_line(capsys) -> None:
+    assert main(["cluster", "--policy", "fb@12", "--head-seconds", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: policy 'fb' takes no token budget")
+    assert "Traceback" not in err
