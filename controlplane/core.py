@@ -327,7 +327,8 @@ class DispatcherCore:
         self.registry.seen(identity, now)
         request_id = message.request_id
         pending = self._requests.get(request_id)
-        if pending is None or pending.rank != message.rank or pending.epoch != message.epoch:
+        if (pending is None or pending.rank != message.rank or pending.epoch != message.epoch
+                or message.dispatch_seq not in (0, pending.dispatch_seq)):
             self.counters["late_messages"] += 1
             return []
         if isinstance(message, Output):

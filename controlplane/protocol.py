@@ -233,6 +233,7 @@ class Output(Struct, frozen=True, tag="output", forbid_unknown_fields=True, omit
     token_ids: list[int] = []
     text: str = ""
     completion_tokens: NonNegInt = 0
+    dispatch_seq: NonNegInt = 0  # the Dispatch this answers (0: not given)
 
 
 class Done(Struct, frozen=True, tag="done", forbid_unknown_fields=True, omit_defaults=True):
@@ -250,6 +251,7 @@ class Done(Struct, frozen=True, tag="done", forbid_unknown_fields=True, omit_def
     token_ids: list[int] = []
     error: Annotated[str, Meta(max_length=4096)] = ""
     invalid: bool = False  # the rank refused the request as malformed (client error)
+    dispatch_seq: NonNegInt = 0  # the Dispatch this answers (0: not given)
 
 
 AgentMessage = Hello | Goodbye | Heartbeat | Output | Done

@@ -290,3 +290,15 @@ def test_ping_and_status():
     assert (rank.rank, rank.pab_tokens, rank.reported_pab_tokens, rank.in_flight) == ("r0", 3_000, 4_000, 1)
     assert rank.report_age_s == pytest.approx(0.5) and not rank.stale
     assert status.in_flight == 1 and status.counters["dispatched"] == 1
+
+
+def test_output_of_an_earlier_dispatch_of_the_same_id_is_not_taken_for_the_current_one():
+    core = make_core()
+    join(core, "r0")
+    (first,) = dispatches(submit(core, "a"))
+    core.on_client(CLIENT, Cancel("a"), 0.1)  # the rank's cancelled Done is still on its way
+    (second,) = dispatches(submit(core, "a", now=0.2))
+    late = Done("r0", 1, "a", FinishReason.CANCELLED, completion_tokens=3, dispatch_seq=first.dispatch_seq)
+    assert core.on_agent(b"agent-r0", late, 0.3) == [] and core.in_flight == 1
+    done = Done("r0", 1, "a", FinishReason.LENGTH, completion_tokens=4, dispatch_seq=second.dispatch_seq)
+    assert replies(core.on_agent(b"agent-r0", done, 0.4), Finish)[0].completion_tokens == 4
