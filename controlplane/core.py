@@ -66,12 +66,13 @@ class Pending:
 
 
 class DispatcherCore:
-    def __init__(self, config: DaemonConfig, daemon_id: str, started_at: float) -> None:
+    def __init__(self, config: DaemonConfig, daemon_id: str, started_at: float,
+                 first_dispatch_seq: int = 1) -> None:
         self.config = config
         self.daemon_id = daemon_id
         self.started_at = started_at
         self.registry = RankRegistry()
-        self.ledger = DispatchLedger()
+        self.ledger = DispatchLedger(first_dispatch_seq)
         self.balancer = make_balancer(config.policy, config.seed)
         self.counters: Counter[str] = Counter()
         self.draining = False
@@ -340,6 +341,7 @@ class DispatcherCore:
             pending.token_ids.extend(message.token_ids)
             return []
         if message.invalid:
+            self.ledger.release(message.rank, pending.dispatch_seq)  # it never reached the scheduler
             return self._close(request_id, self._reject(request_id, RejectReason.INVALID, message.error))
         self.counters[f"finished_{message.reason}"] += 1
         text = "" if pending.submit.stream else "".join(pending.text) + message.text

@@ -64,7 +64,10 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.daemon_id = config.daemon_id or uuid.uuid4().hex[:12]
-        self.core = DispatcherCore(config, self.daemon_id, time.monotonic())
+        # Ranks keep echoing the dispatch numbers of a previous daemon incarnation; start
+        # above any number it can have handed out (fewer than 10**6 per second per rank).
+        first_dispatch_seq = time.time_ns() // 1000
+        self.core = DispatcherCore(config, self.daemon_id, time.monotonic(), first_dispatch_seq)
         self.log = structlog.get_logger("controlplane").bind(daemon=self.daemon_id)
         self._context = zmq.asyncio.Context()
         self._client_outbox: asyncio.Queue[ToClient] = asyncio.Queue(config.outbox_size)

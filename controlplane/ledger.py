@@ -70,13 +70,19 @@ class DispatchLedger:
       already (per-rank report sequence numbers) and applies every one it is given.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, first_seq: int = 1) -> None:
+        """``first_seq``: every rank's first dispatch number (and again after a reset).
+        A daemon passes a clock-derived value so that its numbers exceed any a previous
+        incarnation of it handed out, which ranks may still echo."""
+        if first_seq < 1:
+            raise ValueError(f"first_seq must be >= 1, got {first_seq}")
+        self._first_seq = first_seq
         self._ranks: dict[Hashable, _RankState] = {}
 
     def _state(self, rank: Hashable) -> _RankState:
         state = self._ranks.get(rank)
         if state is None:
-            state = self._ranks[rank] = _RankState()
+            state = self._ranks[rank] = _RankState(next_seq=self._first_seq)
         return state
 
     def record_dispatch(self, rank: Hashable, prompt_tokens: int) -> int:
@@ -139,7 +145,7 @@ class DispatchLedger:
         state.drop_debits_through(echoed_dispatch_seq)
 
     def reset(self, rank: Hashable) -> None:
-        """Forget ``rank``'s report and debits; its next dispatch is seq 1 again.
+        """Forget ``rank``'s report and debits; its next dispatch is ``first_seq`` again.
 
         For a rank that restarted (new epoch) or left."""
         self._ranks.pop(rank, None)

@@ -183,7 +183,7 @@ async def test_stream_yields_chunks_then_exposes_the_result(address: str) -> Non
         async with AsyncClient(address, **FAST) as client:
             async with client.stream([1, 2, 3], slo={"ttft_ms": 500}, deadline_s=5) as stream:
                 chunks = [chunk async for chunk in stream]
-        assert chunks == [StreamChunk((7,), "hel", 1), StreamChunk((8,), "lo", 2)]
+        assert chunks == [StreamChunk((7,), "hel", 1, "rank-0"), StreamChunk((8,), "lo", 2, "rank-0")]
         assert stream.result.text == "hello" and stream.result.token_ids == (7, 8)
         assert stream.result.completion_tokens == 2 and stream.result.finish_reason is FinishReason.STOP
         (submit,) = daemon.submits

@@ -302,3 +302,22 @@ def test_output_of_an_earlier_dispatch_of_the_same_id_is_not_taken_for_the_curre
     assert core.on_agent(b"agent-r0", late, 0.3) == [] and core.in_flight == 1
     done = Done("r0", 1, "a", FinishReason.LENGTH, completion_tokens=4, dispatch_seq=second.dispatch_seq)
     assert replies(core.on_agent(b"agent-r0", done, 0.4), Finish)[0].completion_tokens == 4
+
+
+def test_a_restarted_daemon_numbers_dispatches_above_what_ranks_still_echo():
+    old = DispatcherCore(DaemonConfig(), "old", 0.0, first_dispatch_seq=1_000)
+    join(old, "r0")
+    (dispatch,) = dispatches(submit(old, "a", tokens=500))
+    new = DispatcherCore(DaemonConfig(), "new", 0.0, first_dispatch_seq=2_000)
+    join(new, "r0", pab=10_000, echo=dispatch.dispatch_seq)  # the rank still echoes the old number
+    submit(new, "b", tokens=500)
+    report(new, "r0", 10_000, seq=2, echo=dispatch.dispatch_seq)
+    assert new.ledger.effective_budget("r0") == 9_500  # b's debit survives the stale echo
+
+
+def test_a_request_the_rank_refused_releases_its_debit():
+    core = make_core()
+    join(core, "r0", pab=10_000)
+    submit(core, "a", tokens=700)
+    core.on_agent(b"agent-r0", Done("r0", 1, "a", FinishReason.ERROR, invalid=True), 0.1)
+    assert core.ledger.effective_budget("r0") == 10_000
