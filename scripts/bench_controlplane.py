@@ -231,8 +231,8 @@ def main() -> int:
                      f"{row['dispatch_latency_ms_p99']} | {row['rejected']} |")
     reports = results["reports"]
     lines += ["", f"Reports: {reports['ingested_per_s']} ingested/s ({reports['applied']} of {reports['sent']} "
-              f"sent in {reports['seconds']} s; the rest were dropped at the PUSH high-water mark or "
-              f"counted as gaps: {reports['seq_gaps']})."]
+              f"sent in {reports['seconds']} s; sequence gaps seen: {reports['seq_gaps']}; the difference is "
+              f"reports still queued or dropped at a PUSH high-water mark when the counter was read)."]
     (args.out / "controlplane.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
