@@ -145,10 +145,11 @@ class DispatchLedger:
         state.drop_debits_through(echoed_dispatch_seq)
 
     def reset(self, rank: Hashable) -> None:
-        """Forget ``rank``'s report and debits; its next dispatch is ``first_seq`` again.
-
-        For a rank that restarted (new epoch) or left."""
-        self._ranks.pop(rank, None)
+        """Forget ``rank``'s report and debits (it restarted or left). Its dispatch numbers
+        keep rising: a rank that rejoins may still echo ones handed out before."""
+        state = self._ranks.pop(rank, None)
+        if state is not None:
+            self._ranks[rank] = _RankState(next_seq=state.next_seq)
 
     forget = reset
 

@@ -3,8 +3,9 @@
 Steppable: ``submit`` a request when it arrives, ``advance_to(t)`` runs every step
 that starts before ``t`` (a step in flight at ``t`` finishes first, as on a GPU),
 ``drain_tokens`` returns emitted tokens, ``prefill_admission_budget`` the rank's
-current PAB. The policy sees requests through :class:`SimRequest`, which carries no
-output length; it learns step times only from the noisy measured steps.
+current PAB, ``abort`` drops a request. The policy sees requests through
+:class:`SimRequest`, which carries no output length; it learns step times only from
+the noisy measured steps.
 
 Memory follows SGLang: KV is allocated as tokens are computed; a new prefill starts
 only when its whole prompt fits beside the unfinished prefills (a step whose prefills
@@ -162,6 +163,15 @@ class SimEngine:
 
     def prefill_admission_budget(self) -> float:
         return self.policy.prefill_admission_budget(self._active, self.now)
+
+    def abort(self, req_id: Hashable) -> bool:
+        """Drop an active request and release its KV (``records[req_id].aborted``);
+        False when it is not active (unknown, rejected, finished or already aborted)."""
+        request = self._by_id.get(req_id)
+        if request is None:
+            return False
+        self._abort(request)
+        return True
 
     # ---------------------------------------------------------------- one step
     def step(self) -> None:

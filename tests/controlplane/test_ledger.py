@@ -105,7 +105,7 @@ def test_release_undoes_only_an_outstanding_dispatch() -> None:
     assert ledger.effective_budget("r") == 4200 - 300 - 1
 
 
-def test_reset_forgets_report_debits_and_sequence() -> None:
+def test_reset_forgets_report_and_debits_but_numbers_keep_rising() -> None:
     ledger = DispatchLedger()
     ledger.apply_report("r", 5000, 0)
     ledger.record_dispatch("r", 1000)
@@ -114,7 +114,7 @@ def test_reset_forgets_report_debits_and_sequence() -> None:
     assert ledger.effective_budget("r") is None
     assert ledger.outstanding_dispatches("r") == 0
     assert ledger.echoed_dispatch_seq("r") == 0
-    assert ledger.record_dispatch("r", 10) == 1
+    assert ledger.record_dispatch("r", 10) == 3
     ledger.forget("r")
     assert ledger.outstanding_tokens("r") == 0
     ledger.forget("never-seen")  # no error

@@ -1,0 +1,480 @@
+"""The rank side of the agent protocol (docs/controlplane.md, "Ranks"), for asyncio.
+
+One :class:`RankAgent` speaks for one or more ranks over one DEALER socket whose
+routing id is the agent id. It joins every rank with one fresh epoch, runs each
+dispatched request as a task it owns (an engine's :meth:`RankEngine.serve`) and
+guarantees that a request ends with exactly one ``Done`` while its rank stays: finish,
+engine error, invalid request or abort. When the rank itself goes (the agent closes,
+a newer epoch fences it, the daemon restarted and forgot it) its requests end without
+a ``Done``: ``Goodbye`` or the daemon's own loss detection speaks for them, so their
+clients see a retryable ``rank_lost`` rather than a ``cancelled`` they never asked for.
+
+Reports do not pass through the agent: each rank publishes its own
+(:class:`controlplane.reporter.ReportPublisher`, to the ``report_address`` that
+:meth:`RankEngine.welcomed` hands over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from controlplane.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Abort,
+    AgentMessage,
+    Dispatch,
+    Done,
+    Fenced,
+    FinishReason,
+    FrameError,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Output,
+    Welcome,
+    daemon_to_agent_channel,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+HELLO_RETRY_S = 1.0
+UNKNOWN_RANK = "unknown rank"  # Fenced.detail: the daemon does not know the rank (any more)
+UNKNOWN_AGENT = "unknown agent"  # Fenced.detail answering a Heartbeat: it knows none of ours
+MAX_ERROR_CHARS = 4096
+
+
+class InvalidRequest(ValueError):
+    """Raised by an engine that refuses a request as malformed (``Done(invalid=True)``)."""
+
+
+class OutputSink:
+    """Where an engine streams one request's output; the agent sends it in order."""
+
+    def __init__(
+        self,
+        rank: str,
+        epoch: int,
+        request_id: str,
+        send: Callable[[AgentMessage], Awaitable[None]],
+    ) -> None:
+        self.rank = rank
+        self.epoch = epoch
+        self.request_id = request_id
+        self.completion_tokens = 0
+        self.finished = False
+        self._send = send
+        self._silent = False
+
+    async def emit(self, token_ids: Sequence[int] = (), text: str = "") -> None:
+        """New output since the last call; ``completion_tokens`` counts ``token_ids``."""
+        if self.finished or self._silent or not (token_ids or text):
+            return
+        self.completion_tokens += len(token_ids)
+        await self._send(Output(
+            rank=self.rank, epoch=self.epoch, request_id=self.request_id,
+            token_ids=list(token_ids), text=text, completion_tokens=self.completion_tokens,
+        ))
+
+    async def finish(
+        self,
+        reason: FinishReason = FinishReason.LENGTH,
+        *,
+        prompt_tokens: int = 0,
+        ttft_s: float | None = None,
+        latency_s: float | None = None,
+        error: str = "",
+        invalid: bool = False,
+    ) -> None:
+        """Send the request's ``Done``; later calls do nothing."""
+        if self.finished or self._silent:
+            return
+        await self._send(Done(
+            rank=self.rank, epoch=self.epoch, request_id=self.request_id, reason=reason,
+            prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
+            ttft_s=ttft_s, latency_s=latency_s, error=error[:MAX_ERROR_CHARS], invalid=invalid,
+        ))
+        self.finished = True  # NOTE: only once queued: a put cancelled midway sends nothing
+
+    def silence(self) -> None:
+        """The request ends without a ``Done`` (its rank is gone from the daemon's view)."""
+        self._silent = True
+
+
+class RankEngine(Protocol):
+    async def serve(self, dispatch: Dispatch, sink: OutputSink) -> None:
+        """Run one request to completion, streaming through ``sink`` and ending with
+        ``sink.finish``. The agent runs it as a task it owns; cancelling that task is the
+        abort: the engine releases what the request holds (``finally``) and lets
+        ``CancelledError`` propagate. Raise :class:`InvalidRequest` for a request it
+        refuses as malformed; any other exception ends the request with reason=error."""
+        ...
+
+    def welcomed(self, welcome: Welcome) -> None:
+        """Called, on the agent's socket task (so it must not block), for every
+        ``Welcome`` of one of the agent's ranks, before that rank's first dispatch;
+        ``welcome.report_address`` is where its reports go."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    task: asyncio.Task[None]
+    sink: OutputSink
+
+
+class RankAgent:
+    def __init__(
+        self,
+        rank_address: str,
+        agent_id: str,
+        ranks: Sequence[str],
+        engine: RankEngine,
+        *,
+        epoch: int | None = None,
+        context: zmq.asyncio.Context | None = None,
+        hwm: int = 10_000,
+        outbox_size: int = 4096,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        hello_retry_s: float = HELLO_RETRY_S,
+        close_timeout_s: float = 1.0,
+    ) -> None:
+        if not ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"an agent needs distinct rank names, got {list(ranks)!r}")
+        self.epoch = time.time_ns() if epoch is None else epoch
+        for rank in ranks:
+            _check_hello(Hello(agent=agent_id, rank=rank, epoch=self.epoch))
+        self.rank_address = rank_address
+        self.agent_id = agent_id
+        self.ranks = tuple(ranks)
+        self.daemon_id: str | None = None
+        self.heartbeat_interval_s: float | None = None
+        self.counters: Counter[str] = Counter()
+        self._engine = engine
+        self._context = context or zmq.asyncio.Context.instance()
+        self._hwm = hwm
+        self._channel = daemon_to_agent_channel(max_frame_bytes)
+        self._hello_retry_s = hello_retry_s
+        self._close_timeout_s = close_timeout_s
+        self._serving = set(self.ranks)  # not fenced
+        self._welcomed: set[str] = set()
+        self._requests: dict[tuple[str, str], _Request] = {}  # (rank, request id) -> running
+        self._tasks: set[asyncio.Task[None]] = set()  # every request task not yet finished
+        self._outbox: asyncio.Queue[AgentMessage] = asyncio.Queue(outbox_size)
+        self._unsent: list[AgentMessage] = []  # taken from the outbox when the socket task ended
+        self._socket: zmq.asyncio.Socket | None = None
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._finished = asyncio.Event()
+        self._started = False
+
+    @property
+    def serving(self) -> frozenset[str]:
+        return frozenset(self._serving)
+
+    @property
+    def welcomed(self) -> frozenset[str]:
+        return frozenset(self._welcomed)
+
+    @property
+    def running(self) -> frozenset[tuple[str, str]]:
+        return frozenset(self._requests)
+
+    # ---------------------------------------------------------------- lifecycle
+    async def run(self) -> None:
+        """Serve until :meth:`stop` or until every rank is fenced. Requests still running
+        then end without a ``Done`` (:meth:`close` says ``Goodbye`` for their ranks)."""
+        if self._started:
+            raise RuntimeError("a RankAgent runs once")
+        self._started = True
+        try:
+            self._socket = self._open_socket()
+            await self._serve_until_stopped(self._socket)
+        finally:
+            await self._end_requests()
+            self._finished.set()
+
+    async def _serve_until_stopped(self, socket: zmq.asyncio.Socket) -> None:
+        async with asyncio.TaskGroup() as group:
+            loops = [
+                group.create_task(self._own_socket(socket), name=f"agent {self.agent_id} socket"),
+                group.create_task(self._keepalive(), name=f"agent {self.agent_id} keepalive"),
+            ]
+            await self._stop.wait()
+            for loop in loops:
+                loop.cancel()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def close(self, goodbye: bool = True) -> None:
+        """Stop, send what is still queued and (``goodbye``) a ``Goodbye`` for every rank
+        still served, then close the socket; takes at most about ``close_timeout_s``."""
+        self.stop()
+        if self._started:
+            await self._finished.wait()
+        if self._socket is None or self._socket.closed:
+            return
+        pending, self._unsent = self._unsent, []
+        while not self._outbox.empty():
+            pending.append(self._outbox.get_nowait())
+        if goodbye:
+            pending += [Goodbye(rank=rank, epoch=self.epoch) for rank in self._served()]
+        deadline = time.monotonic() + self._close_timeout_s
+        try:
+            for message in pending:
+                sent = self._socket.send(encode(message))
+                await asyncio.wait_for(sent, deadline - time.monotonic())
+        except (TimeoutError, zmq.ZMQError) as error:
+            logger.warning("agent %s closing: messages not sent (%r)", self.agent_id, error)
+        linger_ms = max(0, math.ceil((deadline - time.monotonic()) * 1e3))
+        self._socket.close(linger=linger_ms)  # NOTE: a bounded linger lets Goodbye leave
+
+    def _open_socket(self) -> zmq.asyncio.Socket:
+        socket = self._context.socket(zmq.DEALER)
+        try:
+            socket.setsockopt(zmq.ROUTING_ID, self.agent_id.encode())
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDHWM, self._hwm)
+            socket.setsockopt(zmq.RCVHWM, self._hwm)
+            socket.connect(self.rank_address)
+        except zmq.ZMQError:
+            socket.close(linger=0)
+            raise
+        return socket
+
+    async def _end_requests(self) -> None:
+        for request in self._requests.values():
+            request.sink.silence()
+            request.task.cancel()
+        self._requests.clear()
+        if self._tasks:
+            _, stuck = await asyncio.wait(set(self._tasks), timeout=self._close_timeout_s)
+            if stuck:
+                logger.error("agent %s: %d requests ignored cancellation", self.agent_id,
+                             len(stuck))
+
+    # ---------------------------------------------------------------- tasks
+    async def _own_socket(self, socket: zmq.asyncio.Socket) -> None:
+        receiving = socket.recv_multipart()
+        sending = asyncio.ensure_future(self._outbox.get())
+        try:
+            while True:
+                await asyncio.wait((receiving, sending), return_when=asyncio.FIRST_COMPLETED)
+                if receiving.done():
+                    frames = receiving.result()
+                    receiving = socket.recv_multipart()
+                    for reply in self._on_frames(frames):
+                        await socket.send(encode(reply))
+                if sending.done():
+                    message = sending.result()
+                    sending = asyncio.ensure_future(self._outbox.get())
+                    try:
+                        await socket.send(encode(message))
+                    except asyncio.CancelledError:
+                        self._unsent.append(message)
+                        raise
+        finally:
+            receiving.cancel()
+            if sending.done() and not sending.cancelled():
+                self._unsent.append(sending.result())  # close() sends it
+            sending.cancel()
+
+    async def _keepalive(self) -> None:
+        """Hello every ``hello_retry_s`` for each rank not yet welcomed; Heartbeat every
+        heartbeat interval once a Welcome gave one."""
+        loop = asyncio.get_running_loop()
+        next_hello = next_beat = loop.time()
+        while True:
+            now = loop.time()
+            if now >= next_hello:
+                for rank in self._served():
+                    if rank not in self._welcomed:
+                        self._enqueue(Hello(agent=self.agent_id, rank=rank, epoch=self.epoch))
+                next_hello = now + self._hello_retry_s
+            if self.heartbeat_interval_s is not None and now >= next_beat:
+                self._enqueue(Heartbeat(agent=self.agent_id))
+                next_beat = now + self.heartbeat_interval_s
+            wake_at = next_hello
+            if self.heartbeat_interval_s is not None:
+                wake_at = min(next_hello, next_beat)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, wake_at - loop.time()))
+            except TimeoutError:
+                pass
+
+    def _enqueue(self, message: AgentMessage) -> None:
+        try:
+            self._outbox.put_nowait(message)
+        except asyncio.QueueFull:
+            self.counters[f"{type(message).__name__.lower()}_dropped"] += 1
+
+    # ---------------------------------------------------------------- daemon messages
+    def _on_frames(self, frames: list[bytes]) -> list[AgentMessage]:
+        if len(frames) != 1:
+            self.counters["frames_dropped_multipart"] += 1
+            logger.warning("agent %s: dropped a %d-frame message", self.agent_id, len(frames))
+            return []
+        try:
+            message = self._channel.decode(frames[0])
+        except FrameError as error:
+            self.counters[f"frames_dropped_{error.kind}"] += 1
+            logger.warning("agent %s: dropped a frame from the daemon: %s", self.agent_id, error)
+            return []
+        match message:
+            case Welcome():
+                return self._on_welcome(message)
+            case Dispatch():
+                return self._on_dispatch(message)
+            case Abort():
+                return self._on_abort(message)
+            case Fenced():
+                return self._on_fenced(message)
+        return []
+
+    def _ours(self, rank: str, epoch: int, kind: str) -> bool:
+        if rank in self._serving and epoch == self.epoch:
+            return True
+        self.counters[f"stale_{kind}"] += 1
+        logger.info("agent %s: ignored %s for rank %s epoch %d", self.agent_id, kind, rank, epoch)
+        return False
+
+    def _on_welcome(self, welcome: Welcome) -> list[AgentMessage]:
+        if not self._ours(welcome.rank, welcome.epoch, "welcome"):
+            return []
+        replies: list[AgentMessage] = []
+        if self.daemon_id is not None and welcome.daemon_id != self.daemon_id:
+            logger.warning(
+                "agent %s: daemon restarted (%s -> %s); dropping %d running requests",
+                self.agent_id, self.daemon_id, welcome.daemon_id, len(self._requests),
+            )
+            self.counters["daemon_restarts"] += 1
+            self._forget(lambda rank: True)
+            self._welcomed.clear()
+            replies = [
+                Hello(agent=self.agent_id, rank=rank, epoch=self.epoch)
+                for rank in self._served() if rank != welcome.rank
+            ]
+        self.daemon_id = welcome.daemon_id
+        self.heartbeat_interval_s = welcome.heartbeat_interval_s
+        self._welcomed.add(welcome.rank)
+        self._wake.set()
+        try:
+            self._engine.welcomed(welcome)
+        except Exception:
+            logger.exception("agent %s: the engine failed on Welcome for %s", self.agent_id,
+                             welcome.rank)
+        return replies
+
+    def _on_dispatch(self, dispatch: Dispatch) -> list[AgentMessage]:
+        if not self._ours(dispatch.rank, dispatch.epoch, "dispatch"):
+            return []
+        key = (dispatch.rank, dispatch.request_id)
+        if key in self._requests:
+            self.counters["duplicate_dispatches"] += 1
+            logger.info("agent %s: dropped duplicate dispatch of %s", self.agent_id,
+                        dispatch.request_id)
+            return []
+        sink = OutputSink(dispatch.rank, self.epoch, dispatch.request_id, self._outbox.put)
+        task = asyncio.create_task(self._serve(key, dispatch, sink),
+                                   name=f"request {dispatch.request_id}")
+        self._requests[key] = _Request(task, sink)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self.counters["dispatches"] += 1
+        return []
+
+    def _on_abort(self, abort: Abort) -> list[AgentMessage]:
+        if not self._ours(abort.rank, abort.epoch, "abort"):
+            return []
+        request = self._requests.pop((abort.rank, abort.request_id), None)
+        if request is None:
+            self.counters["aborts_not_running"] += 1
+            return []
+        request.task.cancel()  # its Done(cancelled) follows; the id may be dispatched again now
+        self.counters["aborts"] += 1
+        return []
+
+    def _on_fenced(self, fenced: Fenced) -> list[AgentMessage]:
+        if fenced.detail.startswith(UNKNOWN_AGENT):
+            return self._rejoin(lambda rank: True)
+        if not self._ours(fenced.rank, fenced.epoch, "fenced"):
+            return []
+        if fenced.detail.startswith(UNKNOWN_RANK):
+            return self._rejoin(lambda rank: rank == fenced.rank)
+        logger.error(
+            "agent %s: rank %s epoch %d fenced (%s); no longer serving it",
+            self.agent_id, fenced.rank, fenced.epoch, fenced.detail,
+        )
+        self.counters["fenced_ranks"] += 1
+        self._serving.discard(fenced.rank)
+        self._welcomed.discard(fenced.rank)
+        self._forget(lambda rank: rank == fenced.rank)
+        if not self._serving:
+            self.stop()
+        return []
+
+    def _rejoin(self, on_rank: Callable[[str], bool]) -> list[AgentMessage]:
+        """The daemon forgot these ranks (it restarted, or found them lost) and with them
+        their requests, which it failed or never knew: drop those and join again."""
+        ranks = [rank for rank in self._served() if on_rank(rank)]
+        logger.warning("agent %s: the daemon does not know %s; joining again", self.agent_id, ranks)
+        self.counters["rejoins"] += 1
+        self._forget(on_rank)
+        self._welcomed.difference_update(ranks)
+        return [Hello(agent=self.agent_id, rank=rank, epoch=self.epoch) for rank in ranks]
+
+    def _served(self) -> list[str]:
+        return [rank for rank in self.ranks if rank in self._serving]
+
+    def _forget(self, on_rank: Callable[[str], bool]) -> None:
+        for key in [key for key in self._requests if on_rank(key[0])]:
+            request = self._requests.pop(key)
+            request.sink.silence()
+            request.task.cancel()
+
+    # ---------------------------------------------------------------- one request
+    async def _serve(self, key: tuple[str, str], dispatch: Dispatch, sink: OutputSink) -> None:
+        try:
+            await self._engine.serve(dispatch, sink)
+        except asyncio.CancelledError:
+            await sink.finish(FinishReason.CANCELLED)
+            raise
+        except InvalidRequest as error:
+            await sink.finish(FinishReason.ERROR, error=str(error), invalid=True)
+        except Exception as error:
+            logger.exception("agent %s: request %s failed", self.agent_id, dispatch.request_id)
+            await sink.finish(FinishReason.ERROR, error=f"{type(error).__name__}: {error}")
+        else:
+            if asyncio.current_task().cancelling():  # the engine swallowed an abort
+                await sink.finish(FinishReason.CANCELLED)
+            else:
+                await sink.finish(FinishReason.ERROR, error="the engine returned without finishing")
+        finally:
+            request = self._requests.get(key)
+            if request is not None and request.sink is sink:
+                del self._requests[key]
+
+
+def _check_hello(hello: Hello) -> None:
+    """Agent ids, rank names and epochs must be valid on the wire."""
+    try:
+        msgspec.msgpack.decode(msgspec.msgpack.encode(hello), type=Hello)
+    except msgspec.ValidationError as error:
+        field_name = str(error).rpartition("$.")[2].strip("`")
+        raise ValueError(
+            f"invalid {field_name} {getattr(hello, field_name, '?')!r}: agent ids and rank names "
+            "are 1-64 printable ASCII characters without spaces, epochs 1 to 2**63-1"
+        ) from None

@@ -1,0 +1,113 @@
+"""A rank's load reports: a synchronous PUSH socket that never blocks its caller.
+
+It lives in the process that knows the load (an SGLang scheduler, a simulated rank),
+which may have no event loop. A report that cannot be queued at once (no daemon
+connected, or ``hwm`` reports already waiting) is dropped: only the latest load
+matters, and the next report replaces it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+
+import zmq
+
+from controlplane.protocol import Report, encode
+
+
+class ReportPublisher:
+    """Numbers every report it builds per (rank, epoch) from 1, sent or dropped, so the
+    daemon's ``seq_gaps`` counts the reports lost anywhere between here and there."""
+
+    def __init__(
+        self,
+        address: str,
+        rank: str,
+        epoch: int,
+        *,
+        hwm: int = 16,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if hwm < 1:
+            raise ValueError(f"hwm must be >= 1, got {hwm}")
+        self.address = address
+        self.rank = rank
+        self.epoch = epoch
+        self.seq = 0
+        self.sent = 0
+        self.dropped = 0
+        self._socket = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, hwm)
+        # NOTE: queue only to a connected daemon; reports queued while none is would
+        # all arrive stale the moment it starts.
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._socket.connect(address)
+
+    def publish(
+        self,
+        pab_tokens: float,
+        running: int,
+        waiting: int,
+        total_tokens: int,
+        free_kv_tokens: int,
+        echoed_dispatch_seq: int,
+        step_time_s: float,
+    ) -> bool:
+        """Queue one report without blocking; False when it was dropped."""
+        self.seq += 1
+        report = Report(
+            rank=self.rank,
+            epoch=self.epoch,
+            seq=self.seq,
+            pab_tokens=float(pab_tokens),
+            running=running,
+            waiting=waiting,
+            total_tokens=total_tokens,
+            free_kv_tokens=max(0, free_kv_tokens),
+            echoed_dispatch_seq=echoed_dispatch_seq,
+            step_time_s=max(0.0, step_time_s),
+            sent_at=time.monotonic(),
+        )
+        try:
+            self._socket.send(encode(report), zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+    def __enter__(self) -> ReportPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class ReportThrottle:
+    """When to publish: every ``interval_s`` (so an idle rank stays fresh), and sooner,
+    but at most every ``min_gap_s``, when the material state (``key``) changed."""
+
+    def __init__(self, interval_s: float = 0.01, min_gap_s: float = 0.001) -> None:
+        if interval_s <= 0 or min_gap_s < 0:
+            raise ValueError("interval_s must be > 0 and min_gap_s >= 0")
+        self.interval_s = interval_s
+        self.min_gap_s = min(min_gap_s, interval_s)
+        self._last_s = -float("inf")
+        self._last_key: Hashable = object()
+
+    def due(self, now_s: float, key: Hashable) -> bool:
+        elapsed = now_s - self._last_s
+        return elapsed >= self.interval_s or (key != self._last_key and elapsed >= self.min_gap_s)
+
+    def published(self, now_s: float, key: Hashable) -> None:
+        self._last_s = now_s
+        self._last_key = key
+
+    def next_due_s(self) -> float:
+        """When a report falls due even if nothing changes."""
+        return self._last_s + self.interval_s

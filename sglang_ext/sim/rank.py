@@ -1,0 +1,419 @@
+"""A simulated rank process: the simulator's engine in real time behind a rank agent.
+
+    python -m sglang_ext.sim.rank --agent-id sim --ranks 2 --time-scale 1.0
+
+Each rank is one :class:`SimEngine` whose virtual clock follows the wall clock
+(``virtual = (monotonic - start) / time_scale``): the stepping loop runs one step,
+sleeps until the step's virtual end is reached in real time and only then emits its
+tokens, so the engine is never more than one step ahead of real time. Outputs are
+fake (``" tok"`` per token, deterministic token ids); timings, batching, KV use and
+the reported PAB are the simulator's.
+
+A dispatch that cannot fit this rank's KV cache even alone is refused as invalid (it
+can never be served); one the policy's admission refuses (the ``*-pab`` policies)
+ends with reason=error, since the protocol has no retryable refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import math
+import signal
+import sys
+import time
+import zlib
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome
+from controlplane.rank_agent import InvalidRequest, OutputSink, RankAgent
+from controlplane.reporter import ReportPublisher, ReportThrottle
+from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
+from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
+from sglang_ext.policy.slo import SloCatalog, SloError
+from sglang_ext.sim.calibration import offline_fit
+from sglang_ext.sim.engine import SimEngine
+from sglang_ext.sim.profile import (
+    PROFILES_DIR,
+    HardwareProfile,
+    ProfileError,
+    bundled_profile_path,
+    load_profile,
+)
+from sglang_ext.sim.runner import PolicySpecError, parse_policy
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DAEMON = "tcp://127.0.0.1:5561"
+DEFAULT_PROFILE = "llama3.1-8b-h100"
+DEFAULT_POLICY = "fb-anchor-margin"
+DEFAULT_SLO_FILE = PROFILES_DIR.parent / "slo.toml"
+CHARS_PER_TOKEN = 4.0  # the daemon's default estimate for text prompts
+TOKEN_TEXT = " tok"
+VOCAB_SIZE = 32000
+EXIT_USAGE = 2
+
+
+def prompt_tokens(prompt: Prompt) -> int:
+    if prompt.token_ids is not None:
+        return len(prompt.token_ids)
+    return max(1, math.ceil(len((prompt.text or "").encode()) / CHARS_PER_TOKEN))
+
+
+def fake_token_ids(request_id: str, start: int, stop: int) -> list[int]:
+    base = zlib.crc32(request_id.encode())
+    return [(base + index) % VOCAB_SIZE for index in range(start, stop)]
+
+
+@dataclass(slots=True)
+class _Live:
+    """One admitted request, as the stepping loop and its ``serve`` share it."""
+
+    received_s: float  # monotonic
+    tokens: int = 0  # emitted so far
+    first_token_s: float | None = None
+    finished: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class SimRank:
+    """One simulated rank in real time (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: SimEngine,
+        catalog: SloCatalog,
+        *,
+        time_scale: float = 1.0,
+        report_interval_s: float = 0.01,
+        report_address: str | None = None,  # None: the one the daemon's Welcome names
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.name = name
+        self.engine = engine
+        self.catalog = catalog
+        self.time_scale = time_scale
+        self.echoed_dispatch_seq = 0  # of the latest dispatch ingested
+        self.last_step_s = 0.0  # real seconds
+        self.publisher: ReportPublisher | None = None
+        self._report_address = report_address
+        self._daemon_id: str | None = None
+        self._throttle = ReportThrottle(report_interval_s, min(0.001, report_interval_s))
+        self._clock = clock
+        self._start_s = clock()
+        self._live: dict[Hashable, _Live] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+
+    def virtual_now(self) -> float:
+        return (self._clock() - self._start_s) / self.time_scale
+
+    # ---------------------------------------------------------------- RankEngine
+    def welcomed(self, welcome: Welcome) -> None:
+        if welcome.daemon_id != self._daemon_id:
+            self._daemon_id = welcome.daemon_id
+            self.echoed_dispatch_seq = 0  # a new daemon numbers this rank's dispatches from 1
+            self._wake.set()
+        address = self._report_address or welcome.report_address
+        current = self.publisher
+        if current and (current.address, current.epoch) == (address, welcome.epoch):
+            return
+        if current:
+            current.close()
+        self.publisher = ReportPublisher(address, self.name, welcome.epoch)
+        self._wake.set()
+
+    async def serve(self, dispatch: Dispatch, sink: OutputSink) -> None:
+        received_s = self._clock()
+        # NOTE: the latest, not the highest: dispatches arrive in order, and a daemon that
+        # forgot the rank (restarted, or found it lost) numbers them from 1 again.
+        self.echoed_dispatch_seq = dispatch.dispatch_seq
+        self._wake.set()
+        prompt = prompt_tokens(dispatch.prompt)
+        output = dispatch.sampling.max_new_tokens
+        try:
+            slo = self.catalog.resolve(dispatch.slo.as_custom_params() if dispatch.slo else None)
+        except SloError as error:
+            raise InvalidRequest(str(error)) from None
+        if prompt + output > self.engine.kv_capacity:
+            raise InvalidRequest(
+                f"prompt ({prompt} tokens) + max_new_tokens ({output}) exceeds the rank's KV "
+                f"capacity of {self.engine.kv_capacity} tokens"
+            )
+        engine_id = (dispatch.request_id, next(self._ids))  # an id may come back after it ends
+        now = self.virtual_now()
+        if not self.engine.has_work:
+            self.engine.advance_to(now)  # an idle engine's clock jumps to the present
+        if not self.engine.submit(engine_id, min(now, self.engine.now), prompt, output, slo):
+            del self.engine.records[engine_id]
+            await sink.finish(
+                FinishReason.ERROR, prompt_tokens=prompt,
+                error=f"rank refused admission: a prompt of {prompt} tokens exceeds its prefill "
+                      f"admission budget ({self.engine.prefill_admission_budget():.0f} tokens)",
+            )
+            return
+        live = self._live[engine_id] = _Live(received_s)
+        try:
+            sent = 0
+            while not live.finished:
+                await live.changed.wait()
+                live.changed.clear()
+                if live.tokens > sent:
+                    token_ids = fake_token_ids(dispatch.request_id, sent, live.tokens)
+                    await sink.emit(token_ids, TOKEN_TEXT * len(token_ids))
+                    sent = live.tokens
+            await sink.finish(
+                FinishReason.LENGTH, prompt_tokens=prompt,
+                ttft_s=live.first_token_s - received_s, latency_s=self._clock() - received_s,
+            )
+        finally:
+            del self._live[engine_id]
+            if self.engine.abort(engine_id):
+                self._wake.set()
+            del self.engine.records[engine_id]  # a long-running rank keeps no history
+
+    # ---------------------------------------------------------------- stepping loop
+    async def run(self) -> None:
+        """Step while there is work (in real time), publish reports; until cancelled."""
+        try:
+            while True:
+                if self.engine.has_work:
+                    await self._step()
+                else:
+                    await self._idle()
+                self._maybe_report()
+        finally:
+            if self.publisher:
+                self.publisher.close()
+
+    async def _step(self) -> None:
+        engine = self.engine
+        start, steps = engine.now, engine.steps
+        engine.step()
+        if engine.steps > steps:
+            self.last_step_s = (engine.now - start) * self.time_scale
+        await self._sleep_until(engine.now)
+        now_s = self._clock()
+        for event in engine.drain_tokens():
+            live = self._live.get(event.req_id)
+            if live is None:  # aborted while its step ran
+                continue
+            live.tokens = event.index + 1
+            if live.first_token_s is None:
+                live.first_token_s = now_s
+            live.finished = event.finished
+            live.changed.set()
+
+    async def _idle(self) -> None:
+        timeout = None
+        if self.publisher is not None:
+            timeout = max(0.0, self._throttle.next_due_s() - self._clock())
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def _sleep_until(self, virtual_s: float) -> None:
+        delay = (virtual_s - self.virtual_now()) * self.time_scale
+        await asyncio.sleep(max(0.0, delay))  # NOTE: yields even when behind real time
+
+    def _maybe_report(self) -> None:
+        if self.publisher is None:
+            return
+        active = self.engine.active_requests
+        waiting = sum(1 for r in active if r.context == 0)
+        key = (len(active) - waiting, waiting, self.echoed_dispatch_seq)
+        now_s = self._clock()
+        if not self._throttle.due(now_s, key):
+            return
+        self.publisher.publish(
+            pab_tokens=self.engine.prefill_admission_budget(),
+            running=key[0],
+            waiting=waiting,
+            total_tokens=sum(r.context + r.pending_prefill for r in active),
+            free_kv_tokens=self.engine.kv_capacity - self.engine.kv_used,
+            echoed_dispatch_seq=self.echoed_dispatch_seq,
+            step_time_s=self.last_step_s,
+        )
+        self._throttle.published(now_s, key)
+
+
+class SimRanks:
+    """The :class:`controlplane.rank_agent.RankEngine` of a process hosting sim ranks."""
+
+    def __init__(self, ranks: Mapping[str, SimRank]) -> None:
+        self.ranks = dict(ranks)
+
+    async def serve(self, dispatch: Dispatch, sink: OutputSink) -> None:
+        await self.ranks[dispatch.rank].serve(dispatch, sink)
+
+    def welcomed(self, welcome: Welcome) -> None:
+        self.ranks[welcome.rank].welcomed(welcome)
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            for name, rank in self.ranks.items():
+                group.create_task(rank.run(), name=f"sim rank {name}")
+
+
+def make_policy(name: str, profile: HardwareProfile, catalog: SloCatalog) -> BatchPolicy:
+    spec = parse_policy(name)
+    context = PolicyContext(
+        global_slo=catalog.default,
+        initial_step_model=offline_fit(profile),
+        max_token_budget=DEFAULT_MAX_TOKEN_BUDGET,
+        gpu_memory_gb=profile.memory_gb,
+        token_budget=spec.token_budget,
+    )
+    return POLICIES.get(spec.base)(context)
+
+
+def load_named_profile(name: str) -> HardwareProfile:
+    path = Path(name)
+    if path.suffix == ".toml" or path.exists():
+        return load_profile(path)
+    return load_profile(bundled_profile_path(name))
+
+
+def build_sim_ranks(
+    names: Sequence[str],
+    *,
+    profile: HardwareProfile,
+    policy: str,
+    catalog: SloCatalog,
+    seed: int = 0,
+    time_scale: float = 1.0,
+    report_interval_s: float = 0.01,
+    report_address: str | None = None,
+) -> SimRanks:
+    return SimRanks({
+        name: SimRank(
+            name,
+            SimEngine(profile, make_policy(policy, profile, catalog), seed=seed + index,
+                      record_tokens=True),
+            catalog,
+            time_scale=time_scale,
+            report_interval_s=report_interval_s,
+            report_address=report_address,
+        )
+        for index, name in enumerate(names)
+    })
+
+
+# -------------------------------------------------------------------- process
+def _positive(kind: type) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+    return parse
+
+
+def check_address(address: str | None) -> None:
+    if address is None:
+        return
+    socket = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        socket.connect(address)
+    except zmq.ZMQError as error:
+        raise ValueError(f"cannot connect to {address!r}: {error}") from None
+    finally:
+        socket.close(linger=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_ext.sim.rank",
+        description="Serve simulated ranks (the simulator's engine in real time) to a "
+                    "FairBatching control-plane daemon.",
+    )
+    parser.add_argument("--daemon", default=DEFAULT_DAEMON, help="the daemon's rank address")
+    parser.add_argument("--report-address",
+                        help="where reports go (default: from the daemon's Welcome)")
+    parser.add_argument("--agent-id", default="sim", help="this agent's routing id")
+    names = parser.add_mutually_exclusive_group()
+    names.add_argument("--rank", help="the rank's name (default: the agent id)")
+    names.add_argument("--ranks", type=_positive(int),
+                       help="host N ranks named AGENT/0 .. AGENT/N-1")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE,
+                        help="bundled profile name or TOML path")
+    parser.add_argument("--policy", default=DEFAULT_POLICY,
+                        help="simulator policy, NAME or NAME@BUDGET")
+    parser.add_argument("--slo-file", type=Path, default=DEFAULT_SLO_FILE, help="SLO classes TOML")
+    parser.add_argument("--time-scale", type=_positive(float), default=1.0,
+                        help="real seconds per simulated second")
+    parser.add_argument("--seed", type=int, default=0, help="GPU noise seed (rank i uses seed+i)")
+    parser.add_argument("--report-interval-ms", type=_positive(float), default=10.0,
+                        help="report at least this often (and after a step that changed the load)")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+    return parser
+
+
+async def serve(agent: RankAgent, sims: SimRanks) -> int:
+    """Run until SIGTERM/SIGINT (0) or until every rank is fenced (1); says Goodbye."""
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, lambda: (signalled.set(), agent.stop()))
+    try:
+        async with asyncio.TaskGroup() as group:
+            stepping = group.create_task(sims.run(), name="sim ranks")
+            await agent.run()
+            stepping.cancel()
+    finally:
+        await agent.close(goodbye=True)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    if signalled.is_set():
+        return 0
+    logger.error("every rank was fenced by the daemon; exiting")
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    names = [args.rank or args.agent_id]
+    if args.ranks:
+        names = [f"{args.agent_id}/{index}" for index in range(args.ranks)]
+    try:
+        profile = load_named_profile(args.profile)
+        catalog = SloCatalog.from_toml(args.slo_file)
+        sims = build_sim_ranks(
+            names, profile=profile, policy=args.policy, catalog=catalog, seed=args.seed,
+            time_scale=args.time_scale, report_interval_s=args.report_interval_ms / 1e3,
+            report_address=args.report_address,
+        )
+        for address in (args.daemon, args.report_address):
+            check_address(address)
+        agent = RankAgent(args.daemon, args.agent_id, names, sims)
+    except (ProfileError, SloError, PolicySpecError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logger.info("agent %s serving %s (epoch %d) to %s", args.agent_id, ", ".join(names),
+                agent.epoch, args.daemon)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(agent, sims))
+    return uvloop.run(serve(agent, sims))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
