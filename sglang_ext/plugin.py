@@ -4,6 +4,9 @@
   Unset: SGLang runs stock; this plugin registers nothing.
 - ``FAIRBATCHING_EMULATED_GPU=<profile>`` replaces the model worker with the emulated GPU
   (CPU machines; evaluation and testing only).
+- ``FAIRBATCHING_CONTROLPLANE=<rank address>`` with ``FAIRBATCHING_CONTROLPLANE_REPORTS=<report
+  address>`` makes the server join a control-plane daemon as one rank per DP rank (needs
+  FairBatching on; see ``sglang_ext.controlplane_agent``).
 
 A bad config stops the process with the reason instead of SGLang silently running stock.
 """
@@ -14,6 +17,8 @@ import logging
 import os
 
 from sglang_ext.config import ConfigError, load_from_environment
+from sglang_ext.controlplane_agent import ControlPlaneConfigError
+from sglang_ext.controlplane_agent import settings_from_environment as controlplane_settings
 
 logger = logging.getLogger("sglang_ext.fairbatching")
 
@@ -28,7 +33,8 @@ def register() -> None:
         install_emulated_gpu(emulated_gpu)
     try:
         config = load_from_environment()
-    except ConfigError as exc:
+        controlplane = controlplane_settings(fairbatching_on=config is not None)
+    except (ConfigError, ControlPlaneConfigError) as exc:
         raise SystemExit(f"FairBatching: {exc}") from None
     if config is None:
         return
@@ -39,3 +45,9 @@ def register() -> None:
     install_scheduler_hooks(config)
     install_request_validation(config.catalog)
     install_dp_pab_hooks()
+    if controlplane is not None:
+        from sglang_ext.controlplane_agent import install_controlplane_ingress
+        from sglang_ext.scheduler.controlplane_reports import install_controlplane_reports
+
+        install_controlplane_ingress(controlplane)
+        install_controlplane_reports(controlplane)  # after install_scheduler_hooks

@@ -1,0 +1,292 @@
+"""Two stock SGLang servers (emulated GPU, FairBatching on) join one real control-plane
+daemon (``python -m controlplane serve``) as ranks ``cp-a/0`` and ``cp-b/0``; a raw
+DEALER client speaks the wire protocol to the daemon. Each scheduler's reports pass
+through a tap (``controlplane_peers.ReportTap``) that records them on their way.
+
+The tests run in file order on module-scoped servers: the last two kill one server and
+stop the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "controlplane"))
+
+from controlplane import protocol as p  # noqa: E402
+from controlplane_peers import RawClient, ReportTap  # noqa: E402
+from live import loopback_config, start_process_daemon  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+PROFILE = "llama3.1-8b-h100"  # as in test_fairbatching_e2e.py
+TIME_SCALE = "2.0"
+BASE_ARGS = ("--max-total-tokens", "200000", "--max-prefill-tokens", "16384")
+RANKS = {"a": "cp-a/0", "b": "cp-b/0"}
+
+
+def prompt(length: int, salt: int) -> list[int]:
+    return [5 + (i * 37 + salt) % 900 for i in range(length)]
+
+
+@pytest.fixture(scope="module")
+def fb_config(tmp_path_factory) -> Path:
+    """The shipped config with its initial step model scaled like the emulated GPU."""
+    from sglang_ext.config import ExtensionConfig
+
+    shipped = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml")
+    directory = tmp_path_factory.mktemp("cp-fb-config")
+    scale = float(TIME_SCALE)
+    c = shipped.initial_step_model
+    type(c)(c.a_s * scale, c.b_s_per_token * scale, c.c_s_per_context_token * scale).save(
+        directory / "step_model.toml")
+    config = directory / "fairbatching.toml"
+    config.write_text(
+        (REPO / "configs" / "fairbatching.toml").read_text()
+        .replace('slo_file = "slo.toml"', f'slo_file = "{REPO / "configs" / "slo.toml"}"')
+        .replace('step_model = "step_models/llama3.1-8b-h100.toml"', 'step_model = "step_model.toml"')
+    )
+    return config
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    config = loopback_config(policy="pab", on_no_budget="queue", queue_ttl_s=60.0, stale_after_s=1.0,
+                             heartbeat_interval_s=0.25, lost_after_s=1.5)
+    running = start_process_daemon(tmp_path_factory.mktemp("cp-daemon"), config)
+    try:
+        yield running
+    finally:
+        try:
+            running.terminate()
+        finally:
+            running.kill()
+
+
+@pytest.fixture(scope="module")
+def tap(daemon):
+    tap = ReportTap(daemon.config.report_address)
+    yield tap
+    tap.close()
+
+
+@pytest.fixture(scope="module")
+def servers(server_pool, sglang_server, fb_config, daemon, tap):
+    if server_pool.limit < 2:
+        pytest.skip("needs two servers alive at once (E2E_MAX_SERVERS >= 2)")
+    started = {}
+    try:
+        for name, rank in RANKS.items():
+            env = {
+                "FAIRBATCHING_EMULATED_GPU": PROFILE,
+                "FAIRBATCHING_EMULATED_GPU_TIME_SCALE": TIME_SCALE,
+                "FAIRBATCHING_CONFIG": str(fb_config),
+                "FAIRBATCHING_CONTROLPLANE": daemon.config.rank_address,
+                "FAIRBATCHING_CONTROLPLANE_REPORTS": tap.address,
+                "FAIRBATCHING_RANK_NAME": rank.split("/")[0],
+            }
+            started[name] = sglang_server(args=BASE_ARGS, env=env)
+        yield started
+    finally:
+        for server in started.values():  # they point at this module's daemon: free the memory
+            server.stop()
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def wait_for_ranks(client: RawClient, ranks: set[str], timeout: float = 30.0) -> p.StatusReply:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = await client.status()
+        fresh = {r.rank for r in status.ranks if not r.stale and r.reported_pab_tokens is not None}
+        if ranks <= fresh:
+            return status
+        assert time.monotonic() < deadline, f"ranks {ranks - fresh} never became fresh: {status}"
+        await asyncio.sleep(0.1)
+
+
+def test_each_server_joins_as_a_rank_and_its_scheduler_reports_pab(servers, daemon, tap) -> None:
+    async def scenario() -> p.StatusReply:
+        async with RawClient(daemon.config.client_address) as client:
+            return await wait_for_ranks(client, set(RANKS.values()))
+
+    status = run(scenario())
+    by_rank = {r.rank: r for r in status.ranks}
+    assert set(by_rank) == set(RANKS.values())
+    assert {r.agent for r in status.ranks} == {"cp-a", "cp-b"}
+    for rank, state in by_rank.items():
+        reports = tap.reports(rank)
+        assert reports, rank
+        # one epoch per server: the ingress's Hello and the scheduler's reports agree
+        assert {r.epoch for r in reports} == {state.epoch}
+        seqs = [r.seq for r in reports]
+        assert seqs == sorted(set(seqs)) and seqs[0] == 1
+        assert reports[-1].pab_tokens > 0 and reports[-1].free_kv_tokens == 200000
+        assert state.seq_gaps == 0
+    assert by_rank["cp-a/0"].epoch != by_rank["cp-b/0"].epoch
+
+
+def test_requests_complete_with_exact_token_counts_on_both_ranks(servers, daemon, tap) -> None:
+    specs = {f"burst-{i}": (48 + 24 * (i % 6), 8 + 4 * (i % 5)) for i in range(40)}
+
+    async def scenario():
+        async with RawClient(daemon.config.client_address) as client:
+            await wait_for_ranks(client, set(RANKS.values()))
+            started = time.monotonic()
+            for i, (rid, (length, new)) in enumerate(specs.items()):
+                await client.submit(rid, prompt(length, i), new, ignore_eos=True,
+                                    slo=p.SloSpec(slo_class="standard") if i % 2 else None)
+            outcomes = [await client.wait(rid, 120) for rid in specs]
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(0.5)  # let reports after the last step arrive
+            return outcomes, elapsed, await client.status()
+
+    outcomes, elapsed, status = run(scenario())
+    for outcome in outcomes:
+        length, new = specs[outcome.request_id]
+        assert outcome.reject is None, outcome
+        finish = outcome.finish
+        assert finish.reason == p.FinishReason.LENGTH, outcome
+        assert (finish.prompt_tokens, finish.completion_tokens) == (length, new)
+        assert len(outcome.token_ids) == new
+        assert [c.completion_tokens for c in outcome.chunks][-1] == new
+        assert 0 < finish.ttft_s <= finish.latency_s
+    per_rank = {rank: [o for o in outcomes if o.rank == rank] for rank in RANKS.values()}
+    assert all(len(v) >= 5 for v in per_rank.values()), {k: len(v) for k, v in per_rank.items()}
+    print(f"40 requests in {elapsed:.1f} s; per rank {[len(v) for v in per_rank.values()]}")
+
+    by_rank = {r.rank: r for r in status.ranks}
+    for rank, done in per_rank.items():
+        reports = tap.reports(rank)
+        echoes = [r.echoed_dispatch_seq for r in reports]
+        assert echoes == sorted(echoes), "the echoed dispatch sequence never goes back"
+        highest = max(d.dispatch_seq for o in done for d in o.dispatched)
+        assert echoes[-1] == highest  # every dispatch was ingested and accounted for
+        assert len({r.pab_tokens for r in reports}) > 1, "the PAB moves with the load"
+        assert max(r.running for r in reports) > 0 and max(r.step_time_s for r in reports) > 0
+        assert reports[-1].running == reports[-1].waiting == 0
+        # the daemon's view: no debit left that a report has not covered
+        assert by_rank[rank].pab_tokens == by_rank[rank].reported_pab_tokens
+        assert by_rank[rank].in_flight == 0
+
+
+def test_cancel_in_flight_stops_the_request_at_the_server(servers, daemon, tap) -> None:
+    async def scenario():
+        async with RawClient(daemon.config.client_address) as client:
+            await wait_for_ranks(client, set(RANKS.values()))
+            await client.submit("long-1", prompt(64, 1), 3000, ignore_eos=True)
+            await client.wait("long-1", 60, until=lambda o: len(o.chunks) >= 3)
+            await client.cancel("long-1")
+            outcome = await client.wait("long-1", 10)
+            cancelled_at = time.monotonic()
+            rank = outcome.rank
+            # the rank's own reports show the request gone, long before 3000 tokens
+            deadline = cancelled_at + 5.0
+            while True:
+                after = [r for r in tap.reports(rank) if r.sent_at > cancelled_at]
+                if after and after[-1].running == 0 and after[-1].waiting == 0:
+                    break
+                assert time.monotonic() < deadline, f"{rank} still runs the cancelled request: {after[-3:]}"
+                await asyncio.sleep(0.1)
+            return outcome
+
+    outcome = run(scenario())
+    assert outcome.finish is not None and outcome.finish.reason == p.FinishReason.CANCELLED
+    assert 3 <= len(outcome.token_ids) < 3000
+
+
+def test_an_unknown_slo_class_is_rejected_invalid(servers, daemon) -> None:
+    async def scenario():
+        async with RawClient(daemon.config.client_address) as client:
+            await wait_for_ranks(client, set(RANKS.values()))
+            await client.submit("bad-slo", prompt(16, 2), 8, slo=p.SloSpec(slo_class="no-such-class"))
+            return await client.wait("bad-slo", 30)
+
+    outcome = run(scenario())
+    assert outcome.finish is None and outcome.reject is not None
+    assert outcome.reject.reason == p.RejectReason.INVALID and not outcome.reject.retryable
+    assert "no-such-class" in outcome.reject.detail
+
+
+def test_a_killed_server_fails_only_its_requests_and_the_other_keeps_serving(servers, daemon) -> None:
+    victim, survivor = RANKS["a"], RANKS["b"]
+
+    async def scenario():
+        async with RawClient(daemon.config.client_address) as client:
+            status = await wait_for_ranks(client, set(RANKS.values()))
+            print("PAB before:", {r.rank: r.pab_tokens for r in status.ranks})
+            # The pab policy sends each request to the largest budget: submit until the
+            # debits have evened out the two ranks' budgets and each holds a few requests.
+            rids: list[str] = []
+            while min(sum(client.outcomes[r].rank == rank for r in rids) for rank in RANKS.values()) < 3:
+                assert len(rids) < 100, {r: client.outcomes[r].rank for r in rids}
+                rid = f"kill-{len(rids)}"
+                rids.append(rid)
+                await client.submit(rid, prompt(1024, len(rids)), 400, ignore_eos=True)
+                await client.wait(rid, 30, until=lambda o: o.rank is not None or o.over)
+            outcomes = [await client.wait(rid, 60, until=lambda o: len(o.chunks) >= 1) for rid in rids]
+            assert {o.rank for o in outcomes} == {victim, survivor}
+            os.killpg(servers["a"].process.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            servers["a"].process.wait(10)
+            for outcome in outcomes:
+                if outcome.rank == victim:
+                    await client.wait(outcome.request_id, 30)
+            lost_after = time.monotonic() - killed_at
+            outcomes = [await client.wait(rid, 60) for rid in rids]
+            status = await client.status()
+            after = [f"after-{i}" for i in range(6)]
+            for i, rid in enumerate(after):
+                await client.submit(rid, prompt(64, 30 + i), 16, ignore_eos=True)
+            return outcomes, [await client.wait(rid, 60) for rid in after], status, lost_after
+
+    outcomes, later, status, lost_after = run(scenario())
+    for outcome in outcomes:
+        if outcome.rank == victim:
+            assert outcome.finish is None and outcome.reject.reason == p.RejectReason.RANK_LOST, outcome
+            assert not outcome.reject.retryable  # output had reached the client
+        else:
+            assert outcome.finish.reason == p.FinishReason.LENGTH, outcome
+            assert outcome.finish.completion_tokens == len(outcome.token_ids) == 400
+    assert lost_after < 5.0  # lost_after_s = 1.5
+    assert [r.rank for r in status.ranks] == [survivor]
+    assert status.counters.get("ranks_lost") == 1
+    for outcome in later:
+        assert outcome.rank == survivor and outcome.finish.reason == p.FinishReason.LENGTH, outcome
+        assert len(outcome.token_ids) == 16
+
+
+def test_sigterm_makes_the_server_leave_with_goodbye(servers, daemon) -> None:
+    survivor = RANKS["b"]
+
+    async def scenario():
+        async with RawClient(daemon.config.client_address) as client:
+            await wait_for_ranks(client, {survivor})
+            await client.submit("drain-1", prompt(64, 99), 3000, ignore_eos=True)
+            await client.wait("drain-1", 60, until=lambda o: len(o.chunks) >= 1)
+            servers["b"].process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            outcome = await client.wait("drain-1", 30)
+            left_after = time.monotonic() - signalled
+            return outcome, left_after, await client.status()
+
+    outcome, left_after, status = run(scenario())
+    assert outcome.reject is not None and outcome.reject.reason == p.RejectReason.RANK_LOST, outcome
+    assert f"{survivor} left" in outcome.reject.detail  # Goodbye, not loss detection
+    assert left_after < 1.5
+    assert status.ranks == [] and status.counters.get("ranks_left") == 1
+    assert servers["b"].process.wait(60) is not None
