@@ -68,10 +68,12 @@ class OutputSink:
         epoch: int,
         request_id: str,
         send: Callable[[AgentMessage], Awaitable[None]],
+        dispatch_seq: int = 0,
     ) -> None:
         self.rank = rank
         self.epoch = epoch
         self.request_id = request_id
+        self.dispatch_seq = dispatch_seq
         self.completion_tokens = 0
         self.finished = False
         self._send = send
@@ -85,6 +87,7 @@ class OutputSink:
         await self._send(Output(
             rank=self.rank, epoch=self.epoch, request_id=self.request_id,
             token_ids=list(token_ids), text=text, completion_tokens=self.completion_tokens,
+            dispatch_seq=self.dispatch_seq,
         ))
 
     async def finish(
@@ -104,6 +107,7 @@ class OutputSink:
             rank=self.rank, epoch=self.epoch, request_id=self.request_id, reason=reason,
             prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
             ttft_s=ttft_s, latency_s=latency_s, error=error[:MAX_ERROR_CHARS], invalid=invalid,
+            dispatch_seq=self.dispatch_seq,
         ))
         self.finished = True  # NOTE: only once queued: a put cancelled midway sends nothing
 
@@ -387,7 +391,8 @@ class RankAgent:
             logger.info("agent %s: dropped duplicate dispatch of %s", self.agent_id,
                         dispatch.request_id)
             return []
-        sink = OutputSink(dispatch.rank, self.epoch, dispatch.request_id, self._outbox.put)
+        sink = OutputSink(dispatch.rank, self.epoch, dispatch.request_id, self._outbox.put,
+                          dispatch.dispatch_seq)
         task = asyncio.create_task(self._serve(key, dispatch, sink),
                                    name=f"request {dispatch.request_id}")
         self._requests[key] = _Request(task, sink)

@@ -164,13 +164,18 @@ class SimRank:
         live = self._live[engine_id] = _Live(received_s)
         try:
             sent = 0
-            while not live.finished:
-                await live.changed.wait()
-                live.changed.clear()
-                if live.tokens > sent:
-                    token_ids = fake_token_ids(dispatch.request_id, sent, live.tokens)
+            while True:
+                # NOTE: read once: the stepping loop moves on while emit() waits for room
+                target, finished = live.tokens, live.finished
+                if target > sent:
+                    token_ids = fake_token_ids(dispatch.request_id, sent, target)
                     await sink.emit(token_ids, TOKEN_TEXT * len(token_ids))
-                    sent = live.tokens
+                    sent = target
+                elif finished:
+                    break
+                else:
+                    await live.changed.wait()
+                    live.changed.clear()
             await sink.finish(
                 FinishReason.LENGTH, prompt_tokens=prompt,
                 ttft_s=live.first_token_s - received_s, latency_s=self._clock() - received_s,
