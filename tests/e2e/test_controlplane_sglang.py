@@ -3,8 +3,8 @@ daemon (``python -m controlplane serve``) as ranks ``cp-a/0`` and ``cp-b/0``; a 
 DEALER client speaks the wire protocol to the daemon. Each scheduler's reports pass
 through a tap (``controlplane_peers.ReportTap``) that records them on their way.
 
-The tests run in file order on module-scoped servers: the last two kill one server and
-stop the other.
+The tests run in file order on module-scoped servers: the last three restart the daemon,
+kill one server and stop the other.
 """
 
 from __future__ import annotations
@@ -220,6 +220,39 @@ def test_an_unknown_slo_class_is_rejected_invalid(servers, daemon) -> None:
     assert outcome.finish is None and outcome.reject is not None
     assert outcome.reject.reason == p.RejectReason.INVALID and not outcome.reject.retryable
     assert "no-such-class" in outcome.reject.detail
+
+
+def test_daemon_restart_servers_rejoin_and_the_sdk_retries(servers, daemon, tmp_path) -> None:
+    """SIGKILL the daemon mid-run and start it again on the same addresses: both servers'
+    agents rejoin (the new daemon fences their heartbeats as unknown), and the SDK
+    resubmits its in-flight requests under the same ids."""
+    from controlplane.client import AsyncClient
+
+    async def scenario():
+        async with AsyncClient(daemon.config.client_address, max_retries=20, daemon_timeout_s=1.0,
+                               connect_timeout_s=30.0) as client:
+            async with RawClient(daemon.config.client_address) as raw:
+                await wait_for_ranks(raw, set(RANKS.values()))
+            before = client.daemon_id
+            pending = [asyncio.create_task(client.generate(
+                prompt(128, 70 + i), request_id=f"restart-{i}",
+                sampling=p.SamplingParams(max_new_tokens=200, ignore_eos=True))) for i in range(6)]
+            await asyncio.sleep(1.0)
+            assert not any(task.done() for task in pending), "requests must still run at the kill"
+            daemon.kill()
+            restarted = await asyncio.to_thread(start_process_daemon, tmp_path, daemon.config, "daemon-2")
+            daemon.process, daemon.log_path = restarted.process, restarted.log_path  # the fixture stops it
+            results = await asyncio.gather(*pending)
+            async with RawClient(daemon.config.client_address) as raw:
+                status = await wait_for_ranks(raw, set(RANKS.values()))
+            return before, client.daemon_id, results, status
+
+    before, after, results, status = run(scenario())
+    assert before != after
+    assert [(r.finish_reason, r.completion_tokens) for r in results] == [(p.FinishReason.LENGTH, 200)] * 6
+    assert any(r.attempts > 1 for r in results)
+    assert {r.rank for r in status.ranks} == set(RANKS.values())
+    assert status.counters.get("ranks_joined") == 2
 
 
 def test_a_killed_server_fails_only_its_requests_and_the_other_keeps_serving(servers, daemon) -> None:
