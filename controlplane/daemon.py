@@ -18,7 +18,6 @@ to the core, which turns it into "client gone" or "rank unreachable".
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal

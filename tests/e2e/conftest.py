@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
-from servers import Server, launch, start, wait_exit
+from servers import EMULATED_TIME_SCALE, Server, launch, start, wait_exit
 
 #: Servers alive at once; ``E2E_MAX_SERVERS=1`` trades start-ups for memory.
 MAX_ALIVE = int(os.environ.get("E2E_MAX_SERVERS", "2"))
@@ -98,3 +98,26 @@ def server_pool(
 def sglang_server(server_pool: ServerPool) -> Callable[..., Server]:
     """Factory: ``sglang_server(args=(...), env={...})`` -> a running, shared :class:`Server`."""
     return server_pool.get
+
+
+
+@pytest.fixture(scope="session")
+def fb_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped FairBatching config, with its initial step model scaled like the emulated
+    GPU (as a deployment would start from coefficients fitted on its own GPU)."""
+    from sglang_ext.config import ExtensionConfig
+
+    repo = Path(__file__).resolve().parents[2]
+    shipped = ExtensionConfig.load(repo / "configs" / "fairbatching.toml")
+    directory = tmp_path_factory.mktemp("fb-config")
+    scale = float(EMULATED_TIME_SCALE)
+    coefficients = shipped.initial_step_model
+    type(coefficients)(coefficients.a_s * scale, coefficients.b_s_per_token * scale,
+                       coefficients.c_s_per_context_token * scale).save(directory / "step_model.toml")
+    config = directory / "fairbatching.toml"
+    config.write_text(
+        (repo / "configs" / "fairbatching.toml").read_text()
+        .replace('slo_file = "slo.toml"', f'slo_file = "{repo / "configs" / "slo.toml"}"')
+        .replace('step_model = "step_models/llama3.1-8b-h100.toml"', 'step_model = "step_model.toml"')
+    )
+    return config

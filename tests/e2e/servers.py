@@ -17,7 +17,12 @@ from sglang_ext.server_launch import (
     wait_exit,
 )
 
+EMULATED_PROFILE = "llama3.1-8b-h100"
+EMULATED_TIME_SCALE = "2.0"  # emulated step times are the profile's, doubled
+
 __all__ = [
+    "EMULATED_PROFILE",
+    "EMULATED_TIME_SCALE",
     "CPU_ARGS",
     "Server",
     "ServerFailed",

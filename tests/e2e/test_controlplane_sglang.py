@@ -28,37 +28,17 @@ sys.path.insert(0, str(REPO / "tests" / "controlplane"))
 from controlplane import protocol as p  # noqa: E402
 from controlplane_peers import RawClient, ReportTap  # noqa: E402
 from live import loopback_config, start_process_daemon  # noqa: E402
+from servers import EMULATED_PROFILE as PROFILE  # noqa: E402
+from servers import EMULATED_TIME_SCALE as TIME_SCALE  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-PROFILE = "llama3.1-8b-h100"  # as in test_fairbatching_e2e.py
-TIME_SCALE = "2.0"
 BASE_ARGS = ("--max-total-tokens", "200000", "--max-prefill-tokens", "16384")
 RANKS = {"a": "cp-a/0", "b": "cp-b/0"}
 
 
 def prompt(length: int, salt: int) -> list[int]:
     return [5 + (i * 37 + salt) % 900 for i in range(length)]
-
-
-@pytest.fixture(scope="module")
-def fb_config(tmp_path_factory) -> Path:
-    """The shipped config with its initial step model scaled like the emulated GPU."""
-    from sglang_ext.config import ExtensionConfig
-
-    shipped = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml")
-    directory = tmp_path_factory.mktemp("cp-fb-config")
-    scale = float(TIME_SCALE)
-    c = shipped.initial_step_model
-    type(c)(c.a_s * scale, c.b_s_per_token * scale, c.c_s_per_context_token * scale).save(
-        directory / "step_model.toml")
-    config = directory / "fairbatching.toml"
-    config.write_text(
-        (REPO / "configs" / "fairbatching.toml").read_text()
-        .replace('slo_file = "slo.toml"', f'slo_file = "{REPO / "configs" / "slo.toml"}"')
-        .replace('step_model = "step_models/llama3.1-8b-h100.toml"', 'step_model = "step_model.toml"')
-    )
-    return config
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,12 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
 import requests
+from servers import EMULATED_PROFILE as PROFILE
+from servers import EMULATED_TIME_SCALE as TIME_SCALE
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-PROFILE = "llama3.1-8b-h100"
-TIME_SCALE = "2.0"
 KV_TOKENS = "200000"
 TIGHT = {"ttft_ms": 2000, "tpot_ms": 60}
 # Token times are taken by a client sharing two cores with the server, the tokenizer and 25
@@ -37,27 +37,6 @@ TIGHT = {"ttft_ms": 2000, "tpot_ms": 60}
 # the plugin-off server misses by ~3x, so only the jitter, not the verdict, is absorbed.
 CLIENT_TIMING_ALLOWANCE = 1.25
 BASE_ARGS = ("--max-total-tokens", KV_TOKENS, "--enable-metrics", "--max-prefill-tokens", "16384")
-
-
-@pytest.fixture(scope="session")
-def fb_config(tmp_path_factory) -> Path:
-    """The shipped config, with its initial step model scaled like the emulated GPU (as a
-    deployment would start from coefficients fitted on its own GPU)."""
-    from sglang_ext.config import ExtensionConfig
-
-    shipped = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml")
-    directory = tmp_path_factory.mktemp("fb-config")
-    scale = float(TIME_SCALE)
-    coefficients = shipped.initial_step_model
-    type(coefficients)(coefficients.a_s * scale, coefficients.b_s_per_token * scale,
-                       coefficients.c_s_per_context_token * scale).save(directory / "step_model.toml")
-    config = directory / "fairbatching.toml"
-    config.write_text(
-        (REPO / "configs" / "fairbatching.toml").read_text()
-        .replace('slo_file = "slo.toml"', f'slo_file = "{REPO / "configs" / "slo.toml"}"')
-        .replace('step_model = "step_models/llama3.1-8b-h100.toml"', 'step_model = "step_model.toml"')
-    )
-    return config
 
 
 def emulated_env(fb_config: Path | None) -> dict[str, str]:
