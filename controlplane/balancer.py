@@ -1,10 +1,11 @@
-"""Rank choice: the ``pab`` policy and the baselines users run today, pure and stdlib only.
+"""Rank choice: the ``pab`` policies and the baselines users run today, pure and stdlib only.
 
 The caller passes only the ranks it considers fresh (stale means unknown, never idle)
 as :class:`RankView` values built from the last reports plus its own dispatches since
 (see ``docs/controlplane.md``). A balancer may keep a little state of its own (a cursor,
 a seeded RNG) but does no I/O. ``choose`` returns a rank name, or None when the policy
-declines: no rank given, or (``pab`` only) no rank's budget covers the prompt.
+declines: no rank given, or (``pab`` and ``pab_least_loaded`` only) no rank's budget
+covers the prompt.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-BALANCERS: tuple[str, ...] = ("pab", "round_robin", "request_count", "total_tokens", "power_of_two")
+BALANCERS: tuple[str, ...] = (
+    "pab", "pab_least_loaded", "round_robin", "request_count", "total_tokens", "power_of_two",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +73,19 @@ class RoundRobinBalancer:
 
 
 class LowestScoreBalancer:
-    """The rank with the lowest ``score``; ties go to the first one met scanning from a
-    start index that advances by one every call (vLLM's guard against herding)."""
+    """The rank with the lowest ``score`` among those ``eligible`` for the prompt; ties go to
+    the first one met scanning from a start index that advances by one every call (vLLM's
+    guard against herding). None when no rank is eligible."""
 
-    def __init__(self, name: str, score: Callable[[RankView], float]) -> None:
+    def __init__(
+        self,
+        name: str,
+        score: Callable[[RankView], float],
+        eligible: Callable[[RankView, int], bool] = lambda view, prompt_tokens: True,
+    ) -> None:
         self.name = name
         self._score = score
+        self._eligible = eligible
         self._start = 0
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None:
@@ -88,10 +98,16 @@ class LowestScoreBalancer:
         best_score = 0.0
         for offset in range(count):
             view = ranks[(start + offset) % count]
+            if not self._eligible(view, prompt_tokens):
+                continue
             score = self._score(view)
             if best is None or score < best_score:
                 best, best_score = view, score
-        return best.rank
+        return None if best is None else best.rank
+
+
+def budget_covers(view: RankView, prompt_tokens: int) -> bool:
+    return view.pab_tokens is not None and view.pab_tokens >= prompt_tokens
 
 
 def request_count_score(view: RankView) -> float:
@@ -127,6 +143,12 @@ def make_balancer(name: str, seed: int = 0) -> Balancer:
     """A fresh balancer by policy name (``seed`` drives ``power_of_two``'s draws)."""
     if name == "pab":
         return PabBalancer()
+    if name == "pab_least_loaded":
+        # PAB as the admission filter, vLLM's load score as the choice. Why not pab's
+        # largest budget first: at a TTFT target of seconds every rank's PAB is many prompts
+        # deep, so the largest is decided by small per-rank differences (e.g. in an
+        # online-learned step model) and herds onto the rank that looks fastest.
+        return LowestScoreBalancer("pab_least_loaded", request_count_score, budget_covers)
     if name == "round_robin":
         return RoundRobinBalancer()
     if name == "request_count":

@@ -16,7 +16,9 @@ from msgspec import Meta, Struct
 
 PositiveFloat = Annotated[float, Meta(gt=0.0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
-PolicyName = Literal["pab", "round_robin", "request_count", "total_tokens", "power_of_two"]
+PolicyName = Literal[
+    "pab", "pab_least_loaded", "round_robin", "request_count", "total_tokens", "power_of_two",
+]
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 

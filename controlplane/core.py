@@ -192,7 +192,7 @@ class DispatcherCore:
             return self._dispatch(request_id, pending, rank)
         if not views:
             reason, detail = RejectReason.NO_RANKS, "no reachable rank"
-        elif fresh and self.config.policy == "pab":
+        elif fresh and self.config.policy.startswith("pab"):  # pab, pab_least_loaded
             reason, detail = RejectReason.NO_BUDGET, f"no rank's budget covers {pending.prompt_tokens} prompt tokens"
         else:
             reason, detail = RejectReason.OVERLOADED, "every rank is at its in-flight cap"

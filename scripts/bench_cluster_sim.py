@@ -1,14 +1,17 @@
 """Benchmark: balancers x rank schedulers at data-parallel size 8, in the cluster simulator.
 
 What: ``sglang_ext.sim.cluster`` (N simulated ranks behind one dispatcher that uses the
-control plane's balancer and PAB ledger, reports 5 ms late, pab's admission queue with
-the daemon's defaults: TTL 5 s, 1024 deep) replaying the Azure conversation trace at
-several cluster-wide arrival rates. Configurations:
+control plane's balancer and PAB ledger, reports 5 ms late, the pab balancers' admission
+queue with the daemon's defaults: TTL 5 s, 1024 deep) replaying the Azure conversation
+trace at several cluster-wide arrival rates. Configurations:
 
 - FairBatching ranks (``fb-anchor-margin``, the repository's FairBatching variant) with
-  the ``pab``, ``request_count`` and ``round_robin`` balancers;
-- the paper's FairBatching exactly as specified (``fb``) with ``pab`` and
-  ``request_count`` (the paper's Figure 8 pairs);
+  the ``pab``, ``pab_least_loaded``, ``request_count`` and ``round_robin`` balancers, and
+  the two pab balancers again with the queue TTL set to the TTFT target (a request
+  queued longer has missed its SLO anyway; a deployment would set it so);
+- the paper's FairBatching exactly as specified (``fb``) with ``pab``,
+  ``pab_least_loaded`` and ``request_count`` (``pab`` and ``request_count``: the paper's
+  Figure 8 pairs);
 - the baselines users run today: SGLang's default scheduler behind SGLang's
   ``total_tokens`` balancer, vLLM's default scheduler behind vLLM's ``request_count``,
   and Sarathi behind ``request_count`` with its token budget tuned (every budget of
@@ -74,14 +77,24 @@ class Configuration:
     balancer: str
     baseline: bool = False  # a system users run today (the "vs best baseline" column)
     family: str | None = None  # a tuned family reports its best member under this name
+    queue_ttl_s: float = DEFAULT_QUEUE_TTL_S  # the admission queue's (pab balancers only)
 
 
-def configurations(sarathi_budgets: Sequence[int]) -> tuple[Configuration, ...]:
+def configurations(sarathi_budgets: Sequence[int], ttft_s: float) -> tuple[Configuration, ...]:
+    """The grid; ``ttft_s`` (the SLO's TTFT target) is the short queue TTL's value."""
+    short_ttl = f"queue TTL {ttft_s:g} s"
     fixed = (
         Configuration("fb-anchor-margin + pab", "fb-anchor-margin", "pab"),
+        Configuration("fb-anchor-margin + pab_least_loaded", "fb-anchor-margin",
+                      "pab_least_loaded"),
+        Configuration(f"fb-anchor-margin + pab, {short_ttl}", "fb-anchor-margin", "pab",
+                      queue_ttl_s=ttft_s),
+        Configuration(f"fb-anchor-margin + pab_least_loaded, {short_ttl}", "fb-anchor-margin",
+                      "pab_least_loaded", queue_ttl_s=ttft_s),
         Configuration("fb-anchor-margin + request_count", "fb-anchor-margin", "request_count"),
         Configuration("fb-anchor-margin + round_robin", "fb-anchor-margin", "round_robin"),
         Configuration("fb + pab", "fb", "pab"),
+        Configuration("fb + pab_least_loaded", "fb", "pab_least_loaded"),
         Configuration("fb + request_count", "fb", "request_count"),
         Configuration("sglang-default + total_tokens", "sglang-default", "total_tokens",
                       baseline=True),
@@ -131,7 +144,7 @@ def _run(job: tuple[Configuration, float]) -> tuple[str, dict, float]:
     start = time.perf_counter()
     result = simulate_cluster(
         _scenario, parse_policy(configuration.policy), rate,
-        ClusterConfig(RANKS, configuration.balancer),
+        ClusterConfig(RANKS, configuration.balancer, queue_ttl_s=configuration.queue_ttl_s),
     )
     return configuration.label, result.load, time.perf_counter() - start
 
@@ -173,6 +186,7 @@ def assemble(
             "balancer": configuration.balancer,
             "baseline": configuration.baseline,
             "family": configuration.family,
+            "queue_ttl_s": configuration.queue_ttl_s,
             "peak_goodput": peak["effective_rps"],
             "peak_rate": peak["rate"],
             "loads": runs,
@@ -252,9 +266,10 @@ def markdown(doc: dict, command: str) -> str:
         f"rate; profile {scenario['profile']} on every rank; SLO TTFT "
         f"{scenario['slo']['ttft_ms']:.0f} ms / TPOT {scenario['slo']['tpot_ms']:.0f} ms; seed "
         f"{scenario['seed']}; {scenario['drain_s']:.0f} s drain. {cluster['ranks']} ranks; "
-        f"reports reach the dispatcher {cluster['report_delay_s'] * 1e3:.0f} ms late; pab "
-        f"queues what no budget covers (FIFO, TTL {cluster['queue_ttl_s']:g} s, "
-        f"{cluster['max_queued']} deep; a timed-out or refused request is a violation).",
+        f"reports reach the dispatcher {cluster['report_delay_s'] * 1e3:.0f} ms late; the pab "
+        f"balancers queue what no budget covers (FIFO, TTL {cluster['queue_ttl_s']:g} s unless "
+        f"the row names another, {cluster['max_queued']} deep; a timed-out or refused request "
+        "is a violation).",
         "",
         "Each cell: SLO attainment / goodput (req/s meeting both SLOs = rate x attainment). "
         "Peak goodput is the best cell of the row; a peak at the highest rate may not be "
@@ -322,8 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = args.requests or (QUICK_REQUESTS if args.quick else DEFAULT_REQUESTS)
     per_rank = QUICK_PER_RANK_RATES if args.quick else PER_RANK_RATES
     rates = tuple(float(RANKS * r) for r in per_rank)
-    grid = configurations(QUICK_SARATHI_BUDGETS if args.quick else SARATHI_BUDGETS)
     scenario, fallback = build_scenario(args.trace, requests)
+    grid = configurations(QUICK_SARATHI_BUDGETS if args.quick else SARATHI_BUDGETS,
+                          scenario.catalog.default.ttft_s)
     print(f"{len(grid)} configurations x {len(rates)} rates on {len(scenario.workload.requests)} "
           f"requests from {scenario.workload.source}, {args.jobs} workers", file=sys.stderr)
     start = time.perf_counter()

@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="data-parallel ranks behind the control plane's balancer, one offered load",
         description="N simulated ranks, each running --policy, behind one dispatcher that "
         "routes with the control plane's balancer and PAB ledger (reports reach it "
-        "--report-delay-ms late). pab's `on_no_budget = \"queue\"`: a request no rank's "
-        "budget covers waits in a FIFO admission queue, rejected after --queue-ttl.",
+        "--report-delay-ms late). The pab balancers' `on_no_budget = \"queue\"`: a request "
+        "no rank's budget covers waits in a FIFO admission queue, rejected after --queue-ttl.",
     )
     cluster.add_argument("--ranks", type=_positive_int, default=8, help="data-parallel ranks")
     cluster.add_argument("--balancer", choices=BALANCERS, default="pab",
@@ -200,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                          default=DEFAULT_REPORT_DELAY_S * 1e3,
                          help="a rank's report reaches the dispatcher this late")
     cluster.add_argument("--queue-ttl", type=_positive_float, default=DEFAULT_QUEUE_TTL_S,
-                         help="seconds a request may wait in pab's admission queue "
-                         "(the daemon's queue_ttl_s)")
+                         help="seconds a request may wait in the pab balancers' admission "
+                         "queue (the daemon's queue_ttl_s)")
     cluster.add_argument("--max-queued", type=_positive_int, default=DEFAULT_MAX_QUEUED,
                          help="admission queue bound; a fuller queue rejects (max_queued)")
     _common(cluster)

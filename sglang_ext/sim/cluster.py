@@ -14,12 +14,13 @@ sequence it accounts for reconciles the debits.
   counts, tokens held, requests over so far and the highest dispatch sequence it has
   ingested; the dispatcher gets the report ``report_delay_s`` later. Every rank reports
   once at time 0, before traffic, as ranks register before a daemon takes requests.
-- **No covering budget** (``pab`` only): the daemon's ``on_no_budget = "queue"``. The
-  request waits in a FIFO admission queue (the head blocks those behind it), retried on
-  every report; past ``queue_ttl_s`` from its arrival it is rejected (``queue_timeout``),
-  and an arrival that finds ``max_queued`` requests waiting is rejected (``overloaded``).
-  A rejected request counts as an SLO violation; TTFT counts from the original arrival,
-  so time spent queued is part of it.
+- **No covering budget** (``pab`` and ``pab_least_loaded``: the balancer returns None):
+  the daemon's ``on_no_budget = "queue"``. The request waits in a FIFO admission queue
+  (the head blocks those behind it), retried on every report; past ``queue_ttl_s`` from
+  its arrival it is rejected (``queue_timeout``), and an arrival that finds
+  ``max_queued`` requests waiting is rejected (``overloaded``). A rejected request
+  counts as an SLO violation; TTFT counts from the original arrival, so time spent
+  queued is part of it.
 - Events at the same virtual time run reports first, then arrivals, then steps (a
   single-rank run also submits an arrival before a step that starts at the same time).
 """

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import get_args
 
 import pytest
 
 from controlplane.balancer import BALANCERS, RankView, least_in_flight, make_balancer
+from controlplane.config import PolicyName
 
 
 def view(
@@ -15,7 +17,10 @@ def view(
 
 
 def test_the_names_are_the_configs_policies() -> None:
-    assert BALANCERS == ("pab", "round_robin", "request_count", "total_tokens", "power_of_two")
+    assert BALANCERS == (
+        "pab", "pab_least_loaded", "round_robin", "request_count", "total_tokens", "power_of_two",
+    )
+    assert set(BALANCERS) == set(get_args(PolicyName))
     for name in BALANCERS:
         assert make_balancer(name).name == name
 
@@ -66,6 +71,47 @@ def test_pab_ties_go_to_the_first_given() -> None:
 def test_pab_ignores_the_other_load_signals() -> None:
     ranks = [view("busy", pab=5000, running=90, waiting=40, in_flight=130), view("idle", pab=4000)]
     assert make_balancer("pab").choose(ranks, 100) == "busy"
+
+
+# ---------------------------------------------------------------- pab, least loaded
+def test_pab_least_loaded_filters_by_budget_then_takes_the_least_loaded() -> None:
+    balancer = make_balancer("pab_least_loaded")
+    # scores (waiting*4 + running): big 0, idle 0 -- but neither covers 1000 tokens;
+    # among the covering ones, b (1*4 + 1 = 5) beats a (0*4 + 7 = 7) and c (2*4 + 0 = 8),
+    # though c has by far the largest budget (pab's choice).
+    ranks = [
+        view("big", pab=999), view("idle", pab=None),
+        view("a", pab=1000, running=7), view("b", pab=1500, running=1, waiting=1),
+        view("c", pab=90_000, waiting=2),
+    ]
+    assert {balancer.choose(ranks, 1000) for _ in range(len(ranks) * 2)} == {"b"}
+    assert make_balancer("pab").choose(ranks, 1000) == "c"
+
+
+def test_pab_least_loaded_declines_when_no_budget_covers_the_prompt() -> None:
+    balancer = make_balancer("pab_least_loaded")
+    ranks = [view("a", pab=999), view("b", pab=-50), view("c", pab=None, running=0)]
+    assert [balancer.choose(ranks, 1000) for _ in range(4)] == [None] * 4
+    assert balancer.choose(ranks, 999) == "a"  # a budget equal to the prompt covers it
+
+
+def test_pab_least_loaded_rotates_the_tie_break() -> None:
+    balancer = make_balancer("pab_least_loaded")
+    ranks = [
+        view("a", pab=5000, running=2), view("b", pab=800, running=2),
+        view("c", pab=5000, running=2), view("d", pab=5000, running=9),
+        view("e", pab=10, running=0),  # the least loaded, but its budget does not cover
+    ]
+    chosen = [balancer.choose(ranks, 500) for _ in range(10)]
+    assert set(chosen) == {"a", "b", "c"}  # equal load: the budgets' sizes do not matter
+    assert chosen[:3] == ["a", "b", "c"]
+
+
+def test_pab_least_loaded_counts_dispatches_the_reports_miss() -> None:
+    # waiting includes the dispatches since the last report: a burst spreads at once
+    balancer = make_balancer("pab_least_loaded")
+    ranks = [view("a", pab=50_000, running=3), view("b", pab=40_000, running=3, waiting=1)]
+    assert {balancer.choose(ranks, 100) for _ in range(4)} == {"a"}
 
 
 # ---------------------------------------------------------------- round robin
