@@ -434,7 +434,11 @@ class RankAgent:
     def _rejoin(self, on_rank: Callable[[str], bool]) -> list[AgentMessage]:
         """The daemon forgot these ranks (it restarted, or found them lost) and with them
         their requests, which it failed or never knew: drop those and join again."""
-        ranks = [rank for rank in self._served() if on_rank(rank)]
+        # A rank not welcomed yet already has a Hello on its way (and retried): a burst of
+        # stale messages after a daemon restart must not each send another.
+        ranks = [rank for rank in self._served() if on_rank(rank) and rank in self._welcomed]
+        if not ranks:
+            return []
         logger.warning("agent %s: the daemon does not know %s; joining again", self.agent_id, ranks)
         self.counters["rejoins"] += 1
         self._forget(on_rank)
