@@ -137,7 +137,7 @@ class DispatcherCore:
         self._requests[submit.request_id] = pending
         if deadline_at is not None:
             heapq.heappush(self._deadlines, (deadline_at, submit.request_id))
-        return self._place(submit.request_id, pending, now, may_queue=True)
+        return self._place(submit.request_id, pending, now)
 
     def _refusal(self, submit: Submit) -> Reject | None:
         request_id = submit.request_id
@@ -179,7 +179,7 @@ class DispatcherCore:
             ))
         return views, bool(fresh)
 
-    def _place(self, request_id: str, pending: Pending, now: float, *, may_queue: bool) -> list[Send]:
+    def _place(self, request_id: str, pending: Pending, now: float) -> list[Send]:
         views, fresh = self._views(now)
         views = [v for v in views if v.rank not in pending.tried]
         if fresh:
@@ -196,7 +196,7 @@ class DispatcherCore:
             reason, detail = RejectReason.NO_BUDGET, f"no rank's budget covers {pending.prompt_tokens} prompt tokens"
         else:
             reason, detail = RejectReason.OVERLOADED, "every rank is at its in-flight cap"
-        if may_queue and self.config.on_no_budget == "queue" and reason is RejectReason.NO_BUDGET:
+        if self.config.on_no_budget == "queue" and reason is RejectReason.NO_BUDGET:
             if len(self._queue) < self.config.max_queued:
                 pending.queued_until = now + self.config.queue_ttl_s
                 self._queue.append(request_id)
@@ -225,6 +225,8 @@ class DispatcherCore:
         if not self._queue:
             return []
         sends: list[Send] = []
+        views: list[RankView] | None = None  # rebuilt only after a dispatch changes a budget
+        fresh = False
         waiting, self._queue = self._queue, deque()
         for request_id in waiting:
             pending = self._requests.get(request_id)
@@ -235,12 +237,14 @@ class DispatcherCore:
                 sends += self._close(request_id, self._reject(
                     request_id, RejectReason.QUEUE_TIMEOUT, "no rank's budget covered it in time"))
                 continue
-            views, fresh = self._views(now)
+            if views is None:
+                views, fresh = self._views(now)
             rank = self.balancer.choose(views, pending.prompt_tokens) if fresh else None
             if rank is None:
                 self._queue.append(request_id)
             else:
                 sends += self._dispatch(request_id, pending, rank)
+                views = None
         return sends
 
     def _reject(self, request_id: str, reason: RejectReason, detail: str, *, output_sent: bool = False) -> Reject:
@@ -414,7 +418,7 @@ class DispatcherCore:
         if state is not None:
             state.in_flight.discard(message.request_id)
         pending.rank, pending.epoch, pending.agent, pending.dispatch_seq = None, 0, b"", 0
-        return self._place(message.request_id, pending, now, may_queue=True)
+        return self._place(message.request_id, pending, now)
 
     # ------------------------------------------------------------------ drain
     def begin_drain(self) -> list[Send]:
