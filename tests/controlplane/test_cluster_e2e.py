@@ -75,8 +75,10 @@ async def wait_idle(client: AsyncClient, timeout_s: float = 10.0) -> None:
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    config = loopback_config(on_no_budget="queue", queue_ttl_s=60.0, stale_after_s=1.0,
+def cluster(request, tmp_path):
+    """The daemon (policy ``pab`` unless the test parametrizes another) and three ranks."""
+    policy = getattr(request, "param", "pab")
+    config = loopback_config(policy=policy, on_no_budget="queue", queue_ttl_s=60.0, stale_after_s=1.0,
                              heartbeat_interval_s=0.2, lost_after_s=1.5)
     daemon = start_process_daemon(tmp_path, config)
     ranks = {name: start_rank(name, daemon, tmp_path) for name in RANKS}
@@ -92,7 +94,11 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
+@pytest.mark.parametrize("cluster", ["pab_least_loaded"], indirect=True)
 def test_500_requests_complete_with_exact_token_counts_across_all_ranks(cluster):
+    """``pab_least_loaded``, not ``pab``: plain ``pab`` sends nearly everything to the rank whose
+    online-learned step model is fastest (idle budgets differ by ~50% under CPU contention), so
+    it promises no spread; this test is about every rank serving exact counts."""
     daemon, _, _ = cluster
 
     async def scenario():
@@ -125,9 +131,12 @@ def test_500_requests_complete_with_exact_token_counts_across_all_ranks(cluster)
     assert status.counters["dispatched"] >= 500 and status.in_flight == 0
 
 
+@pytest.mark.parametrize("cluster", ["pab_least_loaded"], indirect=True)
 def test_killed_rank_fails_only_its_streamed_requests_once_and_the_rest_complete(cluster):
+    """The victim is the first rank seen streaming; ``pab_least_loaded`` spreads the 30
+    requests so that some run elsewhere and must complete."""
     daemon, ranks, _ = cluster
-    victim = "sim-b"
+    victim = ""
 
     async def scenario():
         async with AsyncClient(daemon.config.client_address, max_retries=10) as client:
@@ -137,6 +146,7 @@ def test_killed_rank_fails_only_its_streamed_requests_once_and_the_rest_complete
             victim_streaming = asyncio.Event()
 
             async def one(i: int) -> None:
+                nonlocal victim
                 request_id = f"long-{i}"
                 outcomes[request_id] = []
                 try:
@@ -145,7 +155,8 @@ def test_killed_rank_fails_only_its_streamed_requests_once_and_the_rest_complete
                         async for chunk in stream:
                             if request_id not in first_output:
                                 first_output[request_id] = chunk.rank
-                                if chunk.rank == victim:
+                                if not victim:
+                                    victim = chunk.rank
                                     victim_streaming.set()
                         outcomes[request_id].append(stream.result)
                 except RankLost as error:
@@ -159,9 +170,11 @@ def test_killed_rank_fails_only_its_streamed_requests_once_and_the_rest_complete
             return outcomes, first_output, await client.status()
 
     outcomes, first_output, status = run(scenario())
+    assert victim in RANKS
     assert all(len(ends) == 1 for ends in outcomes.values()), "every request ends exactly once"
     lost = {request_id for request_id, (end,) in outcomes.items() if isinstance(end, RankLost)}
     assert lost, "the killed rank had streaming requests"
+    assert len(lost) < len(outcomes), "some requests ran on the surviving ranks"
     assert all(first_output.get(request_id) == victim for request_id in lost)
     for request_id, (end,) in outcomes.items():
         if request_id not in lost:
