@@ -1,5 +1,5 @@
-"""``fairbatching-controlplane`` (also ``python -m controlplane``): run the daemon, or ask a
-running one for its status and its ranks."""
+"""``fairbatching-controlplane`` (also ``python -m controlplane``): run the daemon, ask a
+running one for its status and its ranks, or drain and resume a rank."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -14,16 +15,19 @@ import msgspec
 from controlplane.client import DEFAULT_ADDRESS, AsyncClient
 from controlplane.config import ConfigError, DaemonConfig
 from controlplane.errors import DaemonUnavailable
-from controlplane.protocol import RankStatus, StatusReply
+from controlplane.protocol import DrainReply, RankStatus, StatusReply
 
-EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_SUCH_RANK, EXIT_STILL_BUSY = range(6)
 EXIT_CODES = """exit codes:
   0  success
   1  unexpected error
   2  usage or config error
-  3  daemon unreachable (no reply within --timeout)"""
+  3  daemon unreachable (no reply within --timeout)
+  4  no rank of that name (drain, resume)
+  5  drain --wait: requests still in flight at --wait-timeout"""
 RANK_COLUMNS = ("rank", "agent", "epoch", "PAB", "reported PAB", "running", "waiting", "in flight",
-                "report age", "stale", "seq gaps")
+                "report age", "stale", "draining", "seq gaps")
+DRAIN_POLL_S = 0.2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,6 +75,26 @@ def build_parser() -> argparse.ArgumentParser:
                              help="seconds to wait for the reply (default: %(default)s)")
         command.add_argument("--json", action="store_true", help="print JSON instead of text")
         command.set_defaults(run=_ask, show=show)
+
+    drain = _command(commands, "drain", "stop dispatching to a rank; its requests run on",
+                     "Tell a running daemon to send no new request to RANK; requests already on it "
+                     "run to completion. With --wait, wait until none is left in flight (then the "
+                     "rank's server can be stopped or restarted without failing a request). The "
+                     "drain lasts until `resume`, until the rank leaves or restarts with a new "
+                     "epoch, or until the daemon restarts.")
+    resume = _command(commands, "resume", "dispatch to a drained rank again",
+                      "Undo `drain`: RANK gets new requests again.")
+    drain.add_argument("--wait", action="store_true",
+                       help="wait until the rank has no request in flight (or has left)")
+    drain.add_argument("--wait-timeout", type=_positive_seconds, default=600.0, metavar="S",
+                       help="give up waiting after S seconds, exit 5 (default: %(default)s)")
+    for command, flag in ((drain, True), (resume, False)):
+        command.add_argument("rank", metavar="RANK", help="the rank's name, as `ranks` lists it")
+        command.add_argument("--address", default=DEFAULT_ADDRESS,
+                             help="the daemon's client address (default: %(default)s)")
+        command.add_argument("--timeout", type=_positive_seconds, default=2.0, metavar="S",
+                             help="seconds to wait for each reply (default: %(default)s)")
+        command.set_defaults(run=_drain, drain=flag)
     return parser
 
 
@@ -106,16 +130,58 @@ def _ask(args: argparse.Namespace) -> int:
         async with AsyncClient(args.address, connect_timeout_s=args.timeout) as client:
             return await client.status()
 
+    return _talk(fetch, lambda reply: (args.show(reply, args.json), EXIT_OK)[1])
+
+
+def _drain(args: argparse.Namespace) -> int:
+    async def drain() -> tuple[DrainReply, int | None]:
+        async with AsyncClient(args.address, connect_timeout_s=args.timeout) as client:
+            reply = await client.drain_rank(args.rank, args.drain)
+            if not (reply.known and args.drain and args.wait):
+                return reply, None
+            return reply, await _in_flight_after_wait(client, args.rank, args.wait_timeout)
+
+    def show(outcome: tuple[DrainReply, int | None]) -> int:
+        reply, left = outcome
+        if not reply.known:
+            print(f"error: the daemon has no rank named {args.rank!r} (see `ranks`)", file=sys.stderr)
+            return EXIT_NO_SUCH_RANK
+        verb = "draining" if reply.draining else "resumed"
+        print(f"rank {reply.rank}: {verb}, {reply.in_flight} in flight")
+        if left is None:
+            return EXIT_OK
+        if left:
+            print(f"rank {reply.rank}: {left} still in flight after {args.wait_timeout:g} s", file=sys.stderr)
+            return EXIT_STILL_BUSY
+        print(f"rank {reply.rank}: drained")
+        return EXIT_OK
+
+    return _talk(drain, show)
+
+
+async def _in_flight_after_wait(client: AsyncClient, rank: str, timeout_s: float) -> int:
+    """Requests the daemon still has in flight on ``rank`` once none are, the rank has
+    left, or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await client.status()
+        left = sum(r.in_flight for r in status.ranks if r.rank == rank)
+        if not left or time.monotonic() >= deadline:
+            return left
+        await asyncio.sleep(min(DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _talk(conversation, show) -> int:
+    """Run ``conversation`` against the daemon and ``show`` its outcome (an exit code)."""
     try:
-        reply = asyncio.run(fetch())
+        outcome = asyncio.run(conversation())
     except DaemonUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except ValueError as error:  # an address ZMQ cannot connect to
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    args.show(reply, args.json)
-    return EXIT_OK
+    return show(outcome)
 
 
 def _show_status(reply: StatusReply, as_json: bool) -> None:
@@ -149,7 +215,7 @@ def _rank_row(rank: RankStatus) -> tuple[str, ...]:
     age = "-" if rank.report_age_s is None else f"{rank.report_age_s:.2f} s"
     return (rank.rank, rank.agent, str(rank.epoch), tokens(rank.pab_tokens), tokens(rank.reported_pab_tokens),
             str(rank.running), str(rank.waiting), str(rank.in_flight), age, "yes" if rank.stale else "no",
-            str(rank.seq_gaps))
+            "yes" if rank.draining else "no", str(rank.seq_gaps))
 
 
 def _table(header: Sequence[str], rows: list[tuple[str, ...]]) -> str:

@@ -43,8 +43,8 @@ from controlplane.errors import (
     rejected,
 )
 from controlplane.protocol import (
-    DEFAULT_MAX_FRAME_BYTES, Cancel, Chunk, Dispatched, Finish, FinishReason, FrameError, Ping,
-    Pong, Prompt, RejectReason, SamplingParams, SloSpec, StatusReply, StatusRequest,
+    DEFAULT_MAX_FRAME_BYTES, Cancel, Chunk, Dispatched, DrainRank, DrainReply, Finish, FinishReason,
+    FrameError, Ping, Pong, Prompt, RejectReason, SamplingParams, SloSpec, StatusReply, StatusRequest,
     Submit, client_reply_channel, client_request_channel, encode, retryable,
 )
 
@@ -161,6 +161,7 @@ class AsyncClient:
         self._inboxes: dict[str, _Inbox] = {}
         self._pings: dict[int, asyncio.Future[Pong]] = {}
         self._statuses: deque[asyncio.Future[StatusReply]] = deque()
+        self._drains: deque[tuple[str, asyncio.Future[DrainReply]]] = deque()
         self._nonces = itertools.count(1)
         self._daemon_id: str | None = None  # None: not yet known on this connection
         self._incarnation = 0  # bumped on a disconnect or a new daemon id
@@ -251,6 +252,18 @@ class AsyncClient:
         self._statuses.append(reply)
         try:
             self._send(StatusRequest())
+            return await self._reply(reply, timeout_s)
+        finally:
+            reply.cancel()
+
+    async def drain_rank(self, rank: str, drain: bool = True, timeout_s: float | None = None) -> DrainReply:
+        """Stop (``drain``) or resume dispatching to ``rank``; its in-flight requests run on.
+        ``known`` is false in the reply when the daemon has no rank of that name."""
+        self._start()
+        reply: asyncio.Future[DrainReply] = asyncio.get_running_loop().create_future()
+        self._drains.append((rank, reply))
+        try:
+            self._send(DrainRank(rank, drain))
             return await self._reply(reply, timeout_s)
         finally:
             reply.cancel()
@@ -506,6 +519,13 @@ class AsyncClient:
                 if not waiter.done():
                     waiter.set_result(message)
                     break
+        elif isinstance(message, DrainReply):
+            for rank, waiter in list(self._drains):
+                if rank == message.rank:
+                    self._drains.remove((rank, waiter))
+                    if not waiter.done():
+                        waiter.set_result(message)
+                        break
         else:
             inbox = self._inboxes.get(message.request_id)
             if inbox is not None and not inbox.put(message):
@@ -528,10 +548,11 @@ class AsyncClient:
                 inbox.interrupt(_Lost(why))
 
     def _fail_waiters(self, error: ControlPlaneError) -> None:
-        for waiter in [*self._pings.values(), *self._statuses]:
+        for waiter in [*self._pings.values(), *self._statuses, *(w for _, w in self._drains)]:
             if not waiter.done():
                 waiter.set_exception(error)
         self._statuses.clear()
+        self._drains.clear()
 
 
 def _time_left(deadline_at: float | None, request_id: str) -> float | None:
@@ -616,6 +637,9 @@ class Client:
 
     def ping(self, timeout_s: float | None = None) -> Pong:
         return self._call(self._client.ping(timeout_s))
+
+    def drain_rank(self, rank: str, drain: bool = True, timeout_s: float | None = None) -> DrainReply:
+        return self._call(self._client.drain_rank(rank, drain, timeout_s))
 
     def close(self) -> None:
         if self._loop.is_closed():

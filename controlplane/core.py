@@ -20,7 +20,7 @@ from controlplane.config import DaemonConfig
 from controlplane.ledger import DispatchLedger
 from controlplane.protocol import (
     Abort, AgentMessage, Cancel, Chunk, ClientReply, ClientRequest, DaemonToAgent, Dispatch,
-    Dispatched, Done, Fenced, Finish, FinishReason, Goodbye, Heartbeat, Hello, Output, Ping,
+    Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish, FinishReason, Goodbye, Heartbeat, Hello, Output, Ping,
     Pong, RankStatus, Reject, RejectReason, Report, StatusReply, StatusRequest, Submit, Welcome,
     retryable,
 )
@@ -105,7 +105,7 @@ class DispatcherCore:
                 free_kv_tokens=report.free_kv_tokens if report else 0,
                 in_flight=len(state.in_flight), report_age_s=state.report_age(now),
                 stale=not state.fresh(now, self.config.stale_after_s), reports=state.reports,
-                seq_gaps=state.seq_gaps, dispatched=state.dispatched,
+                seq_gaps=state.seq_gaps, dispatched=state.dispatched, draining=state.draining,
             ))
         return StatusReply(self.daemon_id, self.config.policy, now - self.started_at, self.draining,
                            self.in_flight, self.queued, ranks, dict(self.counters))
@@ -121,6 +121,8 @@ class DispatcherCore:
                 return [ToClient(identity, Pong(nonce, self.daemon_id, self.draining))]
             case StatusRequest():
                 return [ToClient(identity, self.status(now))]
+            case DrainRank(rank=rank, drain=drain):
+                return self._drain_rank(identity, rank, drain, now)
         return []
 
     def _submit(self, identity: bytes, submit: Submit, now: float) -> list[Send]:
@@ -161,10 +163,21 @@ class DispatcherCore:
         self.counters["cancelled"] += 1
         return self._close(request_id, Finish(request_id, FinishReason.CANCELLED), abort=True)
 
+    def _drain_rank(self, identity: bytes, rank: str, drain: bool, now: float) -> list[Send]:
+        state = self.registry.get(rank)
+        if state is None:
+            return [ToClient(identity, DrainReply(rank, known=False))]
+        if state.draining != drain:
+            self.counters["ranks_drained" if drain else "ranks_resumed"] += 1
+        state.draining = drain
+        sends: list[Send] = [ToClient(identity, DrainReply(rank, True, drain, len(state.in_flight)))]
+        return sends if drain else sends + self._pump_queue(now)
+
     # ------------------------------------------------------------------ placement
     def _views(self, now: float) -> tuple[list[RankView], bool]:
-        """Views of the fresh ranks, or (no fresh rank) of every reachable one, and which."""
-        states = [s for s in self.registry.ranks() if not s.unreachable]
+        """Views of the fresh ranks, or (no fresh rank) of every reachable one, and which;
+        draining ranks are never among them."""
+        states = [s for s in self.registry.ranks() if not s.unreachable and not s.draining]
         fresh = [s for s in states if s.fresh(now, self.config.stale_after_s)]
         chosen = fresh or states
         views = []
@@ -191,7 +204,7 @@ class DispatcherCore:
         if rank is not None:
             return self._dispatch(request_id, pending, rank)
         if not views:
-            reason, detail = RejectReason.NO_RANKS, "no reachable rank"
+            reason, detail = RejectReason.NO_RANKS, "no reachable rank that is not draining"
         elif fresh and self.config.policy.startswith("pab"):  # pab, pab_least_loaded
             reason, detail = RejectReason.NO_BUDGET, f"no rank's budget covers {pending.prompt_tokens} prompt tokens"
         else:
@@ -294,6 +307,15 @@ class DispatcherCore:
                 self.registry.seen(identity, now)
                 self.counters["ranks_left"] += 1
                 return self._depart(self.registry.leave(rank), f"rank {rank} left")
+            case Draining(rank=rank, epoch=epoch):
+                if not self.registry.owns(identity, rank, epoch):
+                    return self._fence(identity, rank, epoch)
+                self.registry.seen(identity, now)
+                state = self.registry.get(rank)
+                if not state.draining:
+                    self.counters["ranks_drained"] += 1
+                state.draining = True
+                return []
             case Output() | Done():
                 return self._rank_output(identity, message, now)
         return []

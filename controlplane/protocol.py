@@ -121,7 +121,15 @@ class StatusRequest(Struct, frozen=True, tag="status_request", forbid_unknown_fi
     pass
 
 
-ClientRequest = Submit | Cancel | Ping | StatusRequest
+class DrainRank(Struct, frozen=True, tag="drain_rank", forbid_unknown_fields=True):
+    """Operator: stop (``drain``) or resume dispatching to ``rank``; its in-flight
+    requests run on. Answered by :class:`DrainReply`."""
+
+    rank: RankId
+    drain: bool = True
+
+
+ClientRequest = Submit | Cancel | Ping | StatusRequest | DrainRank
 
 
 # ------------------------------------------------------------------ daemon -> client
@@ -187,6 +195,7 @@ class RankStatus(Struct, frozen=True):
     reports: int
     seq_gaps: int
     dispatched: int
+    draining: bool = False  # no new dispatches; its in-flight requests run on
 
 
 class StatusReply(Struct, frozen=True, tag="status"):
@@ -200,7 +209,16 @@ class StatusReply(Struct, frozen=True, tag="status"):
     counters: dict[str, int]
 
 
-ClientReply = Dispatched | Chunk | Finish | Reject | Pong | StatusReply
+class DrainReply(Struct, frozen=True, tag="drain_reply"):
+    """``known`` is false when the daemon has no rank of that name (nothing changed)."""
+
+    rank: str
+    known: bool
+    draining: bool = False
+    in_flight: int = 0
+
+
+ClientReply = Dispatched | Chunk | Finish | Reject | Pong | StatusReply | DrainReply
 
 
 # ------------------------------------------------------------------ agent <-> daemon
@@ -215,6 +233,14 @@ class Hello(Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
 
 class Goodbye(Struct, frozen=True, tag="goodbye", forbid_unknown_fields=True):
     """The rank leaves on purpose; its in-flight requests fail with rank lost."""
+
+    rank: RankId
+    epoch: Epoch
+
+
+class Draining(Struct, frozen=True, tag="draining", forbid_unknown_fields=True):
+    """The rank is shutting down gracefully: dispatch nothing new to it; its in-flight
+    requests finish as usual, then ``Goodbye``. Sent again after every ``Welcome``."""
 
     rank: RankId
     epoch: Epoch
@@ -254,7 +280,7 @@ class Done(Struct, frozen=True, tag="done", forbid_unknown_fields=True, omit_def
     dispatch_seq: NonNegInt = 0  # the Dispatch this answers (0: not given)
 
 
-AgentMessage = Hello | Goodbye | Heartbeat | Output | Done
+AgentMessage = Hello | Goodbye | Draining | Heartbeat | Output | Done
 
 
 class Welcome(Struct, frozen=True, tag="welcome"):

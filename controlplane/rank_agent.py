@@ -8,6 +8,8 @@ engine error, invalid request or abort. When the rank itself goes (the agent clo
 a newer epoch fences it, the daemon restarted and forgot it) its requests end without
 a ``Done``: ``Goodbye`` or the daemon's own loss detection speaks for them, so their
 clients see a retryable ``rank_lost`` rather than a ``cancelled`` they never asked for.
+:meth:`RankAgent.drain` is the graceful way out: ``Draining`` for every rank, the
+requests already running finish with their ``Done``, then the agent stops.
 
 Reports do not pass through the agent: each rank publishes its own
 (:class:`controlplane.reporter.ReportPublisher`, to the ``report_address`` that
@@ -35,6 +37,7 @@ from controlplane.protocol import (
     AgentMessage,
     Dispatch,
     Done,
+    Draining,
     Fenced,
     FinishReason,
     FrameError,
@@ -179,6 +182,8 @@ class RankAgent:
         self._unsent: list[AgentMessage] = []  # taken from the outbox when the socket task ended
         self._socket: zmq.asyncio.Socket | None = None
         self._stop = asyncio.Event()
+        self._draining = False
+        self._drain_deadline: float | None = None
         self._wake = asyncio.Event()
         self._finished = asyncio.Event()
         self._started = False
@@ -194,6 +199,10 @@ class RankAgent:
     @property
     def running(self) -> frozenset[tuple[str, str]]:
         return frozenset(self._requests)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     # ---------------------------------------------------------------- lifecycle
     async def run(self) -> None:
@@ -221,6 +230,27 @@ class RankAgent:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Leave gracefully: ``Draining`` for every rank (the daemon dispatches nothing new
+        to them), let the running requests finish, then stop (``close`` says ``Goodbye``).
+        After ``timeout_s`` it stops anyway, and the requests still running end as on
+        :meth:`stop`. A dispatch that crossed the ``Draining`` is still served."""
+        if self._draining:
+            return
+        self._draining = True
+        if timeout_s is not None:
+            self._drain_deadline = asyncio.get_running_loop().time() + timeout_s
+        for rank in self._served():
+            self._enqueue(Draining(rank=rank, epoch=self.epoch))
+        self.counters["drains"] += 1
+        logger.info("agent %s: draining %d running requests", self.agent_id, len(self._requests))
+        self._stop_when_drained()
+        self._wake.set()
+
+    def _stop_when_drained(self) -> None:
+        if self._draining and not self._requests:
+            self.stop()
 
     async def close(self, goodbye: bool = True) -> None:
         """Stop, send what is still queued and (``goodbye``) a ``Goodbye`` for every rank
@@ -300,7 +330,7 @@ class RankAgent:
         heartbeat interval once a Welcome gave one."""
         loop = asyncio.get_running_loop()
         next_hello = next_beat = loop.time()
-        while True:
+        while not self._stop.is_set():  # NOTE: 3.11's wait_for can swallow a cancel that meets a wake
             now = loop.time()
             if now >= next_hello:
                 for rank in self._served():
@@ -310,9 +340,16 @@ class RankAgent:
             if self.heartbeat_interval_s is not None and now >= next_beat:
                 self._enqueue(Heartbeat(agent=self.agent_id))
                 next_beat = now + self.heartbeat_interval_s
+            if self._drain_deadline is not None and now >= self._drain_deadline:
+                logger.warning("agent %s: drain timed out with %d requests running", self.agent_id,
+                               len(self._requests))
+                self.counters["drain_timeouts"] += 1
+                self.stop()
             wake_at = next_hello
             if self.heartbeat_interval_s is not None:
                 wake_at = min(next_hello, next_beat)
+            if self._drain_deadline is not None:
+                wake_at = min(wake_at, self._drain_deadline)
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), max(0.0, wake_at - loop.time()))
@@ -374,6 +411,8 @@ class RankAgent:
         self.daemon_id = welcome.daemon_id
         self.heartbeat_interval_s = welcome.heartbeat_interval_s
         self._welcomed.add(welcome.rank)
+        if self._draining:  # a restarted daemon, or the rank rejoining, must know it again
+            replies.append(Draining(rank=welcome.rank, epoch=self.epoch))
         self._wake.set()
         try:
             self._engine.welcomed(welcome)
@@ -475,6 +514,7 @@ class RankAgent:
             request = self._requests.get(key)
             if request is not None and request.sink is sink:
                 del self._requests[key]
+            self._stop_when_drained()
 
 
 def _check_hello(hello: Hello) -> None:

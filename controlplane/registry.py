@@ -3,7 +3,8 @@
 A rank is owned by one agent (a ZMQ routing id) and one epoch at a time. A newer epoch
 replaces the rank (it restarted); messages from an older one are fenced. Reports are
 ordered per (rank, epoch) by their ``seq``: an old or repeated one is dropped, a jump
-counts the missed reports as gaps. A rank is *fresh* while its last report is younger
+counts the missed reports as gaps. A *draining* rank gets no new dispatches until it
+leaves or a newer epoch replaces it (or an operator resumes it). A rank is *fresh* while its last report is younger
 than the staleness limit; a stale rank's load is unknown, never zero.
 """
 
@@ -42,6 +43,7 @@ class RankState:
     dispatched: int = 0
     in_flight: set[str] = field(default_factory=set)
     unreachable: bool = False  # a send to its agent failed; cleared by the agent's next message
+    draining: bool = False  # no new dispatches (the rank or an operator asked); kept across re-Hellos
 
     def report_age(self, now: float) -> float | None:
         return None if self.report_at is None else now - self.report_at

@@ -12,8 +12,10 @@ computes, and without one the daemon's ``pab`` policy could never route here.
 - **Ingress** (the HTTP / TokenizerManager process): a :class:`controlplane.rank_agent.RankAgent`
   with agent id ``<prefix>`` serves ranks ``<prefix>/0 .. <prefix>/<dp_size-1>``. It runs
   as a task of the TokenizerManager (``asyncio_tasks``), started when SGLang creates the
-  TokenizerManager's handle loop (the start-up warmup request, else the first request),
-  and it says ``Goodbye`` when the server receives SIGTERM. Its engine,
+  TokenizerManager's handle loop (the start-up warmup request, else the first request).
+  On SIGTERM, SGLang lets its running requests finish before it exits; the agent
+  follows suit: ``Draining`` (the daemon dispatches nothing new here), its requests
+  finish with their ``Done``, then ``Goodbye``. Its engine,
   :class:`SGLangRankEngine`, turns each ``Dispatch`` into a streamed
   ``GenerateReqInput`` (pinned with ``routed_dp_rank`` when ``dp_size > 1``) and feeds
   ``TokenizerManager.generate_request``.
@@ -358,6 +360,7 @@ class ControlPlaneIngress:
         self.agent: Any = None
         self.task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._draining = False
 
     def start(self) -> None:
         """Start the agent on the running loop (once)."""
@@ -371,6 +374,8 @@ class ControlPlaneIngress:
                                epoch=self.settings.epoch)
         if self._stopping:
             self.agent.stop()
+        elif self._draining:
+            self.agent.drain()
         self.task = asyncio.get_running_loop().create_task(self._run(), name="fairbatching-controlplane")
         self.tokenizer_manager.asyncio_tasks.add(self.task)
         logger.info("control plane: agent %s serving ranks %s (epoch %d) at %s", self.prefix,
@@ -382,6 +387,13 @@ class ControlPlaneIngress:
         self._stopping = True
         if self.agent is not None:
             self.agent.stop()
+
+    def drain(self) -> None:
+        """Leave gracefully, as SGLang does on SIGTERM: no new dispatches; ``Goodbye`` once
+        the requests running here have finished. On the event loop."""
+        self._draining = True
+        if self.agent is not None and not self._stopping:
+            self.agent.drain()
 
     async def _run(self) -> None:
         try:
@@ -421,5 +433,6 @@ def _after_handle_loop(_result: Any, tokenizer_manager: Any, *args: Any, **kwarg
 def _after_sigterm(_result: Any, handler: Any, *args: Any, **kwargs: Any) -> None:
     ingress = getattr(handler.tokenizer_manager, INGRESS_ATTR, None)
     if ingress is not None:
-        logger.info("control plane: SIGTERM; agent %s leaves the control plane", ingress.prefix)
-        ingress.stop()
+        logger.info("control plane: SIGTERM; agent %s drains, then leaves the control plane",
+                    ingress.prefix)
+        ingress.drain()

@@ -2,6 +2,9 @@
 
     python -m sglang_ext.sim.rank --agent-id sim --ranks 2 --time-scale 1.0
 
+SIGTERM drains (``Draining``, the running requests finish, ``Goodbye``, exit 0; at most
+``--drain-timeout`` seconds); SIGINT or a second SIGTERM leaves at once.
+
 Each rank is one :class:`SimEngine` whose virtual clock follows the wall clock
 (``virtual = (monotonic - start) / time_scale``): the stepping loop runs one step,
 sleeps until the step's virtual end is reached in real time and only then emits its
@@ -364,17 +367,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="GPU noise seed (rank i uses seed+i)")
     parser.add_argument("--report-interval-ms", type=_positive(float), default=10.0,
                         help="report at least this often (and after a step that changed the load)")
+    parser.add_argument("--drain-timeout", type=_positive(float), default=30.0, metavar="S",
+                        help="on SIGTERM, let running requests finish for at most S seconds")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
     return parser
 
 
-async def serve(agent: RankAgent, sims: SimRanks) -> int:
-    """Run until SIGTERM/SIGINT (0) or until every rank is fenced (1); says Goodbye."""
+async def serve(agent: RankAgent, sims: SimRanks, drain_timeout_s: float = 30.0) -> int:
+    """Run until SIGTERM (drain) or SIGINT (0), or until every rank is fenced (1); says
+    Goodbye."""
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, lambda: (signalled.set(), agent.stop()))
+
+    def on_sigterm() -> None:
+        if signalled.is_set():
+            agent.stop()
+        else:
+            signalled.set()
+            agent.drain(drain_timeout_s)
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    loop.add_signal_handler(signal.SIGINT, lambda: (signalled.set(), agent.stop()))
     try:
         async with asyncio.TaskGroup() as group:
             stepping = group.create_task(sims.run(), name="sim ranks")
@@ -416,8 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(agent, sims))
-    return uvloop.run(serve(agent, sims))
+        return asyncio.run(serve(agent, sims, args.drain_timeout))
+    return uvloop.run(serve(agent, sims, args.drain_timeout))
 
 
 if __name__ == "__main__":

@@ -183,6 +183,52 @@ def test_killed_rank_fails_only_its_streamed_requests_once_and_the_rest_complete
     assert status.counters["rank_lost_requests"] >= len(lost)
 
 
+@pytest.mark.parametrize("cluster", ["pab_least_loaded"], indirect=True)
+def test_a_rank_stopped_with_sigterm_drains_every_request_it_holds_completes(cluster):
+    daemon, ranks, _ = cluster
+    victim = ""
+
+    async def scenario():
+        nonlocal victim
+        async with AsyncClient(daemon.config.client_address, max_retries=0) as client:
+            await wait_for_ranks(client, set(RANKS))
+            streaming = asyncio.Event()
+
+            async def one(request_id: str):
+                nonlocal victim
+                async with client.stream([9] * 200, request_id=request_id, slo="relaxed",
+                                         sampling=SamplingParams(max_new_tokens=400, ignore_eos=True)) as stream:
+                    async for chunk in stream:
+                        if not victim:
+                            victim = chunk.rank
+                            streaming.set()
+                    return stream.result
+
+            first = [asyncio.create_task(one(f"held-{i}")) for i in range(24)]
+            await asyncio.wait_for(streaming.wait(), 60)
+            ranks[victim].process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while (victim_status := [r for r in (await client.status()).ranks if r.rank == victim]) \
+                    and not victim_status[0].draining:  # (or it already drained and left)
+                assert time.monotonic() < deadline, "the daemon never saw the rank draining"
+                await asyncio.sleep(0.02)
+            later = [await client.generate([4] * 50, request_id=f"later-{i}", slo="relaxed",
+                                           sampling=SamplingParams(max_new_tokens=4, ignore_eos=True))
+                     for i in range(6)]
+            held = await asyncio.gather(*first)
+            exit_code = await asyncio.to_thread(ranks[victim].process.wait, 30)
+            await wait_idle(client)
+            return held, later, exit_code, await client.status()
+
+    held, later, exit_code, status = run(scenario())
+    assert [r.completion_tokens for r in held] == [400] * len(held)
+    assert victim in {r.rank for r in held}, "the drained rank finished what it held"
+    assert all(r.rank != victim for r in later)
+    assert exit_code == 0
+    assert victim not in {r.rank for r in status.ranks}
+    assert status.counters["ranks_left"] == 1 and "rank_lost_requests" not in status.counters
+
+
 def test_daemon_restart_sdk_reconnects_and_ranks_rejoin(cluster):
     daemon, _, tmp_path = cluster
 

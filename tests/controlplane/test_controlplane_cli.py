@@ -124,3 +124,57 @@ def test_status_and_ranks_of_a_served_daemon(tmp_path, capsys: pytest.CaptureFix
         reports.close()
         code = running.terminate()
     assert code == 0  # SIGTERM drains and exits 0
+
+
+def test_drain_wait_resume_and_an_unknown_rank(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    config = loopback_config(stale_after_s=30.0, lost_after_s=60.0)
+    running = start_process_daemon(tmp_path, config)
+    agent = zmq.Context.instance().socket(zmq.DEALER)
+    reports = zmq.Context.instance().socket(zmq.PUSH)
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    replies = p.client_reply_channel()
+    try:
+        agent.setsockopt(zmq.ROUTING_ID, b"agent-d")
+        for sock, address in ((agent, config.rank_address), (reports, config.report_address),
+                              (client, config.client_address)):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        agent.send(p.encode(p.Hello("agent-d", "rank-d", 4)))
+        assert agent.poll(5000) and isinstance(p.daemon_to_agent_channel().decode(agent.recv()), p.Welcome)
+        reports.send(p.encode(p.Report("rank-d", 4, 1, 50_000.0, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
+        time.sleep(0.2)
+        client.send(p.encode(p.Submit("held", p.Prompt(token_ids=[1, 2, 3]))))
+        assert client.poll(5000) and isinstance(replies.decode(client.recv()), p.Dispatched)
+        dispatch = p.daemon_to_agent_channel().decode(agent.recv())
+        address = ["--address", config.client_address]
+
+        assert main(["drain", "rank-d", *address, "--wait", "--wait-timeout", "0.5"]) == 5
+        captured = capsys.readouterr()
+        assert "rank rank-d: draining, 1 in flight" in captured.out and "still in flight" in captured.err
+
+        client.send(p.encode(p.Submit("refused", p.Prompt(token_ids=[1]))))
+        assert client.poll(5000)
+        reject = replies.decode(client.recv())
+        assert (reject.request_id, reject.reason, reject.retryable) == ("refused", p.RejectReason.NO_RANKS, True)
+
+        agent.send(p.encode(p.Done("rank-d", 4, "held", p.FinishReason.LENGTH, 3, 1,
+                                   dispatch_seq=dispatch.dispatch_seq)))
+        assert client.poll(5000) and isinstance(replies.decode(client.recv()), p.Finish)
+        run = cli("drain", "rank-d", *address, "--wait")
+        assert run.returncode == 0 and "rank rank-d: drained" in run.stdout
+
+        assert main(["ranks", *address]) == 0
+        header, row = capsys.readouterr().out.splitlines()
+        assert row.split()[header.split().index("draining") - 2] == "yes"  # "PAB" headers are two words
+
+        assert main(["resume", "rank-d", *address]) == 0
+        assert "rank rank-d: resumed, 0 in flight" in capsys.readouterr().out
+        client.send(p.encode(p.Submit("again", p.Prompt(token_ids=[1]))))
+        assert client.poll(5000) and isinstance(replies.decode(client.recv()), p.Dispatched)
+
+        assert main(["drain", "nope", *address]) == 4
+        assert "no rank named 'nope'" in capsys.readouterr().err
+    finally:
+        for sock in (agent, reports, client):
+            sock.close()
+        running.kill()

@@ -7,7 +7,8 @@ import pytest
 from controlplane.config import DaemonConfig
 from controlplane.core import UNKNOWN_AGENT, UNKNOWN_RANK, DispatcherCore, ToAgent, ToClient
 from controlplane.protocol import (
-    Abort, Cancel, Chunk, Dispatch, Dispatched, Done, Fenced, Finish, FinishReason, Goodbye,
+    Abort, Cancel, Chunk, Dispatch, Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish,
+    FinishReason, Goodbye,
     Heartbeat, Hello, Output, Ping, Pong, Prompt, Reject, RejectReason, Report, SamplingParams,
     StatusRequest, StatusReply, Submit, Welcome,
 )
@@ -321,3 +322,63 @@ def test_a_request_the_rank_refused_releases_its_debit():
     submit(core, "a", tokens=700)
     core.on_agent(b"agent-r0", Done("r0", 1, "a", FinishReason.ERROR, invalid=True), 0.1)
     assert core.ledger.effective_budget("r0") == 10_000
+
+
+def test_a_draining_rank_gets_nothing_new_while_its_requests_finish():
+    core = make_core()
+    join(core, "r0", pab=50_000)
+    join(core, "r1", pab=5_000)
+    (first,) = dispatches(submit(core, "a"))
+    assert first.rank == "r0"
+    assert core.on_agent(b"agent-r0", Draining("r0", 1), 0.1) == []
+    assert core.counters["ranks_drained"] == 1
+    (second,) = dispatches(submit(core, "b", now=0.2))
+    assert second.rank == "r1"
+    assert core.on_agent(b"agent-r0", Output("r0", 1, "a", [7], "x", 1), 0.3)
+    (finish,) = replies(core.on_agent(b"agent-r0", Done("r0", 1, "a", FinishReason.LENGTH, 100, 4), 0.4), Finish)
+    assert finish.reason == FinishReason.LENGTH
+    (r0, _) = core.status(0.5).ranks
+    assert (r0.rank, r0.draining, r0.in_flight) == ("r0", True, 0)
+
+
+def test_with_every_rank_draining_a_submit_is_refused_retryably():
+    core = make_core(on_no_budget="queue")
+    join(core, "r0")
+    core.on_agent(b"agent-r0", Draining("r0", 1), 0.0)
+    (reject,) = replies(submit(core, "a"), Reject)
+    assert (reject.reason, reject.retryable) == (RejectReason.NO_RANKS, True)
+    assert core.idle
+
+
+def test_draining_from_another_agent_or_epoch_is_fenced():
+    core = make_core()
+    join(core, "r0", epoch=5)
+    (fenced,) = [s.message for s in core.on_agent(b"agent-r0", Draining("r0", 4), 0.0)]
+    assert isinstance(fenced, Fenced)
+    assert core.on_agent(b"intruder", Draining("r0", 5), 0.0)
+    assert not core.registry.get("r0").draining
+
+
+def test_operator_drain_and_resume_and_an_unknown_rank():
+    core = make_core(on_no_budget="queue")
+    join(core, "r0", pab=1_000)
+    assert submit(core, "big", tokens=2_000) == [] and core.queued == 1
+    (reply,) = replies(core.on_client(CLIENT, DrainRank("r0"), 0.1), DrainReply)
+    assert reply == DrainReply("r0", True, True, 0)
+    assert dispatches(report(core, "r0", 5_000, seq=2, now=0.2)) == []  # budget, but draining
+    sends = core.on_client(CLIENT, DrainRank("r0", drain=False), 0.3)
+    assert replies(sends, DrainReply) == [DrainReply("r0", True, False, 0)]
+    (dispatch,) = dispatches(sends)  # resuming pumps the queue
+    assert dispatch.request_id == "big"
+    assert replies(core.on_client(CLIENT, DrainRank("nope"), 0.4), DrainReply) == [DrainReply("nope", False)]
+    assert (core.counters["ranks_drained"], core.counters["ranks_resumed"]) == (1, 1)
+
+
+def test_a_drain_survives_a_same_epoch_rejoin_but_not_a_new_epoch():
+    core = make_core()
+    join(core, "r0", epoch=1)
+    core.on_agent(b"agent-r0", Draining("r0", 1), 0.0)
+    core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 1), 0.1)
+    assert core.registry.get("r0").draining
+    core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 2), 0.2)
+    assert not core.registry.get("r0").draining

@@ -17,6 +17,8 @@ SAMPLES_BY_CHANNEL = {
         p.Cancel("req-1"),
         p.Ping(42),
         p.StatusRequest(),
+        p.DrainRank("rank-0"),
+        p.DrainRank("rank-1", drain=False),
     ],
     p.client_reply_channel: [
         p.Dispatched("req-1", "rank-0", 7),
@@ -26,12 +28,15 @@ SAMPLES_BY_CHANNEL = {
         p.Pong(42, "d1", True),
         p.StatusReply("d1", "pab", 3.0, False, 1, 0, [
             p.RankStatus("rank-0", "agent-0", 9, 100.0, 200.0, 1, 2, 3000, 1, 0.1, False, 10, 0, 4),
-            p.RankStatus("rank-1", "agent-0", 9, None, None, 0, 0, 0, 0, None, True, 0, 0, 0),
+            p.RankStatus("rank-1", "agent-0", 9, None, None, 0, 0, 0, 0, None, True, 0, 0, 0, draining=True),
         ], {"dispatched": 4}),
+        p.DrainReply("rank-0", True, True, 3),
+        p.DrainReply("nope", False),
     ],
     p.agent_message_channel: [
         p.Hello("agent-0", "rank-0", 123456789),
         p.Goodbye("rank-0", 123456789),
+        p.Draining("rank-0", 123456789),
         p.Heartbeat("agent-0"),
         p.Output("rank-0", 3, "req-1", [9], " tok", 4),
         p.Done("rank-0", 3, "req-1", p.FinishReason.STOP, 10, 4, 0.1, 0.9),

@@ -108,8 +108,8 @@ def dispatch(request_id: str, rank: str = "r0", seq: int = 1, max_new_tokens: in
 
 
 class ScriptedEngine:
-    """Behaves by request id prefix: ok (3 tokens), hang (until cancelled), boom (raises),
-    bad (invalid), lazy (returns without finishing)."""
+    """Behaves by request id prefix: ok (3 tokens), slow (3 tokens over 0.3 s), hang (until
+    cancelled), boom (raises), bad (invalid), lazy (returns without finishing)."""
 
     def __init__(self) -> None:
         self.welcomes: list[p.Welcome] = []
@@ -123,9 +123,11 @@ class ScriptedEngine:
         request_id = dispatch.request_id
         self.started.append(request_id)
         try:
-            if request_id.startswith("ok"):
+            if request_id.startswith(("ok", "slow")):
                 for index in range(3):
                     await sink.emit([index], f"t{index}")
+                    if request_id.startswith("slow"):
+                        await asyncio.sleep(0.1)
                 await sink.finish(p.FinishReason.LENGTH, prompt_tokens=4, ttft_s=0.01, latency_s=0.02)
             elif request_id.startswith("hang"):
                 await sink.emit([9], "x")
@@ -369,6 +371,69 @@ def test_close_says_goodbye_for_every_rank_and_running_requests_get_no_done():
     run(scenario())
 
 
+def test_drain_says_draining_lets_running_requests_finish_then_says_goodbye():
+    async def scenario():
+        engine = ScriptedEngine()
+        async with scripted() as daemon:
+            agent = RankAgent(daemon.address, "drainer", ["r0", "r1"], engine, epoch=EPOCH)
+            task = asyncio.create_task(agent.run())
+            identity = await daemon.join(agent)
+            await daemon.send(identity, dispatch("slow-a"))
+            await daemon.receive(p.Output)
+            agent.drain()
+            drained = set()
+            while drained != {"r0", "r1"}:
+                _, draining = await daemon.receive(p.Draining)
+                drained.add(draining.rank)
+            await daemon.welcome(identity, "r1", daemon_id="d1")  # a rejoin hears it again
+            _, again = await daemon.receive(p.Draining)
+            assert again == p.Draining("r1", EPOCH)
+            await asyncio.wait_for(task, 2.0)  # stopped by itself once idle
+            await agent.close()
+            messages = [m for _, m in daemon.received] + await daemon.collect(0.2)
+            (done,) = dones(messages, "slow-a")
+            assert (done.reason, done.completion_tokens) == (p.FinishReason.LENGTH, 3)
+            assert {m.rank for m in messages if isinstance(m, p.Goodbye)} == {"r0", "r1"}
+            goodbye_at = next(i for i, m in enumerate(messages) if isinstance(m, p.Goodbye))
+            assert messages.index(done) < goodbye_at
+    run(scenario())
+
+
+def test_a_drain_that_times_out_leaves_without_done_for_what_still_runs():
+    async def scenario():
+        engine = ScriptedEngine()
+        async with scripted() as daemon:
+            agent = RankAgent(daemon.address, "stuck", ["r0"], engine, epoch=EPOCH, close_timeout_s=0.5)
+            task = asyncio.create_task(agent.run())
+            identity = await daemon.join(agent)
+            await daemon.send(identity, dispatch("hang-a"))
+            await daemon.receive(p.Output)
+            started = time.monotonic()
+            agent.drain(timeout_s=0.3)
+            await asyncio.wait_for(task, 3.0)
+            assert 0.25 <= time.monotonic() - started < 2.0
+            await agent.close()
+            messages = [m for _, m in daemon.received] + await daemon.collect(0.2)
+            assert not dones(messages, "hang-a") and engine.released == ["hang-a"]
+            assert any(isinstance(m, p.Goodbye) for m in messages)
+            assert agent.counters["drain_timeouts"] == 1
+    run(scenario())
+
+
+def test_an_idle_agent_stops_at_once_on_drain():
+    async def scenario():
+        async with scripted() as daemon:
+            agent = RankAgent(daemon.address, "idle", ["r0"], ScriptedEngine(), epoch=EPOCH)
+            task = asyncio.create_task(agent.run())
+            await daemon.join(agent)
+            agent.drain()
+            await asyncio.wait_for(task, 2.0)
+            await agent.close()
+            kinds = [type(m) for _, m in daemon.received] + [type(m) for m in await daemon.collect(0.2)]
+            assert kinds.index(p.Draining) < kinds.index(p.Goodbye)
+    run(scenario())
+
+
 def test_invalid_names_are_refused_before_anything_is_sent():
     with pytest.raises(ValueError, match="agent"):
         RankAgent("tcp://127.0.0.1:1", "has space", ["r0"], ScriptedEngine())
@@ -509,7 +574,7 @@ def test_sim_engine_abort_releases_kv_exactly_once():
     engine.check_integrity()
 
 
-def test_the_sim_rank_process_says_goodbye_and_exits_0_on_sigterm():
+def test_the_sim_rank_process_drains_says_goodbye_and_exits_0_on_sigterm():
     async def scenario():
         async with scripted() as daemon:
             process = await asyncio.create_subprocess_exec(
@@ -517,16 +582,25 @@ def test_the_sim_rank_process_says_goodbye_and_exits_0_on_sigterm():
                 "--agent-id", "proc", "--ranks", "2", "--log-level", "warning",
                 cwd=REPO, stderr=asyncio.subprocess.PIPE)
             try:
+                epoch = 0
                 for _ in range(2):
                     identity, hello = await daemon.receive(p.Hello, timeout_s=20.0)
+                    epoch = hello.epoch
                     await daemon.send(identity, p.Welcome(hello.rank, hello.epoch, "d1",
                                                           "tcp://127.0.0.1:1", 10.0))
                 await daemon.collect(0.2)
+                await daemon.send(identity, p.Dispatch(
+                    "long", "proc/0", epoch, 1, p.Prompt(token_ids=[1] * 64),
+                    p.SamplingParams(max_new_tokens=60, ignore_eos=True)))
+                await daemon.receive(p.Output, timeout_s=10.0)
                 process.send_signal(signal.SIGTERM)
-                assert await asyncio.wait_for(process.wait(), 10.0) == 0
-                goodbyes = {m.rank for _, m in daemon.received if isinstance(m, p.Goodbye)}
-                goodbyes |= {m.rank for m in await daemon.collect(0.2) if isinstance(m, p.Goodbye)}
-                assert goodbyes == {"proc/0", "proc/1"}
+                assert await asyncio.wait_for(process.wait(), 20.0) == 0
+                messages = [m for _, m in daemon.received] + await daemon.collect(0.2)
+                (done,) = dones(messages, "long")
+                assert (done.reason, done.completion_tokens) == (p.FinishReason.LENGTH, 60)
+                assert {m.rank for m in messages if isinstance(m, p.Draining)} == {"proc/0", "proc/1"}
+                assert {m.rank for m in messages if isinstance(m, p.Goodbye)} == {"proc/0", "proc/1"}
+                assert messages.index(done) < next(i for i, m in enumerate(messages) if isinstance(m, p.Goodbye))
             finally:
                 if process.returncode is None:
                     process.kill()
