@@ -372,10 +372,8 @@ class ControlPlaneIngress:
                                   self.dp_size, self.settings.report_address)
         self.agent = RankAgent(self.settings.rank_address, self.prefix, self.ranks, engine,
                                epoch=self.settings.epoch)
-        if self._stopping:
+        if self._stopping or self._draining:  # nothing ran here yet: nothing to drain
             self.agent.stop()
-        elif self._draining:
-            self.agent.drain()
         self.task = asyncio.get_running_loop().create_task(self._run(), name="fairbatching-controlplane")
         self.tokenizer_manager.asyncio_tasks.add(self.task)
         logger.info("control plane: agent %s serving ranks %s (epoch %d) at %s", self.prefix,

@@ -4,7 +4,7 @@ DEALER client speaks the wire protocol to the daemon. Each scheduler's reports p
 through a tap (``controlplane_peers.ReportTap``) that records them on their way.
 
 The tests run in file order on module-scoped servers: the last three restart the daemon,
-kill one server and stop the other.
+kill one server and drain the other with SIGTERM.
 """
 
 from __future__ import annotations
@@ -283,23 +283,35 @@ def test_a_killed_server_fails_only_its_requests_and_the_other_keeps_serving(ser
         assert len(outcome.token_ids) == 16
 
 
-def test_sigterm_makes_the_server_leave_with_goodbye(servers, daemon) -> None:
+def test_sigterm_drains_the_server_its_request_finishes_then_goodbye(servers, daemon) -> None:
     survivor = RANKS["b"]
 
     async def scenario():
         async with RawClient(daemon.config.client_address) as client:
             await wait_for_ranks(client, {survivor})
-            await client.submit("drain-1", prompt(64, 99), 3000, ignore_eos=True)
+            lost_before = (await client.status()).counters.get("rank_lost_requests", 0)
+            await client.submit("drain-1", prompt(64, 99), 300, ignore_eos=True)
             await client.wait("drain-1", 60, until=lambda o: len(o.chunks) >= 1)
             servers["b"].process.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
-            outcome = await client.wait("drain-1", 30)
-            left_after = time.monotonic() - signalled
-            return outcome, left_after, await client.status()
+            deadline = time.monotonic() + 10
+            while (held := [r for r in (await client.status()).ranks if r.rank == survivor]) \
+                    and not held[0].draining:
+                assert time.monotonic() < deadline, "the daemon never saw the server draining"
+                await asyncio.sleep(0.02)
+            await client.submit("during-drain", prompt(16, 5), 4, ignore_eos=True)
+            refused = await client.wait("during-drain", 10)
+            outcome = await client.wait("drain-1", 120)
+            deadline = time.monotonic() + 10
+            while (status := await client.status()).ranks:
+                assert time.monotonic() < deadline, f"no Goodbye after the drain: {status}"
+                await asyncio.sleep(0.05)
+            return outcome, refused, status, lost_before
 
-    outcome, left_after, status = run(scenario())
-    assert outcome.reject is not None and outcome.reject.reason == p.RejectReason.RANK_LOST, outcome
-    assert f"{survivor} left" in outcome.reject.detail  # Goodbye, not loss detection
-    assert left_after < 1.5
-    assert status.ranks == [] and status.counters.get("ranks_left") == 1
+    outcome, refused, status, lost_before = run(scenario())
+    assert outcome.finish is not None and outcome.finish.reason == p.FinishReason.LENGTH, outcome
+    assert len(outcome.token_ids) == outcome.finish.completion_tokens == 300
+    assert refused.reject is not None and refused.reject.reason == p.RejectReason.NO_RANKS, refused
+    assert refused.reject.retryable
+    assert status.counters.get("ranks_left") == 1  # Goodbye, not loss detection
+    assert status.counters.get("rank_lost_requests", 0) == lost_before
     assert servers["b"].process.wait(60) is not None
