@@ -1,7 +1,8 @@
 """The daemon's configuration: one TOML file (see ``configs/controlplane.toml``).
 
 Every field has a default, so an empty file (or none) is a loopback daemon with the
-``pab`` policy. A wrong key, type or range raises :class:`ConfigError` naming the file
+``pab_least_loaded`` policy (PAB admits, load chooses: plain ``pab`` herds, see
+docs/bench/cluster_sim.md). A wrong key, type or range raises :class:`ConfigError` naming the file
 and the field.
 """
 
@@ -32,7 +33,7 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     report_address: str = "tcp://127.0.0.1:5562"
     allow_non_loopback: bool = False  # binding beyond loopback must be asked for
 
-    policy: PolicyName = "pab"
+    policy: PolicyName = "pab_least_loaded"
     on_no_budget: Literal["reject", "queue"] = "reject"
     retry_after_s: PositiveFloat = 0.25
     queue_ttl_s: PositiveFloat = 5.0

@@ -197,7 +197,7 @@ def main() -> int:
                                  "platform": platform.platform()}, "ranks": RANKS, "routing": []}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        config = loopback_config(stale_after_s=2.0, log_level="warning", max_in_flight=100_000)
+        config = loopback_config(policy="pab", stale_after_s=2.0, log_level="warning", max_in_flight=100_000)
         daemon = start_process_daemon(scratch, config)
         ranks = start_sim_ranks(config, scratch / "ranks.log")
         try:
@@ -210,7 +210,7 @@ def main() -> int:
             ranks.kill()
             ranks.wait(10)
             daemon.terminate()
-        config = loopback_config(stale_after_s=2.0, log_level="warning")
+        config = loopback_config(policy="pab", stale_after_s=2.0, log_level="warning")
         daemon = start_process_daemon(scratch, config, "daemon-reports")
         try:
             results["reports"] = asyncio.run(report_ingest(config, duration))

@@ -17,6 +17,7 @@ CLIENT = b"client-1"
 
 
 def make_core(**overrides) -> DispatcherCore:
+    overrides.setdefault("policy", "pab")
     return DispatcherCore(DaemonConfig(**overrides), "daemon-A", started_at=0.0)
 
 
