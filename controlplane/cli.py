@@ -1,5 +1,5 @@
 """``fairbatching-controlplane`` (also ``python -m controlplane``): run the daemon, ask a
-running one for its status and its ranks, or drain and resume a rank."""
+running one for its status and its ranks, drain and resume a rank, write CURVE keys."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import msgspec
 
 from controlplane.client import DEFAULT_ADDRESS, AsyncClient
 from controlplane.config import ConfigError, DaemonConfig
+from controlplane.curve import CurveError, CurvePeer, generate
 from controlplane.errors import DaemonUnavailable
 from controlplane.protocol import DrainReply, RankStatus, StatusReply
 
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--timeout", type=_positive_seconds, default=2.0, metavar="S",
                              help="seconds to wait for the reply (default: %(default)s)")
         command.add_argument("--json", action="store_true", help="print JSON instead of text")
+        _curve_arguments(command)
         command.set_defaults(run=_ask, show=show)
 
     drain = _command(commands, "drain", "stop dispatching to a rank; its requests run on",
@@ -94,8 +96,40 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the daemon's client address (default: %(default)s)")
         command.add_argument("--timeout", type=_positive_seconds, default=2.0, metavar="S",
                              help="seconds to wait for each reply (default: %(default)s)")
+        _curve_arguments(command)
         command.set_defaults(run=_drain, drain=flag)
+
+    keygen = _command(commands, "keygen", "write a CURVE key pair",
+                      "Write DIR/NAME.key (the public key: copy it to the daemon's "
+                      "curve_authorized_keys_dir, or to peers for the daemon's own) and "
+                      "DIR/NAME.key_secret (the pair, readable by its owner only). Existing files "
+                      "are never overwritten.")
+    keygen.add_argument("directory", metavar="DIR")
+    keygen.add_argument("name", metavar="NAME", help="e.g. daemon, gpu-a, cli")
+    keygen.set_defaults(run=_keygen)
     return parser
+
+
+def _curve_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--curve-server-key", metavar="FILE",
+                         help="the daemon's public key (.key), when it serves CURVE")
+    command.add_argument("--curve-secret-key", metavar="FILE",
+                         help="this client's key pair (.key_secret); its .key must be authorized")
+
+
+def _client(args: argparse.Namespace) -> AsyncClient:
+    curve = CurvePeer.from_optional_files(args.curve_server_key, args.curve_secret_key)
+    return AsyncClient(args.address, connect_timeout_s=args.timeout, curve=curve)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    try:
+        public, secret = generate(args.directory, args.name)
+    except (CurveError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"public key {public}\nkey pair   {secret}")
+    return EXIT_OK
 
 
 def _command(commands, name: str, summary: str, description: str) -> argparse.ArgumentParser:
@@ -127,7 +161,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _ask(args: argparse.Namespace) -> int:
     async def fetch() -> StatusReply:
-        async with AsyncClient(args.address, connect_timeout_s=args.timeout) as client:
+        async with _client(args) as client:
             return await client.status()
 
     return _talk(fetch, lambda reply: (args.show(reply, args.json), EXIT_OK)[1])
@@ -135,7 +169,7 @@ def _ask(args: argparse.Namespace) -> int:
 
 def _drain(args: argparse.Namespace) -> int:
     async def drain() -> tuple[DrainReply, int | None]:
-        async with AsyncClient(args.address, connect_timeout_s=args.timeout) as client:
+        async with _client(args) as client:
             reply = await client.drain_rank(args.rank, args.drain)
             if not (reply.known and args.drain and args.wait):
                 return reply, None
@@ -178,7 +212,7 @@ def _talk(conversation, show) -> int:
     except DaemonUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    except ValueError as error:  # an address ZMQ cannot connect to
+    except ValueError as error:  # an address ZMQ cannot connect to, a bad key file
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     return show(outcome)

@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from controlplane.curve import CurvePeer
 from controlplane.errors import (
     Cancelled, ControlPlaneError, DaemonUnavailable, RequestFailed, SlowConsumer, from_reject,
     rejected,
@@ -140,12 +141,14 @@ class AsyncClient:
         stream_buffer: int = 4096,
         hwm: int = 10_000,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        curve: CurvePeer | None = None,
     ) -> None:
         if max_retries < 0 or stream_buffer < 1 or hwm < 1:
             raise ValueError("max_retries must be >= 0, stream_buffer and hwm >= 1")
         if min(connect_timeout_s, daemon_timeout_s) <= 0 or retry_backoff_s < 0:
             raise ValueError("timeouts must be > 0 and retry_backoff_s >= 0")
         self.address = address
+        self.curve = curve  # the daemon's public key and ours, when it serves CURVE
         self.max_retries = max_retries
         self.connect_timeout_s = connect_timeout_s  # a ping's or status request's reply
         self.daemon_timeout_s = daemon_timeout_s  # silence on a request before a ping
@@ -437,6 +440,8 @@ class AsyncClient:
         socket.setsockopt(zmq.RCVHWM, self.hwm)
         socket.setsockopt(zmq.RECONNECT_IVL, 100)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve is not None:
+            self.curve.apply(socket)
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             socket.connect(self.address)

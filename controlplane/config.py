@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from controlplane.curve import CurveError, authorized_keys_dir, load_key_pair
+
 PositiveFloat = Annotated[float, Meta(gt=0.0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
 PolicyName = Literal[
@@ -31,7 +33,9 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     client_address: str = "tcp://127.0.0.1:5560"
     rank_address: str = "tcp://127.0.0.1:5561"
     report_address: str = "tcp://127.0.0.1:5562"
-    allow_non_loopback: bool = False  # binding beyond loopback must be asked for
+    allow_non_loopback: bool = False  # plaintext beyond loopback must be asked for
+    curve_secret_key_file: str | None = None  # the daemon's .key_secret: CURVE on every socket
+    curve_authorized_keys_dir: str | None = None  # the .key files of every peer let in
 
     policy: PolicyName = "pab_least_loaded"
     on_no_budget: Literal["reject", "queue"] = "reject"
@@ -61,15 +65,28 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
             address = getattr(self, key)
             if not address.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"{key} = {address!r}: expected tcp://host:port, ipc:// or inproc://")
-            if address.startswith("tcp://") and not self.allow_non_loopback:
+            if address.startswith("tcp://") and not (self.allow_non_loopback or self.curve):
                 host = address.removeprefix("tcp://").rsplit(":", 1)[0]
                 if host not in LOOPBACK_HOSTS:
                     raise ValueError(
-                        f"{key} = {address!r} is not loopback; set allow_non_loopback = true to bind "
-                        "it (and put the sockets behind a network you trust: they are unauthenticated)"
+                        f"{key} = {address!r} is not loopback; configure CURVE "
+                        "(curve_secret_key_file, curve_authorized_keys_dir) or set "
+                        "allow_non_loopback = true to bind it in plaintext, unauthenticated"
                     )
+        if (self.curve_secret_key_file is None) != (self.curve_authorized_keys_dir is None):
+            raise ValueError("curve_secret_key_file and curve_authorized_keys_dir go together")
+        if self.curve:
+            try:
+                load_key_pair(self.curve_secret_key_file)
+                authorized_keys_dir(self.curve_authorized_keys_dir)
+            except CurveError as error:
+                raise ValueError(str(error)) from None
         if self.lost_after_s <= self.heartbeat_interval_s:
             raise ValueError("lost_after_s must exceed heartbeat_interval_s")
+
+    @property
+    def curve(self) -> bool:
+        return self.curve_secret_key_file is not None
 
     @classmethod
     def load(cls, path: str | Path | None) -> DaemonConfig:

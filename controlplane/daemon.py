@@ -29,8 +29,10 @@ from collections.abc import Callable
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from controlplane.config import DaemonConfig
+from controlplane.curve import KeyPair, load_key_pair, serve_curve
 from controlplane.core import DispatcherCore, Send, ToAgent, ToClient
 from controlplane.protocol import (
     Channel, FrameError, agent_message_channel, client_request_channel, encode, report_channel,
@@ -69,19 +71,40 @@ class Daemon:
         self.core = DispatcherCore(config, self.daemon_id, time.monotonic(), first_dispatch_seq)
         self.log = structlog.get_logger("controlplane").bind(daemon=self.daemon_id)
         self._context = zmq.asyncio.Context()
+        self._curve_keys: KeyPair | None = None
+        self._authenticator: AsyncioAuthenticator | None = None
+        if config.curve:
+            self._curve_keys = load_key_pair(config.curve_secret_key_file)
+            self._authenticator = AsyncioAuthenticator(self._context)
+            self._authenticator.start()
+            self._authenticator.configure_curve(domain="*", location=str(config.curve_authorized_keys_dir))
         self._client_outbox: asyncio.Queue[ToClient] = asyncio.Queue(config.outbox_size)
         self._agent_outbox: asyncio.Queue[ToAgent] = asyncio.Queue(config.outbox_size)
         self._drain_requested = asyncio.Event()
         self._ready = asyncio.Event()
-        self.client_socket = self._socket(zmq.ROUTER, config.client_address)
-        self.rank_socket = self._socket(zmq.ROUTER, config.rank_address, handover=True)
-        self.report_socket = self._socket(zmq.PULL, config.report_address)
+        self._sockets: list[zmq.asyncio.Socket] = []
+        try:
+            self.client_socket = self._socket(zmq.ROUTER, config.client_address)
+            self.rank_socket = self._socket(zmq.ROUTER, config.rank_address, handover=True)
+            self.report_socket = self._socket(zmq.PULL, config.report_address)
+        except OSError:
+            self._close()
+            raise
+
+    def _close(self) -> None:
+        for socket in self._sockets:
+            socket.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._context.term()
 
     def _socket(self, kind: int, address: str, *, handover: bool = False) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, self.config.send_hwm)
         socket.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
+        if self._curve_keys is not None:
+            serve_curve(socket, self._curve_keys)
         if kind == zmq.ROUTER:
             socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if handover:
@@ -91,6 +114,7 @@ class Daemon:
         except zmq.ZMQError as error:
             socket.close()
             raise OSError(f"cannot bind {address}: {error}") from None
+        self._sockets.append(socket)
         return socket
 
     def request_drain(self) -> None:
@@ -103,7 +127,8 @@ class Daemon:
     async def serve(self) -> None:
         """Run until drained (SIGTERM/SIGINT or :meth:`request_drain`)."""
         self.log.info("daemon started", client=self.config.client_address, rank=self.config.rank_address,
-                      report=self.config.report_address, policy=self.config.policy, pid=os.getpid())
+                      report=self.config.report_address, policy=self.config.policy, pid=os.getpid(),
+                      curve=self.config.curve)
         try:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._own_router(self.client_socket, self._client_outbox,
@@ -119,9 +144,7 @@ class Daemon:
         except* _Stop:
             pass
         finally:
-            for socket in (self.client_socket, self.rank_socket, self.report_socket):
-                socket.close(linger=0)
-            self._context.term()
+            self._close()
             self.log.info("daemon stopped", counters=dict(self.core.counters))
 
     # ------------------------------------------------------------------ plumbing

@@ -31,6 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from controlplane.curve import CurvePeer
 from controlplane.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     Abort,
@@ -156,6 +157,7 @@ class RankAgent:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         hello_retry_s: float = HELLO_RETRY_S,
         close_timeout_s: float = 1.0,
+        curve: CurvePeer | None = None,
     ) -> None:
         if not ranks or len(set(ranks)) != len(ranks):
             raise ValueError(f"an agent needs distinct rank names, got {list(ranks)!r}")
@@ -174,6 +176,7 @@ class RankAgent:
         self._channel = daemon_to_agent_channel(max_frame_bytes)
         self._hello_retry_s = hello_retry_s
         self._close_timeout_s = close_timeout_s
+        self._curve = curve
         self._serving = set(self.ranks)  # not fenced
         self._welcomed: set[str] = set()
         self._requests: dict[tuple[str, str], _Request] = {}  # (rank, request id) -> running
@@ -282,6 +285,8 @@ class RankAgent:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, self._hwm)
             socket.setsockopt(zmq.RCVHWM, self._hwm)
+            if self._curve is not None:
+                self._curve.apply(socket)
             socket.connect(self.rank_address)
         except zmq.ZMQError:
             socket.close(linger=0)

@@ -13,6 +13,7 @@ from collections.abc import Hashable
 
 import zmq
 
+from controlplane.curve import CurvePeer
 from controlplane.protocol import Report, encode
 
 
@@ -28,6 +29,7 @@ class ReportPublisher:
         *,
         hwm: int = 16,
         context: zmq.Context | None = None,
+        curve: CurvePeer | None = None,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
@@ -43,6 +45,8 @@ class ReportPublisher:
         # NOTE: queue only to a connected daemon; reports queued while none is would
         # all arrive stale the moment it starts.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        if curve is not None:
+            curve.apply(self._socket)
         self._socket.connect(address)
 
     def publish(

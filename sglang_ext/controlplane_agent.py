@@ -5,6 +5,8 @@ Switched on by environment variables read in every SGLang process::
     FAIRBATCHING_CONTROLPLANE=tcp://127.0.0.1:5561          # the daemon's rank address
     FAIRBATCHING_CONTROLPLANE_REPORTS=tcp://127.0.0.1:5562  # its report address
     FAIRBATCHING_RANK_NAME=<prefix>                         # optional; default <host>:<port>
+    FAIRBATCHING_CONTROLPLANE_CURVE_SERVER_KEY=<daemon.key>  # optional, both or neither:
+    FAIRBATCHING_CONTROLPLANE_CURVE_SECRET_KEY=<own.key_secret>  # a daemon serving CURVE
 
 FairBatching must be on (``FAIRBATCHING_CONFIG``): reports carry the PAB its policy
 computes, and without one the daemon's ``pab`` policy could never route here.
@@ -50,6 +52,8 @@ CONTROLPLANE_ENV = "FAIRBATCHING_CONTROLPLANE"
 REPORTS_ENV = "FAIRBATCHING_CONTROLPLANE_REPORTS"
 RANK_NAME_ENV = "FAIRBATCHING_RANK_NAME"
 EPOCH_ENV = "FAIRBATCHING_RANK_EPOCH"
+CURVE_SERVER_KEY_ENV = "FAIRBATCHING_CONTROLPLANE_CURVE_SERVER_KEY"
+CURVE_SECRET_KEY_ENV = "FAIRBATCHING_CONTROLPLANE_CURVE_SECRET_KEY"
 
 INGRESS_ATTR = "fairbatching_controlplane"  # on the TokenizerManager
 RID_REUSE_WAIT_S = 2.0  # a re-dispatched id waits this long for its aborted predecessor
@@ -72,6 +76,14 @@ class ControlPlaneSettings:
     report_address: str
     rank_prefix: str | None  # None: <host>:<port> of the server
     epoch: int
+    curve_server_key: str | None = None  # the daemon's .key, when it serves CURVE
+    curve_secret_key: str | None = None  # this server's .key_secret
+
+    def curve_peer(self) -> Any:
+        """The :class:`controlplane.curve.CurvePeer` for this server's sockets, or None."""
+        from controlplane.curve import CurvePeer
+
+        return CurvePeer.from_optional_files(self.curve_server_key, self.curve_secret_key)
 
 
 # --------------------------------------------------------------------- settings
@@ -108,7 +120,15 @@ def settings_from_environment(
     prefix = env.get(RANK_NAME_ENV, "").strip() or None
     if prefix is not None:
         check_rank_prefix(prefix, dp_size=1, source=RANK_NAME_ENV)
-    return ControlPlaneSettings(rank_address, report_address, prefix, ensure_epoch(env))
+    server_key = env.get(CURVE_SERVER_KEY_ENV, "").strip() or None
+    secret_key = env.get(CURVE_SECRET_KEY_ENV, "").strip() or None
+    settings = ControlPlaneSettings(rank_address, report_address, prefix, ensure_epoch(env),
+                                    server_key, secret_key)
+    try:
+        settings.curve_peer()
+    except ValueError as error:  # controlplane.curve.CurveError
+        raise ControlPlaneConfigError(f"{CURVE_SERVER_KEY_ENV} / {CURVE_SECRET_KEY_ENV}: {error}") from None
+    return settings
 
 
 def ensure_epoch(environ: MutableMapping[str, str]) -> int:
@@ -371,7 +391,7 @@ class ControlPlaneIngress:
         engine = SGLangRankEngine(self.tokenizer_manager, {r: i for i, r in enumerate(self.ranks)},
                                   self.dp_size, self.settings.report_address)
         self.agent = RankAgent(self.settings.rank_address, self.prefix, self.ranks, engine,
-                               epoch=self.settings.epoch)
+                               epoch=self.settings.epoch, curve=self.settings.curve_peer())
         if self._stopping or self._draining:  # nothing ran here yet: nothing to drain
             self.agent.stop()
         self.task = asyncio.get_running_loop().create_task(self._run(), name="fairbatching-controlplane")

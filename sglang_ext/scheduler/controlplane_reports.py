@@ -161,7 +161,7 @@ def attach_reports(scheduler: Any, settings: Any) -> SchedulerReports | None:
         return None
     dp_rank = parallel.dp_rank if parallel.dp_rank is not None else 0
     rank = f"{rank_prefix_of(settings, scheduler.server_args)}/{dp_rank}"
-    publisher = ReportPublisher(settings.report_address, rank, settings.epoch)
+    publisher = ReportPublisher(settings.report_address, rank, settings.epoch, curve=settings.curve_peer())
     reports = SchedulerReports(publisher, ReportThrottle(INTERVAL_S, MIN_GAP_S))
     setattr(scheduler, REPORTER_ATTR, reports)
     sleeper = getattr(scheduler, "idle_sleeper", None)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import zmq
 
+from controlplane.curve import CurvePeer
 from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome
 from controlplane.rank_agent import InvalidRequest, OutputSink, RankAgent
 from controlplane.reporter import ReportPublisher, ReportThrottle
@@ -98,6 +99,7 @@ class SimRank:
         report_interval_s: float = 0.01,
         report_address: str | None = None,  # None: the one the daemon's Welcome names
         clock: Callable[[], float] = time.monotonic,
+        curve: CurvePeer | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -109,6 +111,7 @@ class SimRank:
         self.last_step_s = 0.0  # real seconds
         self.publisher: ReportPublisher | None = None
         self._report_address = report_address
+        self._curve = curve
         self._daemon_id: str | None = None
         self._throttle = ReportThrottle(report_interval_s, min(0.001, report_interval_s))
         self._clock = clock
@@ -132,7 +135,7 @@ class SimRank:
             return
         if current:
             current.close()
-        self.publisher = ReportPublisher(address, self.name, welcome.epoch)
+        self.publisher = ReportPublisher(address, self.name, welcome.epoch, curve=self._curve)
         self._wake.set()
 
     async def serve(self, dispatch: Dispatch, sink: OutputSink) -> None:
@@ -303,6 +306,7 @@ def build_sim_ranks(
     time_scale: float = 1.0,
     report_interval_s: float = 0.01,
     report_address: str | None = None,
+    curve: CurvePeer | None = None,
 ) -> SimRanks:
     return SimRanks({
         name: SimRank(
@@ -313,6 +317,7 @@ def build_sim_ranks(
             time_scale=time_scale,
             report_interval_s=report_interval_s,
             report_address=report_address,
+            curve=curve,
         )
         for index, name in enumerate(names)
     })
@@ -367,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="GPU noise seed (rank i uses seed+i)")
     parser.add_argument("--report-interval-ms", type=_positive(float), default=10.0,
                         help="report at least this often (and after a step that changed the load)")
+    parser.add_argument("--curve-server-key", metavar="FILE",
+                        help="the daemon's public key (.key), when it serves CURVE")
+    parser.add_argument("--curve-secret-key", metavar="FILE",
+                        help="this rank's key pair (.key_secret); its .key must be authorized")
     parser.add_argument("--drain-timeout", type=_positive(float), default=30.0, metavar="S",
                         help="on SIGTERM, let running requests finish for at most S seconds")
     parser.add_argument("--log-level", default="info",
@@ -414,14 +423,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         profile = load_named_profile(args.profile)
         catalog = SloCatalog.from_toml(args.slo_file)
+        curve = CurvePeer.from_optional_files(args.curve_server_key, args.curve_secret_key)
         sims = build_sim_ranks(
             names, profile=profile, policy=args.policy, catalog=catalog, seed=args.seed,
             time_scale=args.time_scale, report_interval_s=args.report_interval_ms / 1e3,
-            report_address=args.report_address,
+            report_address=args.report_address, curve=curve,
         )
         for address in (args.daemon, args.report_address):
             check_address(address)
-        agent = RankAgent(args.daemon, args.agent_id, names, sims)
+        agent = RankAgent(args.daemon, args.agent_id, names, sims, curve=curve)
     except (ProfileError, SloError, PolicySpecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

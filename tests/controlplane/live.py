@@ -105,7 +105,8 @@ def write_config(path: Path, config: DaemonConfig) -> Path:
     import msgspec
 
     table = msgspec.to_builtins(config)
-    lines = ["[daemon]"] + [f"{key} = {toml_value(value)}" for key, value in table.items() if value != ""]
+    lines = ["[daemon]"] + [f"{key} = {toml_value(value)}" for key, value in table.items()
+                            if value not in ("", None)]
     path.write_text("\n".join(lines) + "\n")
     return path
 

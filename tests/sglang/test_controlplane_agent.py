@@ -163,6 +163,24 @@ def test_settings_need_both_addresses_and_fairbatching() -> None:
     assert named.rank_prefix == "gpu-a"
 
 
+def test_curve_settings_go_together_and_their_key_files_are_checked_at_start_up(tmp_path) -> None:
+    from controlplane.curve import generate
+
+    daemon_key, _ = generate(tmp_path, "daemon")
+    _, server_secret = generate(tmp_path, "gpu-a")
+    env = {cpa.CONTROLPLANE_ENV: "tcp://10.0.0.5:5561", cpa.REPORTS_ENV: "tcp://10.0.0.5:5562"}
+    curve = {cpa.CURVE_SERVER_KEY_ENV: str(daemon_key), cpa.CURVE_SECRET_KEY_ENV: str(server_secret)}
+    settings = cpa.settings_from_environment({**env, **curve}, fairbatching_on=True)
+    peer = settings.curve_peer()
+    assert peer.server_public == (tmp_path / "daemon.key").read_text().split('"')[1].encode()
+    assert cpa.settings_from_environment(dict(env), fairbatching_on=True).curve_peer() is None
+    with pytest.raises(cpa.ControlPlaneConfigError, match="go together"):
+        cpa.settings_from_environment({**env, cpa.CURVE_SERVER_KEY_ENV: str(daemon_key)}, fairbatching_on=True)
+    with pytest.raises(cpa.ControlPlaneConfigError, match="no secret key"):
+        cpa.settings_from_environment({**env, **curve, cpa.CURVE_SECRET_KEY_ENV: str(daemon_key)},
+                                      fairbatching_on=True)
+
+
 def test_rank_names_and_server_checks() -> None:
     from types import SimpleNamespace
 
