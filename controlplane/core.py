@@ -20,11 +20,11 @@ from controlplane.config import DaemonConfig
 from controlplane.ledger import DispatchLedger
 from controlplane.protocol import (
     Abort, AgentMessage, Cancel, Chunk, ClientReply, ClientRequest, DaemonToAgent, Dispatch,
-    Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish, FinishReason, Goodbye, Heartbeat, Hello, Output, Ping,
-    Pong, RankStatus, Reject, RejectReason, Report, StatusReply, StatusRequest, Submit, Welcome,
+    Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish, FinishReason, Goodbye,
+    Heartbeat, Hello, Output, Ping, Pong, RankStatus, Reject, RejectReason, Report, StatusReply, StatusRequest, Submit, Welcome,
     retryable,
 )
-from controlplane.registry import Departure, HelloOutcome, RankRegistry, ReportOutcome
+from controlplane.registry import Departure, HelloOutcome, RankRegistry, RankState, ReportOutcome
 
 UNKNOWN_AGENT = "unknown agent"
 UNKNOWN_RANK = "unknown rank"
@@ -167,11 +167,14 @@ class DispatcherCore:
         state = self.registry.get(rank)
         if state is None:
             return [ToClient(identity, DrainReply(rank, known=False))]
+        self._set_draining(state, drain)
+        sends: list[Send] = [ToClient(identity, DrainReply(rank, True, drain, len(state.in_flight)))]
+        return sends if drain else sends + self._pump_queue(now)
+
+    def _set_draining(self, state: RankState, drain: bool) -> None:
         if state.draining != drain:
             self.counters["ranks_drained" if drain else "ranks_resumed"] += 1
         state.draining = drain
-        sends: list[Send] = [ToClient(identity, DrainReply(rank, True, drain, len(state.in_flight)))]
-        return sends if drain else sends + self._pump_queue(now)
 
     # ------------------------------------------------------------------ placement
     def _views(self, now: float) -> tuple[list[RankView], bool]:
@@ -311,10 +314,7 @@ class DispatcherCore:
                 if not self.registry.owns(identity, rank, epoch):
                     return self._fence(identity, rank, epoch)
                 self.registry.seen(identity, now)
-                state = self.registry.get(rank)
-                if not state.draining:
-                    self.counters["ranks_drained"] += 1
-                state.draining = True
+                self._set_draining(self.registry.get(rank), True)
                 return []
             case Output() | Done():
                 return self._rank_output(identity, message, now)
