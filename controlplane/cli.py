@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import textwrap
 import time
@@ -99,6 +100,24 @@ def build_parser() -> argparse.ArgumentParser:
         _curve_arguments(command)
         command.set_defaults(run=_drain, drain=flag)
 
+    gateway = _command(commands, "gateway", "serve an OpenAI-compatible HTTP API in front of a daemon",
+                       "Serve POST /v1/completions (streamed or not), GET /v1/models, /health and "
+                       "/metrics (Prometheus) over HTTP, forwarding every request to the daemon "
+                       "through the SDK (retries included). Runs until SIGTERM or SIGINT; exits 1 "
+                       "when it cannot listen, 2 on a usage error.")
+    gateway.add_argument("--daemon", default=DEFAULT_ADDRESS, metavar="ADDRESS",
+                         help="the daemon's client address (default: %(default)s)")
+    gateway.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
+                         help="where to serve HTTP (default: %(default)s)")
+    gateway.add_argument("--model", default="fairbatching",
+                         help="the model name /v1/models lists and requests may name (default: %(default)s)")
+    gateway.add_argument("--api-key-file", metavar="FILE",
+                         help="require 'Authorization: Bearer <the file's first line>' (not on /health)")
+    gateway.add_argument("--allow-non-loopback", action="store_true",
+                         help="allow --listen on a non-loopback address (plain HTTP)")
+    _curve_arguments(gateway)
+    gateway.set_defaults(run=_gateway)
+
     keygen = _command(commands, "keygen", "write a CURVE key pair",
                       "Write DIR/NAME.key (the public key: copy it to the daemon's "
                       "curve_authorized_keys_dir, or to peers for the daemon's own) and "
@@ -120,6 +139,47 @@ def _curve_arguments(command: argparse.ArgumentParser) -> None:
 def _client(args: argparse.Namespace) -> AsyncClient:
     curve = CurvePeer.from_optional_files(args.curve_server_key, args.curve_secret_key)
     return AsyncClient(args.address, connect_timeout_s=args.timeout, curve=curve)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    try:
+        from controlplane import gateway
+    except ImportError as error:  # aiohttp
+        print(f"error: the gateway needs aiohttp ({error})", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        host, port = gateway.parse_listen(args.listen, args.allow_non_loopback)
+        curve = CurvePeer.from_optional_files(args.curve_server_key, args.curve_secret_key)
+        api_key = _read_api_key(args.api_key_file) if args.api_key_file else None
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    settings = gateway.GatewaySettings(model=args.model, api_key=api_key)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        async with AsyncClient(args.daemon, curve=curve) as client:
+            await gateway.serve(client, settings, host, port, stop)
+
+    import uvloop
+
+    try:
+        uvloop.run(main())
+    except OSError as error:
+        print(f"error: cannot listen on {args.listen}: {error}", file=sys.stderr)
+        return EXIT_UNEXPECTED
+    return EXIT_OK
+
+
+def _read_api_key(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        key = handle.readline().strip()
+    if not key:
+        raise ValueError(f"{path}: the first line (the API key) is empty")
+    return key
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ import zmq
 from controlplane import protocol as p
 from controlplane.cli import main
 
-from live import REPO, loopback_config, start_process_daemon
+from live import REPO, free_ports, loopback_config, start_process_daemon
 
 
 def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
@@ -178,3 +178,45 @@ def test_drain_wait_resume_and_an_unknown_rank(tmp_path, capsys: pytest.CaptureF
         for sock in (agent, reports, client):
             sock.close()
         running.kill()
+
+
+def test_gateway_usage_errors_exit_2(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    empty = tmp_path / "empty-key"
+    empty.write_text("\n")
+    for argv, message in ((["--listen", "0.0.0.0:8000"], "not loopback"),
+                          (["--listen", "nowhere"], "HOST:PORT"),
+                          (["--api-key-file", str(empty)], "is empty"),
+                          (["--api-key-file", str(tmp_path / "missing")], "No such file"),
+                          (["--curve-server-key", "x"], "go together")):
+        assert main(["gateway", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_gateway_serves_http_until_sigterm(tmp_path) -> None:
+    import signal
+    import urllib.request
+
+    config = loopback_config()
+    daemon = start_process_daemon(tmp_path, config)
+    (port,) = free_ports(1)
+    gateway = subprocess.Popen([sys.executable, "-m", "controlplane", "gateway", "--daemon", config.client_address,
+                                "--listen", f"127.0.0.1:{port}", "--model", "m"], cwd=REPO,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
+                    listed = json.loads(response.read())
+                break
+            except OSError:
+                assert time.monotonic() < deadline and gateway.poll() is None, gateway.stderr.read()
+                time.sleep(0.1)
+        assert [m["id"] for m in listed["data"]] == ["m"]
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(10) == 0
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+            gateway.wait(10)
+        daemon.kill()

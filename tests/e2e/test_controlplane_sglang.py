@@ -202,6 +202,54 @@ def test_an_unknown_slo_class_is_rejected_invalid(servers, daemon) -> None:
     assert "no-such-class" in outcome.reject.detail
 
 
+def test_the_openai_gateway_serves_text_prompts_that_sglang_tokenizes(servers, daemon) -> None:
+    import aiohttp
+
+    from controlplane.client import AsyncClient
+    from controlplane.gateway import GatewaySettings, serve
+    from live import free_ports
+
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    async def scenario():
+        stop = asyncio.Event()
+        async with AsyncClient(daemon.config.client_address) as client:
+            server = asyncio.create_task(serve(client, GatewaySettings("emulated"), "127.0.0.1", port, stop))
+            try:
+                async with aiohttp.ClientSession() as session:
+                    for _ in range(100):
+                        try:
+                            async with session.get(f"http://127.0.0.1:{port}/health") as response:
+                                if response.status == 200:
+                                    break
+                        except aiohttp.ClientConnectionError:
+                            pass
+                        await asyncio.sleep(0.05)
+                    async with session.post(url, json={"prompt": "The quick brown fox jumps over the lazy dog",
+                                                       "max_tokens": 8, "ignore_eos": True,
+                                                       "slo": "relaxed"}) as response:
+                        plain = response.status, await response.json()
+                    async with session.post(url, json={"prompt": "Once upon a time", "max_tokens": 6,
+                                                       "ignore_eos": True, "stream": True,
+                                                       "stream_options": {"include_usage": True}}) as response:
+                        streamed = response.status, await response.text()
+                    async with session.post(url, json={"prompt": "x", "slo": "no-such-class"}) as response:
+                        invalid = response.status, await response.json()
+                return plain, streamed, invalid
+            finally:
+                stop.set()
+                await server
+
+    (status, body), (stream_status, raw), (invalid_status, invalid) = run(scenario())
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
+    assert 5 <= body["usage"]["prompt_tokens"] <= 16  # SGLang's tokenizer, not the daemon's estimate
+    assert stream_status == 200 and raw.rstrip().endswith("data: [DONE]")
+    assert '"completion_tokens":6' in raw
+    assert invalid_status == 400 and "no-such-class" in invalid["error"]["message"]
+
+
 def test_daemon_restart_servers_rejoin_and_the_sdk_retries(servers, daemon, tmp_path) -> None:
     """SIGKILL the daemon mid-run and start it again on the same addresses: both servers'
     agents rejoin (the new daemon fences their heartbeats as unknown), and the SDK
