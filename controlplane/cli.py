@@ -71,12 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(prefill admission budget, tokens), running and waiting requests, requests in "
                      "flight from the daemon, report age, staleness and report sequence gaps.")
     for command, show in ((status, _show_status), (ranks, _show_ranks)):
-        command.add_argument("--address", default=DEFAULT_ADDRESS,
-                             help="the daemon's client address (default: %(default)s)")
-        command.add_argument("--timeout", type=_positive_seconds, default=2.0, metavar="S",
-                             help="seconds to wait for the reply (default: %(default)s)")
+        _daemon_arguments(command)
         command.add_argument("--json", action="store_true", help="print JSON instead of text")
-        _curve_arguments(command)
         command.set_defaults(run=_ask, show=show)
 
     drain = _command(commands, "drain", "stop dispatching to a rank; its requests run on",
@@ -93,11 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="give up waiting after S seconds, exit 5 (default: %(default)s)")
     for command, flag in ((drain, True), (resume, False)):
         command.add_argument("rank", metavar="RANK", help="the rank's name, as `ranks` lists it")
-        command.add_argument("--address", default=DEFAULT_ADDRESS,
-                             help="the daemon's client address (default: %(default)s)")
-        command.add_argument("--timeout", type=_positive_seconds, default=2.0, metavar="S",
-                             help="seconds to wait for each reply (default: %(default)s)")
-        _curve_arguments(command)
+        _daemon_arguments(command)
         command.set_defaults(run=_drain, drain=flag)
 
     gateway = _command(commands, "gateway", "serve an OpenAI-compatible HTTP API in front of a daemon",
@@ -127,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("name", metavar="NAME", help="e.g. daemon, gpu-a, cli")
     keygen.set_defaults(run=_keygen)
     return parser
+
+
+def _daemon_arguments(command: argparse.ArgumentParser) -> None:
+    """How a command reaches a running daemon: its address, a reply timeout, CURVE keys."""
+    command.add_argument("--address", default=DEFAULT_ADDRESS,
+                         help="the daemon's client address (default: %(default)s)")
+    command.add_argument("--timeout", type=_positive_seconds, default=2.0, metavar="S",
+                         help="seconds to wait for each reply (default: %(default)s)")
+    _curve_arguments(command)
 
 
 def _curve_arguments(command: argparse.ArgumentParser) -> None:
