@@ -129,10 +129,7 @@ async def _stream(request: web.Request, stream, model: str, created: int,
         try:
             async for chunk in stream:
                 if response is None:
-                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache"})
-                    response.headers["X-Request-Id"] = stream.request_id
-                    await response.prepare(request)
+                    response = await _start_events(request, stream.request_id)
                 await _event(response, _chunk(stream.request_id, model, created, chunk))
         except ControlPlaneError as error:
             if response is None:
@@ -143,8 +140,7 @@ async def _stream(request: web.Request, stream, model: str, created: int,
             return response
     result = stream.result
     if response is None:  # finished without output
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        response = await _start_events(request, result.request_id)
     final = _chunk(result.request_id, model, created, None, finish_reason=str(result.finish_reason))
     await _event(response, final)
     if include_usage:
@@ -250,6 +246,13 @@ def _finish_reason(reason: str | None) -> str | None:
 def _usage(result: Result) -> dict[str, int]:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
             "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+async def _start_events(request: web.Request, request_id: str) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": request_id})
+    await response.prepare(request)
+    return response
 
 
 async def _event(response: web.StreamResponse, payload: Mapping[str, object]) -> None:
