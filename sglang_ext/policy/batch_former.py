@@ -10,6 +10,20 @@ Resolutions of the printed algorithm's ambiguities (each covered by a test):
 - Urgent decodes are always included, even past the time or token budget: under
   extreme load FairBatching degrades to Sarathi-like decode-first batching (§3.3).
 - ``MAX_TOKEN_BUDGET`` caps new tokens per step (default 8192, a CUDA-graph limit).
+
+Deviation from the paper (every policy runs with it; ``triage`` without a
+:class:`ServiceFloor` is the printed algorithm, kept as the reference): a request that
+is already late, or whose TPOT no rank can honour, no longer sets the time budget.
+In the printed algorithm one late request makes the budget ``min TPOT`` for good (a
+late prefill keeps ``min slack`` negative), and a client-chosen TPOT below the step's
+fixed cost then leaves no time for any prefill: one request stops every other
+request's prefill. With a floor, the budget and the urgent threshold come from the
+*in-time* requests (TPOT at least :data:`MIN_TPOT_STEP_MULTIPLE` x the smallest
+step, and slack >= 0); late requests are served best-effort from what is left: their
+decodes ride every step (one token each, as urgent ones do), their prefills follow
+the in-time prefills in arrival order, so a tiny TTFT no longer jumps every queue.
+With no in-time request the budget is the floor's fallback (the default class's
+TPOT, never below the serviceable minimum).
 """
 
 from __future__ import annotations
@@ -17,14 +31,56 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 
+from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
 from sglang_ext.policy.view import BatchDecision, RequestState
 
 DEFAULT_MAX_TOKEN_BUDGET = 8192
+#: A TPOT below this multiple of the smallest step (one decode, no context) cannot be
+#: honoured without taking more than half of every step from the other requests.
+MIN_TPOT_STEP_MULTIPLE = 2.0
 _by_slack = itemgetter(0)
+
+
+def _arrival_order(pair: tuple[float, RequestState]) -> int:
+    return pair[1].arrival_seq
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceFloor:
+    """What the lateness guard needs: the smallest serviceable TPOT and the budget used
+    when no request is in time."""
+
+    min_serviceable_tpot_s: float
+    fallback_budget_s: float
+
+    @classmethod
+    def of(cls, coefficients: StepCoefficients, default_tpot_s: float) -> ServiceFloor:
+        usable = coefficients.usable()
+        floor = MIN_TPOT_STEP_MULTIPLE * (usable.a_s + usable.b_s_per_token)
+        return cls(floor, max(default_tpot_s, floor))
+
+
+def min_serviceable_tpot_s(coefficients: StepCoefficients) -> float:
+    """The smallest TPOT a rank with this step model accepts (see :data:`MIN_TPOT_STEP_MULTIPLE`)."""
+    return ServiceFloor.of(coefficients, 0.0).min_serviceable_tpot_s
+
+
+def unserviceable_slo_reason(slo: Slo, coefficients: StepCoefficients) -> str | None:
+    """Why a request with ``slo`` is refused at the door, or ``None`` when it is not."""
+    floor = min_serviceable_tpot_s(coefficients)
+    if slo.tpot_s >= floor:
+        return None
+    usable = coefficients.usable()
+    return (
+        f"tpot_ms {slo.tpot_s * 1e3:g} is below this server's minimum of {floor * 1e3:.1f} ms: "
+        f"{MIN_TPOT_STEP_MULTIPLE:g} x its smallest step (one decode token, "
+        f"{(usable.a_s + usable.b_s_per_token) * 1e3:.1f} ms predicted), so that no request "
+        "takes more than half of every step from the others"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,24 +93,35 @@ class Triage:
     urgent_decodes: list[tuple[float, RequestState]]
     prefills: list[tuple[float, RequestState]]
     deferrable_decodes: list[tuple[float, RequestState]]
+    # with a ServiceFloor: late or unserviceable requests, in arrival order
+    late_decodes: list[tuple[float, RequestState]] = field(default_factory=list)
+    late_prefills: list[tuple[float, RequestState]] = field(default_factory=list)
 
 
 def triage(
-    requests: Sequence[RequestState], now: float, *, anchored: bool = False
+    requests: Sequence[RequestState],
+    now: float,
+    *,
+    anchored: bool = False,
+    floor: ServiceFloor | None = None,
 ) -> Triage | None:
     """Group active requests; ``None`` when there is nothing to run.
 
     ``anchored=True`` measures a request's slack after its first token against
     ``first_token_time + tpot * j`` (the ``fb-anchor`` variant) instead of the paper's
     ``arrival + ttft + tpot * j``; the first token keeps the TTFT deadline.
+    ``floor`` turns on the lateness guard (module docstring); ``None`` is the printed
+    algorithm.
     """
     if not requests:
         return None
     decodes: list[tuple[float, RequestState]] = []
     prefills: list[tuple[float, RequestState]] = []
-    add_decode, add_prefill = decodes.append, prefills.append
+    late_decodes: list[tuple[float, RequestState]] = []
+    late_prefills: list[tuple[float, RequestState]] = []
     min_slack = math.inf
     min_tpot = math.inf
+    serviceable = 0.0 if floor is None else floor.min_serviceable_tpot_s
     for request in requests:
         slo = request.slo
         tpot = slo.tpot_s
@@ -63,19 +130,27 @@ def triage(
             slack = request.first_token_time + tpot * index - now
         else:
             slack = request.arrival + slo.ttft_s + tpot * index - now
+        if floor is not None and (slack < 0.0 or tpot < serviceable):
+            (late_prefills if request.pending_prefill else late_decodes).append((slack, request))
+            continue
         if slack < min_slack:
             min_slack = slack
         if tpot < min_tpot:
             min_tpot = tpot
-        if request.pending_prefill:
-            add_prefill((slack, request))
-        else:
-            add_decode((slack, request))
-    init_time_budget = max(min_slack, min_tpot)
+        (prefills if request.pending_prefill else decodes).append((slack, request))
+    if min_tpot == math.inf:
+        init_time_budget = math.inf if floor is None else floor.fallback_budget_s
+    else:
+        init_time_budget = max(min_slack, min_tpot)
     decodes.sort(key=_by_slack)
     split = bisect_left(decodes, init_time_budget + min_tpot, key=_by_slack)
     prefills.sort(key=_by_slack)
-    return Triage(init_time_budget, min_tpot, decodes[:split], prefills, decodes[split:])
+    late_decodes.sort(key=_arrival_order)
+    late_prefills.sort(key=_arrival_order)
+    return Triage(
+        init_time_budget, min_tpot, decodes[:split], prefills, decodes[split:],
+        late_decodes, late_prefills,
+    )
 
 
 def pack(
@@ -85,62 +160,83 @@ def pack(
     token_budget: int,
     time_budget_s: float | None,
 ) -> BatchDecision:
-    """Lines 34-48: fill the step from the urgent, prefill and deferrable groups in turn.
+    """Lines 34-48: fill the step from the urgent, prefill and deferrable groups in turn
+    (with the lateness guard: late decodes ride with the urgent ones, late prefills
+    follow the in-time prefills).
 
     ``time_budget_s=None`` packs under the token budget alone (the ``fb-fb`` / ``fb-tb``
     variants); ``coefficients`` then only feed the prediction.
     """
     a, b, c = coefficients.a_s, coefficients.b_s_per_token, coefficients.c_s_per_context_token
-    urgent = groups.urgent_decodes
-    decode_ids: list[Hashable] = [request.req_id for _, request in urgent]
-    urgent_cost = b * len(urgent) + c * sum([request.context for _, request in urgent])
-    time_left = (math.inf if time_budget_s is None else time_budget_s - a) - urgent_cost
-    tokens_left = token_budget - len(urgent)
-    predicted = a + urgent_cost
+    always = groups.urgent_decodes + groups.late_decodes
+    decode_ids: list[Hashable] = [request.req_id for _, request in always]
+    always_cost = b * len(always) + c * sum([request.context for _, request in always])
+    budget = _Budget(
+        time_left=(math.inf if time_budget_s is None else time_budget_s - a) - always_cost,
+        tokens_left=token_budget - len(always),
+        predicted=a + always_cost,
+    )
     chunks: list[tuple[Hashable, int]] = []
+    if _pack_prefills(groups.prefills, b, c, budget, chunks):
+        _pack_prefills(groups.late_prefills, b, c, budget, chunks)
 
-    for _, request in groups.prefills:
-        if tokens_left <= 0:
-            break
+    deferrable = groups.deferrable_decodes
+    all_cost = b * len(deferrable) + c * sum([request.context for _, request in deferrable])
+    if all_cost <= budget.time_left and len(deferrable) <= budget.tokens_left:
+        decode_ids.extend([request.req_id for _, request in deferrable])
+        budget.predicted += all_cost
+    else:
+        for _, request in deferrable:
+            if budget.tokens_left < 1 or budget.time_left < b:
+                break
+            cost = b + c * request.context
+            if cost <= budget.time_left:
+                decode_ids.append(request.req_id)
+                budget.time_left -= cost
+                budget.tokens_left -= 1
+                budget.predicted += cost
+
+    return BatchDecision(tuple(decode_ids), tuple(chunks), budget.predicted, time_budget_s)
+
+
+@dataclass(slots=True)
+class _Budget:
+    time_left: float
+    tokens_left: int
+    predicted: float
+
+
+def _pack_prefills(
+    prefills: list[tuple[float, RequestState]], b: float, c: float, budget: _Budget,
+    chunks: list[tuple[Hashable, int]],
+) -> bool:
+    """Chunk ``prefills`` in order into what is left; False once nothing more can fit."""
+    for _, request in prefills:
+        if budget.tokens_left <= 0:
+            return False
+        time_left = budget.time_left
         new_tokens = request.pending_prefill
         context_cost = c * request.context
         cost = b * new_tokens + context_cost
-        if cost <= time_left and new_tokens <= tokens_left:
+        if cost <= time_left and new_tokens <= budget.tokens_left:
             chunk = new_tokens
         elif time_left == math.inf:
-            chunk = min(tokens_left, new_tokens)
+            chunk = min(budget.tokens_left, new_tokens)
             cost = b * chunk + context_cost
         elif context_cost <= time_left:
-            chunk = min(tokens_left, new_tokens, math.floor((time_left - context_cost) / b))
+            chunk = min(budget.tokens_left, new_tokens, math.floor((time_left - context_cost) / b))
             if chunk < 1:
                 continue
             cost = b * chunk + context_cost
         else:
             continue
         chunks.append((request.req_id, chunk))
-        time_left -= cost
-        tokens_left -= chunk
-        predicted += cost
-        if time_left < b:
-            break  # nothing that costs at least one token fits any more
-
-    deferrable = groups.deferrable_decodes
-    all_cost = b * len(deferrable) + c * sum([request.context for _, request in deferrable])
-    if all_cost <= time_left and len(deferrable) <= tokens_left:
-        decode_ids.extend([request.req_id for _, request in deferrable])
-        predicted += all_cost
-    else:
-        for _, request in deferrable:
-            if tokens_left < 1 or time_left < b:
-                break
-            cost = b + c * request.context
-            if cost <= time_left:
-                decode_ids.append(request.req_id)
-                time_left -= cost
-                tokens_left -= 1
-                predicted += cost
-
-    return BatchDecision(tuple(decode_ids), tuple(chunks), predicted, time_budget_s)
+        budget.time_left -= cost
+        budget.tokens_left -= chunk
+        budget.predicted += cost
+        if budget.time_left < b:
+            return False  # nothing that costs at least one token fits any more
+    return budget.tokens_left > 0
 
 
 def form_batch(
@@ -150,8 +246,10 @@ def form_batch(
     *,
     max_token_budget: int = DEFAULT_MAX_TOKEN_BUDGET,
 ) -> BatchDecision:
-    """Algorithm 1 with the adaptive time budget (the ``fb`` policy)."""
-    groups = triage(requests, now)
+    """Algorithm 1 with the adaptive time budget (the ``fb`` policy) and the lateness
+    guard, its floor taken from ``coefficients`` and the smallest TPOT present."""
+    default_tpot = min((request.slo.tpot_s for request in requests), default=0.0)
+    groups = triage(requests, now, floor=ServiceFloor.of(coefficients, default_tpot))
     if groups is None:
         return BatchDecision.make_empty()
     return pack(

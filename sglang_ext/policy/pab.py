@@ -13,6 +13,10 @@ Sums and the minimum range over decodes and prefills alike (a queued prefill wil
 decoding inside the window); ``context_i`` is the request's KV length once its
 prefill completes. Per-request step counts are clamped at 0 (a request whose slack
 exceeds the TTFT window costs nothing inside it). The result may be negative.
+
+Deviation from the paper (the lateness guard, ``sglang_ext.policy.batch_former``): a
+late request counts as due now (slack clamped at 0), not as owing ever more steps, so
+one late request cannot drive the budget, and every admission on it, to zero.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def prefill_admission_budget(
     for request in requests:
         req_slo = request.slo
         slack = request.arrival + req_slo.ttft_s + req_slo.tpot_s * request.next_output_index - now
+        if slack < 0.0:
+            slack = 0.0
         if slack < min_slack:
             min_slack = slack
         steps = (ttft - slack) / tpot

@@ -12,7 +12,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET, Triage, pack, triage
+from sglang_ext.policy.batch_former import (
+    DEFAULT_MAX_TOKEN_BUDGET, ServiceFloor, Triage, pack, triage, unserviceable_slo_reason,
+)
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.registry import Registry
 from sglang_ext.policy.slo import Slo
@@ -50,6 +52,11 @@ class BatchPolicy:
         """Called when a request arrives, before it joins ``requests``."""
         return True
 
+    def refusal(self, slo: Slo) -> str | None:
+        """Why a request with ``slo`` is refused before it costs anything (the front
+        door's check, decided from the initial step model), or ``None``."""
+        return None
+
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         raise NotImplementedError
 
@@ -69,8 +76,20 @@ class BatchPolicy:
 POLICIES: Registry[Callable[[PolicyContext], BatchPolicy]] = Registry("policy")
 
 
+class _LatenessGuarded(BatchPolicy):
+    """The FairBatching family: the lateness guard in every triage, and the door's
+    refusal of a TPOT no rank can honour (``sglang_ext.policy.batch_former``)."""
+
+    def refusal(self, slo: Slo) -> str | None:
+        return unserviceable_slo_reason(slo, self.context.initial_step_model)
+
+    def _triage(self, requests: Sequence[RequestState], now: float, anchored: bool = False):
+        floor = ServiceFloor.of(self.step_model.coefficients, self.context.global_slo.tpot_s)
+        return triage(requests, now, anchored=anchored, floor=floor)
+
+
 @POLICIES.register("fb")
-class FairBatching(BatchPolicy):
+class FairBatching(_LatenessGuarded):
     """Algorithm 1 under the adaptive time budget.
 
     Variants (``sglang_ext.policy.variants``) change it through ``anchored`` (slack
@@ -80,7 +99,7 @@ class FairBatching(BatchPolicy):
     anchored = False
 
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
-        groups = triage(requests, now, anchored=self.anchored)
+        groups = self._triage(requests, now, self.anchored)
         if groups is None:
             return BatchDecision.make_empty()
         return pack(
@@ -107,7 +126,7 @@ class FairBatchingWithAdmission(FairBatching):
 
 
 @POLICIES.register("fb-fb")
-class FairBatchingFixedBudget(BatchPolicy):
+class FairBatchingFixedBudget(_LatenessGuarded):
     """FairBatching's grouping and order under a fixed token budget (swept like Sarathi's)."""
 
     name = "fb-fb"
@@ -118,7 +137,7 @@ class FairBatchingFixedBudget(BatchPolicy):
         self.token_budget = context.token_budget or 2048
 
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
-        groups = triage(requests, now)
+        groups = self._triage(requests, now)
         if groups is None:
             return BatchDecision.make_empty()
         return pack(
@@ -127,7 +146,7 @@ class FairBatchingFixedBudget(BatchPolicy):
 
 
 @POLICIES.register("fb-tb")
-class FairBatchingDerivedTokenBudget(BatchPolicy):
+class FairBatchingDerivedTokenBudget(_LatenessGuarded):
     """Each step's token budget is the time budget converted through a tokens-only
     model ``a' + b' * new_tokens`` (learned online like the full model)."""
 
@@ -144,7 +163,7 @@ class FairBatchingDerivedTokenBudget(BatchPolicy):
         self.tokens_only_model.observe(new_tokens, context, measured_s)
 
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
-        groups = triage(requests, now)
+        groups = self._triage(requests, now)
         if groups is None:
             return BatchDecision.make_empty()
         tokens_only = self.tokens_only_model.coefficients

@@ -135,7 +135,11 @@ class SimEngine:
         record = RequestRecord(req_id, arrival, slo, prompt_tokens, output_tokens)
         self.records[req_id] = record
         too_long = prompt_tokens + output_tokens > self.kv_capacity
-        if too_long or not self.policy.admit(self._active, self.now, prompt_tokens):
+        if (
+            too_long
+            or self.policy.refusal(slo) is not None
+            or not self.policy.admit(self._active, self.now, prompt_tokens)
+        ):
             record.rejected = True
             return False
         request = SimRequest(req_id, arrival, slo, prompt_tokens, self._seq)

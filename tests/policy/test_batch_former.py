@@ -16,7 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policy_helpers import COEF, NOW, A, B, C, request
-from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET, form_batch, pack, triage
+from sglang_ext.policy.batch_former import (
+    DEFAULT_MAX_TOKEN_BUDGET, ServiceFloor, form_batch, pack, triage,
+)
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.view import BatchDecision, RequestView
 
@@ -366,16 +368,18 @@ def check_invariants(requests: list[RequestView], max_token_budget: int) -> None
     if not requests:
         assert decision.is_empty
         return
-    groups = triage(requests, NOW)
-    urgent = [r.req_id for _, r in groups.urgent_decodes]
-    # urgent decodes: all of them, first, in slack order
+    floor = ServiceFloor.of(COEF, min(r.slo.tpot_s for r in requests))
+    groups = triage(requests, NOW, floor=floor)
+    always = groups.urgent_decodes + groups.late_decodes
+    urgent = [r.req_id for _, r in always]
+    # urgent decodes (slack order), then late ones (arrival order): all of them, first
     assert list(decision.decode_ids[: len(urgent)]) == urgent
     # predicted step = a + sum of the chosen requests' costs
     cost = A + sum(B + C * by_id[rid].context for rid in decision.decode_ids)
     cost += sum(B * n + C * by_id[rid].context for rid, n in decision.prefill_chunks)
     assert decision.predicted_step_s == pytest.approx(cost, rel=1e-9)
     # only urgent decodes may overrun the budgets
-    urgent_cost = A + sum(B + C * r.context for _, r in groups.urgent_decodes)
+    urgent_cost = A + sum(B + C * r.context for _, r in always)
     limit = max(groups.init_time_budget_s, urgent_cost)
     assert decision.predicted_step_s <= limit + 1e-9
     assert decision.new_tokens <= max(max_token_budget, len(urgent))

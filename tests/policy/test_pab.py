@@ -81,13 +81,21 @@ def test_decode_with_slack_beyond_ttft_costs_nothing() -> None:
     assert pab(hand + [ahead]) == pytest.approx(pab(hand))
 
 
+def test_a_late_request_counts_as_due_now() -> None:
+    """The lateness guard: however late, a request costs what one due now costs, so a
+    single late (or hostile) request cannot drive the budget ever lower."""
+    due_now = pab([request("d", 0.0, context=4000)])
+    assert pab([request("d", -0.1, context=4000)]) == pytest.approx(due_now)
+    assert pab([request("d", -1000.0, context=4000)]) == pytest.approx(due_now)
+
+
 def test_decode_exactly_at_ttft_costs_no_decode_step() -> None:
     # slack 1.0 = TTFT: (TTFT - slack)/TPOT = 0 steps -> just the one step's a
     assert pab([request("d", 1.0, context=10_000)]) == pytest.approx(EMPTY_PAB, rel=1e-6)
 
 
 def test_less_slack_means_less_budget() -> None:
-    values = [pab([request("d", s, context=4000)]) for s in (0.9, 0.6, 0.3, 0.0, -0.1)]
+    values = [pab([request("d", s, context=4000)]) for s in (0.9, 0.6, 0.3, 0.0)]
     assert values == sorted(values, reverse=True)
     assert len(set(values)) == len(values)
     # slack 0.5: 11 batches (55 ms) + 10 steps * 4.1 ms = 96 ms -> (1 - 0.096) / 0.101 ms
@@ -128,8 +136,8 @@ def brute_force_pab(
     next token is due before the following step (which comes one TPOT later), i.e. one
     step per TPOT per request once its slack has run out. Only tokens due within the
     TTFT window must be produced in it (Appendix A.3: request i runs steps "within
-    TTFT if TTFT > slack_i"); a late request (s_i < 0) catches up one token per step,
-    its overdue steps counted at notional past times as the formula does. A step costs
+    TTFT if TTFT > slack_i"); a late request (s_i < 0) counts as due now (the lateness
+    guard's deviation from the paper). A step costs
     a + sum over the requests it serves of (b + c * KV_i), KV_i = context + pending
     prompt. With no decode step in the window the new prefill still needs one step
     (one a). The rest of the TTFT window becomes prefill tokens at (b + c) each, minus
@@ -140,7 +148,7 @@ def brute_force_pab(
     due: dict = {}
     kv: dict = {}
     for r in requests:
-        slack = r.slo.token_deadline(r.arrival, r.next_output_index) - now
+        slack = max(0.0, r.slo.token_deadline(r.arrival, r.next_output_index) - now)
         if slack <= window:
             due[r.req_id] = slack
         kv[r.req_id] = r.context + r.pending_prefill

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from policy_helpers import A, B, C, COEF, NOW, SLO, request
-from sglang_ext.policy.batch_former import triage
+from sglang_ext.policy.batch_former import ServiceFloor, triage
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, FairBatching, PolicyContext
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
@@ -434,15 +434,17 @@ def check_decision(policy: BatchPolicy, state: list[RequestView], decision: Batc
     if not state:
         assert decision.is_empty
         return
-    groups = triage(state, NOW, anchored=getattr(policy, "anchored", False))
     coef = policy.step_model.coefficients
+    floor = ServiceFloor.of(coef, policy.context.global_slo.tpot_s)
+    groups = triage(state, NOW, anchored=getattr(policy, "anchored", False), floor=floor)
     a, b, c = coef.a_s, coef.b_s_per_token, coef.c_s_per_context_token
-    urgent = [r.req_id for _, r in groups.urgent_decodes]
+    always = groups.urgent_decodes + groups.late_decodes
+    urgent = [r.req_id for _, r in always]
     assert list(decision.decode_ids[: len(urgent)]) == urgent
     cost = a + sum(b + c * by_id[rid].context for rid in decision.decode_ids)
     cost += sum(b * n + c * by_id[rid].context for rid, n in decision.prefill_chunks)
     assert decision.predicted_step_s == pytest.approx(cost, rel=1e-9)
-    urgent_cost = a + sum(b + c * r.context for _, r in groups.urgent_decodes)
+    urgent_cost = a + sum(b + c * r.context for _, r in always)
     margin = getattr(policy, "margin", 0.0)
     assert decision.time_budget_s == pytest.approx(groups.init_time_budget_s / (1 + margin))
     assert decision.predicted_step_s <= max(decision.time_budget_s, urgent_cost) + 1e-9

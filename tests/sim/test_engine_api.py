@@ -9,6 +9,7 @@ import pytest
 from sim_helpers import SLO, llama, make_policy, small_kv_profile, synthetic_requests
 
 from sglang_ext.policy.policies import BatchPolicy
+from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.view import BatchDecision
 from sglang_ext.sim.engine import IDLE_TICK_S, SimEngine
 from sglang_ext.sim.metrics import summarize
@@ -351,29 +352,32 @@ def test_retraction_recomputes_prompt_and_emitted_tokens():
 
 
 def test_blocked_prompt_does_not_starve_a_started_prefill():
-    """A late new prompt that cannot fit beside a half-done prefill, and a policy (fb)
-    that spends each step's whole time budget on the late prompt: with nothing to
-    decode, the engine continues the started prefill instead of idling forever."""
+    """A new prompt that cannot fit beside a half-done prefill, and a policy (fb) that
+    spends each step's whole time budget on the new prompt (in time, while the started
+    one is already late): with nothing to decode, the engine continues the started
+    prefill instead of idling forever."""
     profile = small_kv_profile(4000)
     eng = engine("fb", profile=profile, record_steps=True, check_invariants=True)
     eng.submit("started", -1.95, 3000, 10, SLO)  # 50 ms of slack: only a chunk fits
     eng.step()
     started = eng.active_requests[0]
     assert 0 < started.pending_prefill < 3000 and started.context > 0
-    eng.submit("late", -2.5, 3000, 10, SLO)  # less slack than "started"
+    assert started.arrival + SLO.ttft_s < eng.now  # late: served after in-time prompts
+    # in time, 30 ms of slack: a 50 ms budget that its chunk fills
+    eng.submit("newcomer", eng.now, 3000, 10, Slo(0.03, SLO.tpot_s))
     decision = eng.policy.form_batch(eng.active_requests, eng.now)
-    assert [req_id for req_id, _ in decision.prefill_chunks] == ["late"]  # blocked by memory
+    assert [req_id for req_id, _ in decision.prefill_chunks] == ["newcomer"]  # blocked by memory
     remaining = started.pending_prefill
     eng.step()
     assert eng.idle_ticks == 0
-    # the step continued "started" (within the tokens fb asked for) and left "late" queued
+    # the step continued "started" (within the tokens fb asked for) and left "newcomer" queued
     assert eng.step_log[-1].prefill_tokens == remaining <= decision.prefill_chunks[0][1]
     assert started.pending_prefill == 0 and eng.records["started"].tokens_emitted == 1
-    assert eng.records["late"].prefill_tokens_computed == 0
+    assert eng.records["newcomer"].prefill_tokens_computed == 0
     eng.run_until_idle(eng.now + 10.0)
-    first, late = eng.records["started"], eng.records["late"]
-    assert first.finished and late.finished and eng.idle_ticks == 0
-    assert first.first_token_s < late.first_token_s
+    first, newcomer = eng.records["started"], eng.records["newcomer"]
+    assert first.finished and newcomer.finished and eng.idle_ticks == 0
+    assert first.first_token_s < newcomer.first_token_s
 
 
 @pytest.mark.parametrize("policy_name, kv, seed", [("fb-fb", 3500, 1), ("fb-pab", 5000, 13)])
