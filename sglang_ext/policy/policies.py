@@ -29,12 +29,23 @@ class PolicyContext:
     max_token_budget: int = DEFAULT_MAX_TOKEN_BUDGET
     gpu_memory_gb: float = 80.0  # baselines derive their defaults from it, as their systems do
     token_budget: int | None = None  # for policies swept over a token budget (NAME@BUDGET)
+    # other tunables by name (NAME@BUDGET,key=value), each in the policy's ``setting_names``
+    settings: tuple[tuple[str, float], ...] = ()
+    # False runs the printed algorithm without the lateness guard or the door's refusal
+    # (batch_former); only to measure what the guard costs (scripts/bench_hostile.py)
+    lateness_guard: bool = True
 
     def __post_init__(self) -> None:
         if self.max_token_budget < 1:
             raise ValueError(f"max_token_budget must be >= 1, got {self.max_token_budget}")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token budget must be >= 1, got {self.token_budget}")
+        for name, value in self.settings:
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"setting {name} must be a finite number > 0, got {value!r}")
+
+    def setting(self, name: str) -> float | None:
+        return dict(self.settings).get(name)
 
 
 class BatchPolicy:
@@ -43,6 +54,7 @@ class BatchPolicy:
 
     name = "abstract"
     takes_token_budget = False  # swept as NAME@BUDGET
+    setting_names: tuple[str, ...] = ()  # further tunables, NAME@BUDGET,key=value
 
     def __init__(self, context: PolicyContext) -> None:
         self.context = context
@@ -81,10 +93,14 @@ class _LatenessGuarded(BatchPolicy):
     refusal of a TPOT no rank can honour (``sglang_ext.policy.batch_former``)."""
 
     def refusal(self, slo: Slo) -> str | None:
+        if not self.context.lateness_guard:
+            return None
         return unserviceable_slo_reason(slo, self.context.initial_step_model)
 
     def _triage(self, requests: Sequence[RequestState], now: float, anchored: bool = False):
-        floor = ServiceFloor.of(self.step_model.coefficients, self.context.global_slo.tpot_s)
+        floor = None
+        if self.context.lateness_guard:
+            floor = ServiceFloor.of(self.step_model.coefficients, self.context.global_slo.tpot_s)
         return triage(requests, now, anchored=anchored, floor=floor)
 
 

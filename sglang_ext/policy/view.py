@@ -60,6 +60,8 @@ class BatchDecision:
     predicted_step_s: float = 0.0
     # the time budget the step was formed under, seconds; None for token-budget policies
     time_budget_s: float | None = None
+    # requests the policy ends before the step (a queue timeout); engines abort them
+    abort_ids: tuple[Hashable, ...] = ()
 
     @classmethod
     def make_empty(cls) -> BatchDecision:
@@ -67,7 +69,7 @@ class BatchDecision:
 
     @property
     def is_empty(self) -> bool:
-        return not self.decode_ids and not self.prefill_chunks
+        return not self.decode_ids and not self.prefill_chunks and not self.abort_ids
 
     @property
     def new_tokens(self) -> int:

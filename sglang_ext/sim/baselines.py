@@ -124,3 +124,61 @@ class Sarathi(BatchPolicy):
         chunks: list[tuple[Hashable, int]] = []
         _fifo_prefills(prefills, self.token_budget - len(decodes), chunks)
         return BatchDecision(decodes, tuple(chunks))
+
+
+def prefill_tokens_per_s(context: PolicyContext, token_budget: int) -> float:
+    """Prefill throughput at a chunk of ``token_budget`` tokens, from the rank's offline
+    step-model fit (what a user measures on their GPU before sizing a queue cap)."""
+    return token_budget / context.initial_step_model.usable().predict(token_budget, 0)
+
+
+@POLICIES.register("sarathi-queue-cap")
+class SarathiQueueCap(Sarathi):
+    """Sarathi plus vLLM's queued-token admission rule (``--max-num-queued-tokens``): an
+    arrival is rejected while the prompt tokens of requests still in prefill (a partly
+    prefilled prompt counted whole) exceed ``cap``.
+
+    ``cap`` defaults to vLLM's sizing advice, target TTFT x prefill throughput at the
+    budget; sweeps tune it (``sarathi-queue-cap@BUDGET,cap=TOKENS``).
+    """
+
+    name = "sarathi-queue-cap"
+    setting_names = ("cap",)
+
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self.cap = context.setting("cap") or default_queue_cap(context, self.token_budget)
+
+    def admit(self, requests: Sequence[RequestState], now: float, prompt_tokens: int) -> bool:
+        queued = sum(r.prompt_tokens for r in requests if r.pending_prefill > 0)
+        return queued <= self.cap
+
+
+def default_queue_cap(context: PolicyContext, token_budget: int) -> float:
+    return context.global_slo.ttft_s * prefill_tokens_per_s(context, token_budget)
+
+
+@POLICIES.register("sarathi-queue-timeout")
+class SarathiQueueTimeout(Sarathi):
+    """Sarathi plus SGLang's waiting-queue timeout (``SGLANG_REQ_WAITING_TIMEOUT``): a
+    request still queued (no prompt token computed yet) ``timeout`` seconds after it
+    arrived is aborted. Defaults to the TTFT target; sweeps tune it
+    (``sarathi-queue-timeout@BUDGET,timeout=SECONDS``)."""
+
+    name = "sarathi-queue-timeout"
+    setting_names = ("timeout",)
+
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self.timeout_s = context.setting("timeout") or context.global_slo.ttft_s
+
+    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        expired = tuple(
+            r.req_id for r in requests
+            if r.context == 0 and r.next_output_index == 0 and now - r.arrival > self.timeout_s
+        )
+        if not expired:
+            return super().form_batch(requests, now)
+        gone = set(expired)
+        decision = super().form_batch([r for r in requests if r.req_id not in gone], now)
+        return BatchDecision(decision.decode_ids, decision.prefill_chunks, abort_ids=expired)

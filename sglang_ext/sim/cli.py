@@ -173,8 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"repeatable (default: {' '.join(DEFAULT_POLICIES)})")
     sweep.add_argument("--rates", type=_rate_list, default=DEFAULT_RATES,
                        help=f"offered loads, req/s (default: {','.join(f'{r:g}' for r in DEFAULT_RATES)})")
-    sweep.add_argument("--budgets", type=_budget_list, default=DEFAULT_TOKEN_BUDGETS,
-                       help="token budgets swept for sarathi / fb-fb named without @BUDGET")
+    sweep.add_argument(
+        "--budgets", type=_budget_list, default=None,
+        help="token budgets for the tuned families (sarathi, fb-fb, sarathi-queue-cap, "
+        "sarathi-queue-timeout named without @...), searched exactly as given; default: "
+        f"{','.join(map(str, DEFAULT_TOKEN_BUDGETS))}, then refined around the best "
+        "(sglang_ext.sim.tuning)",
+    )
     sweep.add_argument("--cdf-rate", type=_positive_float,
                        help="load whose latency CDFs are plotted (default: the middle rate)")
     sweep.add_argument("--jobs", type=int, help="worker processes (default: all cores)")
@@ -292,16 +297,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     cdf_rate = args.cdf_rate or rates[len(rates) // 2]
     if cdf_rate not in rates:
         rates = tuple(sorted({*rates, cdf_rate}))
-    total = len(plan.runs) * len(rates)
     print(
         f"{len(scenario.workload.requests)} requests from {scenario.workload.source} "
         f"(natural rate {scenario.workload.mean_rate:.2f} req/s) on {scenario.profile.name}; "
-        f"{len(plan.runs)} policies x {len(rates)} loads = {total} simulations",
+        f"{len(plan.runs)} policies as given and {len(plan.tuned)} tuned "
+        f"({', '.join(plan.tuned) or 'none'}) x {len(rates)} loads",
         file=sys.stderr,
     )
-    with tqdm(total=total, unit="sim", disable=args.no_progress, file=sys.stderr) as bar:
+    with tqdm(total=0, unit="sim", disable=args.no_progress, file=sys.stderr) as bar:
         document, samples = run_sweep(
-            scenario, plan, rates, cdf_rate=cdf_rate, jobs=args.jobs, progress=bar.update
+            scenario, plan, rates, cdf_rate=cdf_rate, jobs=args.jobs, progress=bar.update,
+            planned=lambda n: (setattr(bar, "total", bar.total + n), bar.refresh()),
         )
     out = _out_dir(args)
     path = write_results(document, out)

@@ -180,6 +180,11 @@ class SimEngine:
     # ---------------------------------------------------------------- one step
     def step(self) -> None:
         decision = self.policy.form_batch(self._active, self.now)
+        for req_id in decision.abort_ids:
+            request = self._by_id.get(req_id)
+            if request is None:
+                raise RuntimeError(f"{self.policy.name}: invalid abort of {req_id!r}")
+            self._abort(request)
         decodes, chunks = self._validated(decision)
         decodes = self._reserve_decode_memory(decodes)
         chunks = self._fit_prefills(chunks, len(decodes))
@@ -197,6 +202,8 @@ class SimEngine:
                     sum(tokens for _, tokens in decision.prefill_chunks)
                 )
         if not decodes and not chunks:
+            if decision.abort_ids:
+                return
             self.now += IDLE_TICK_S
             self.idle_ticks += 1
             return

@@ -12,10 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from sglang_ext.sim.metrics import LatencySamples
-
-
-def _label(name: str, entry: Mapping) -> str:
-    return f"{name} ({entry['best_of'].split('@')[1]})" if "best_of" in entry else name
+from sglang_ext.sim.sweep import display_label as _label
 
 
 def plot_effective_rps(document: Mapping, names: Sequence[str], path: Path) -> Path:

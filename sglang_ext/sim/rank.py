@@ -285,6 +285,7 @@ def make_policy(name: str, profile: HardwareProfile, catalog: SloCatalog) -> Bat
         max_token_budget=DEFAULT_MAX_TOKEN_BUDGET,
         gpu_memory_gb=profile.memory_gb,
         token_budget=spec.token_budget,
+        settings=spec.settings,
     )
     return POLICIES.get(spec.base)(context)
 

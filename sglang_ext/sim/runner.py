@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sglang_ext.policy.variants  # noqa: F401  registers fb-anchor, fb-margin, fb-kairos
@@ -17,7 +18,9 @@ from sglang_ext.sim.metrics import LatencySamples, latency_samples, summarize
 from sglang_ext.sim.profile import HardwareProfile
 from sglang_ext.sim.workloads import Workload
 
-DEFAULT_TOKEN_BUDGETS = (256, 512, 1024, 2048, 4096)
+#: Sarathi's and fb-fb's budgets swept by default: 32 to 8192, doubling; a sweep then
+#: refines around the best (``sglang_ext.sim.tuning``).
+DEFAULT_TOKEN_BUDGETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class PolicySpecError(ValueError):
@@ -28,34 +31,69 @@ class PolicySpecError(ValueError):
 class PolicySpec:
     base: str  # registered policy name
     token_budget: int | None = None
+    settings: tuple[tuple[str, float], ...] = ()  # the policy's other tunables, by name
 
     @property
     def label(self) -> str:
-        return self.base if self.token_budget is None else f"{self.base}@{self.token_budget}"
+        parts = [] if self.token_budget is None else [str(self.token_budget)]
+        parts += [f"{name}={_number(value)}" for name, value in self.settings]
+        return f"{self.base}@{','.join(parts)}" if parts else self.base
 
     @property
     def sweeps_budget(self) -> bool:
         return POLICIES.get(self.base).takes_token_budget
 
+    @property
+    def is_tunable(self) -> bool:
+        """Named without any of its tunables: a sweep tunes them."""
+        factory = POLICIES.get(self.base)
+        return (factory.takes_token_budget or bool(factory.setting_names)) and (
+            self.token_budget is None and not self.settings
+        )
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value == int(value) else f"{value:.6g}"
+
 
 def parse_policy(text: str) -> PolicySpec:
-    """``NAME`` or ``NAME@BUDGET`` (only for policies that take a token budget)."""
-    base, _, budget_text = text.partition("@")
+    """``NAME``, ``NAME@BUDGET`` (policies that take a token budget), and either followed
+    by ``,key=value`` for the policy's other tunables: ``sarathi-queue-cap@1024,cap=32768``."""
+    base, _, params_text = text.partition("@")
     try:
         factory = POLICIES.get(base)
     except UnknownNameError as exc:
         raise PolicySpecError(str(exc)) from None
-    if not budget_text:
+    if not params_text:
         return PolicySpec(base)
-    if not factory.takes_token_budget:
-        raise PolicySpecError(f"policy {base!r} takes no token budget (got {text!r})")
-    try:
-        budget = int(budget_text)
-    except ValueError:
-        raise PolicySpecError(f"token budget in {text!r} must be an integer") from None
-    if budget < 1:
-        raise PolicySpecError(f"token budget in {text!r} must be >= 1")
-    return PolicySpec(base, budget)
+    budget: int | None = None
+    settings: dict[str, float] = {}
+    for position, part in enumerate(params_text.split(",")):
+        key, sep, value_text = part.partition("=")
+        if not sep:
+            if position or not factory.takes_token_budget:
+                raise PolicySpecError(
+                    f"policy {base!r} takes no token budget (got {text!r})" if not
+                    factory.takes_token_budget else f"expected key=value after the budget in {text!r}"
+                )
+            try:
+                budget = int(part)
+            except ValueError:
+                raise PolicySpecError(f"token budget in {text!r} must be an integer") from None
+            if budget < 1:
+                raise PolicySpecError(f"token budget in {text!r} must be >= 1")
+            continue
+        if key not in factory.setting_names:
+            valid = ", ".join(factory.setting_names) or "none"
+            raise PolicySpecError(f"policy {base!r} has no setting {key!r} (settings: {valid})")
+        try:
+            value = float(value_text)
+        except ValueError:
+            raise PolicySpecError(f"setting {key} in {text!r} must be a number") from None
+        if not math.isfinite(value) or value <= 0:
+            raise PolicySpecError(f"setting {key} in {text!r} must be a finite number > 0")
+        settings[key] = value
+    return PolicySpec(base, budget, tuple(sorted(settings.items())))
 
 
 @dataclass(frozen=True)
@@ -79,22 +117,24 @@ class RunResult:
     samples: LatencySamples | None
 
 
-def build_policy(scenario: Scenario, spec: PolicySpec) -> BatchPolicy:
+def build_policy(scenario: Scenario, spec: PolicySpec, **context_overrides) -> BatchPolicy:
     context = PolicyContext(
         global_slo=scenario.catalog.default,
         initial_step_model=scenario.initial_step_model or offline_fit(scenario.profile),
         max_token_budget=scenario.max_token_budget,
         gpu_memory_gb=scenario.profile.memory_gb,
         token_budget=spec.token_budget,
+        settings=spec.settings,
+        **context_overrides,
     )
     return POLICIES.get(spec.base)(context)
 
 
-def simulate(
-    scenario: Scenario, spec: PolicySpec, rate: float, *, keep_samples: bool = False
-) -> RunResult:
+def replay(scenario: Scenario, policy: BatchPolicy, rate: float) -> tuple[SimEngine, float]:
+    """Run the scenario's workload at ``rate`` through ``policy``; request ids are the
+    workload's indices. Returns the engine and the run's duration."""
     workload = scenario.workload.with_arrivals(scenario.arrivals, rate, scenario.seed)
-    engine = SimEngine(scenario.profile, build_policy(scenario, spec), seed=scenario.seed)
+    engine = SimEngine(scenario.profile, policy, seed=scenario.seed)
     resolve = scenario.catalog.resolve
     for index, request in enumerate(workload.requests):
         engine.advance_to(request.arrival_s)
@@ -102,8 +142,15 @@ def simulate(
         engine.submit(index, request.arrival_s, request.prompt_tokens, request.output_tokens, slo)
     last_arrival = workload.requests[-1].arrival_s
     engine.run_until_idle(last_arrival + scenario.drain_s)
+    return engine, max(engine.now, last_arrival)
+
+
+def simulate(
+    scenario: Scenario, spec: PolicySpec, rate: float, *, keep_samples: bool = False
+) -> RunResult:
+    engine, duration = replay(scenario, build_policy(scenario, spec), rate)
     records = engine.records.values()
-    load = summarize(records, rate, max(engine.now, last_arrival))
+    load = summarize(records, rate, duration)
     error = engine.policy.step_model.error
     load["steps"] = engine.steps
     load["gpu_busy_fraction"] = engine.busy_s / engine.now if engine.now > 0 else 0.0

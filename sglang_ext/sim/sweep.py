@@ -1,8 +1,10 @@
 """Policies x offered loads, in parallel, into ``results.json`` (schema version 1).
 
-A policy that takes a token budget and is named without one (``sarathi``) is run at
-every budget of the sweep, each reported as ``NAME@BUDGET``; ``NAME`` itself holds the
-budget with the highest peak effective RPS (``best_of`` says which).
+A policy with tunables named without them (``sarathi``, ``fb-fb``,
+``sarathi-queue-cap``, ``sarathi-queue-timeout``) is tuned to an interior best by
+``sglang_ext.sim.tuning``: every setting it tries is reported as its own
+``NAME@...`` entry, and ``NAME`` holds the best one (``best_of`` says which,
+``tuning`` lists every setting tried and any axis whose best is at a bound).
 """
 
 from __future__ import annotations
@@ -10,47 +12,54 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_ext.sim.calibration import offline_fit
 from sglang_ext.sim.metrics import LatencySamples
 from sglang_ext.sim.runner import (
-    DEFAULT_TOKEN_BUDGETS,
     PolicySpec,
     RunResult,
     Scenario,
+    build_policy,
     parse_policy,
     simulate,
 )
+from sglang_ext.sim.tuning import Search, TuningResult, tune
 
 SCHEMA_VERSION = 1
 DEFAULT_POLICIES = (
-    "sglang-default", "vllm-default", "sarathi", "fb-fb", "fb-tb", "fb", "fb-pab",
-    "fb-anchor-margin", "fb-anchor-margin-pab",
+    "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
+    "fb-fb", "fb-tb", "fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab",
+)
+#: the baselines users run today, admission controls included; ratios divide by their best
+BASELINES = (
+    "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
 )
 
 
 @dataclass(frozen=True)
 class SweepPlan:
     requested: tuple[str, ...]  # names as passed to --policy
-    runs: tuple[PolicySpec, ...]  # every concrete policy run
-    families: dict[str, tuple[str, ...]] = field(default_factory=dict)  # NAME -> NAME@B labels
+    runs: tuple[PolicySpec, ...]  # concrete policies run as given
+    tuned: tuple[str, ...] = ()  # families tuned by sglang_ext.sim.tuning
+    budgets: tuple[int, ...] | None = None  # explicit --budgets: searched exactly
 
 
-def plan_sweep(names: Sequence[str], budgets: Sequence[int] = DEFAULT_TOKEN_BUDGETS) -> SweepPlan:
+def plan_sweep(names: Sequence[str], budgets: Sequence[int] | None = None) -> SweepPlan:
     runs: list[PolicySpec] = []
-    families: dict[str, tuple[str, ...]] = {}
+    tuned: list[str] = []
     for name in dict.fromkeys(names):
         spec = parse_policy(name)
-        if spec.sweeps_budget and spec.token_budget is None:
-            members = [PolicySpec(spec.base, budget) for budget in budgets]
-            families[name] = tuple(m.label for m in members)
-            runs.extend(members)
+        if spec.is_tunable:
+            tuned.append(name)
         else:
             runs.append(spec)
-    unique = tuple(dict.fromkeys(runs))
-    return SweepPlan(tuple(dict.fromkeys(names)), unique, families)
+    return SweepPlan(
+        tuple(dict.fromkeys(names)), tuple(dict.fromkeys(runs)), tuple(tuned),
+        tuple(budgets) if budgets else None,
+    )
 
 
 _scenario: Scenario | None = None
@@ -67,6 +76,11 @@ def _run_job(job: tuple[PolicySpec, float, bool]) -> RunResult:
     return simulate(_scenario, spec, rate, keep_samples=keep)
 
 
+class _InProcess(Executor):
+    def map(self, fn, *iterables, timeout=None, chunksize=1):  # noqa: ARG002
+        return map(fn, *iterables)
+
+
 def run_sweep(
     scenario: Scenario,
     plan: SweepPlan,
@@ -75,29 +89,77 @@ def run_sweep(
     cdf_rate: float,
     jobs: int | None = None,
     progress: Callable[[int], None] | None = None,
+    planned: Callable[[int], None] | None = None,
 ) -> tuple[dict, dict[str, LatencySamples]]:
-    """Returns (results.json document, per-policy latency samples at ``cdf_rate``)."""
-    work = [(spec, rate, rate == cdf_rate) for spec in plan.runs for rate in rates]
-    workers = max(1, min(jobs or os.cpu_count() or 1, len(work)))
-    results: list[RunResult] = []
+    """Returns (results.json document, per-policy latency samples at ``cdf_rate``).
+
+    ``progress(n)`` after every ``n`` finished simulations; ``planned(n)`` whenever
+    ``n`` more are scheduled (tuning decides as it goes)."""
+    workers = max(1, jobs or os.cpu_count() or 1)
+    results: dict[str, list[RunResult]] = {}
     if workers == 1:
         _init_worker(scenario)
-        for job in work:
-            results.append(_run_job(job))
-            if progress:
-                progress(1)
+        executor: Executor = _InProcess()
     else:
-        with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(scenario,)) as pool:
-            for result in pool.map(_run_job, work, chunksize=1):
-                results.append(result)
+        executor = ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(scenario,))
+    with executor:
+        def run(specs: Sequence[PolicySpec]) -> None:
+            fresh = [spec for spec in dict.fromkeys(specs) if spec.label not in results]
+            work = [(spec, rate, rate == cdf_rate) for spec in fresh for rate in rates]
+            if planned:
+                planned(len(work))
+            for result in executor.map(_run_job, work, chunksize=1):
+                results.setdefault(result.policy, []).append(result)
                 if progress:
                     progress(1)
-    return assemble(scenario, plan, rates, cdf_rate, results)
+
+        run(plan.runs)
+        tunings = _tune_all(scenario, plan, run, results)
+    flat = [result for runs in results.values() for result in runs]
+    return assemble(scenario, plan, rates, cdf_rate, flat, tunings)
+
+
+def _tune_all(
+    scenario: Scenario, plan: SweepPlan, run: Callable[[Sequence[PolicySpec]], None],
+    results: dict[str, list[RunResult]],
+) -> dict[str, TuningResult]:
+    """Drive every family's search together, one batch of settings per round."""
+    initial = offline_fit(scenario.profile) if scenario.initial_step_model is None else None
+    searches: dict[str, Search] = {}
+    asked: dict[str, list[str]] = {}
+    done: dict[str, TuningResult] = {}
+    for name in plan.tuned:
+        context = build_policy(
+            scenario if initial is None else _with_model(scenario, initial), PolicySpec(name)
+        ).context
+        searches[name] = tune(name, context, plan.budgets)
+        asked[name] = next(searches[name])
+    while asked:
+        run([parse_policy(label) for labels in asked.values() for label in labels])
+        for name in list(asked):
+            scores = {label: _score(results[label]) for label in asked[name]}
+            try:
+                asked[name] = searches[name].send(scores)
+            except StopIteration as stop:
+                done[name] = stop.value
+                del asked[name]
+    return done
+
+
+def _with_model(scenario: Scenario, model) -> Scenario:
+    from dataclasses import replace
+
+    return replace(scenario, initial_step_model=model)
+
+
+def _score(runs: list[RunResult]) -> tuple[float, float]:
+    values = [run.load["effective_rps"] for run in runs]
+    return max(values), sum(values) / len(values)
 
 
 def assemble(
     scenario: Scenario, plan: SweepPlan, rates: Sequence[float], cdf_rate: float,
-    results: list[RunResult],
+    results: list[RunResult], tunings: dict[str, TuningResult] | None = None,
 ) -> tuple[dict, dict[str, LatencySamples]]:
     """The ``results.json`` document (and CDF samples) from finished runs."""
     by_label: dict[str, list[dict]] = {}
@@ -115,9 +177,15 @@ def assemble(
             "peak_rate": peak["rate"],
             "loads": loads,
         }
-    for name, members in plan.families.items():
-        best = max(members, key=lambda label: policies[label]["peak_effective_rps"])
-        policies[name] = dict(policies[best], best_of=best)
+    top = max(rates)
+    for label, entry in policies.items():
+        entry["peak_at_highest_load"] = entry["peak_rate"] == top
+    for name, tuning in (tunings or {}).items():
+        best = tuning.best
+        policies[name] = dict(
+            policies[best], best_of=best,
+            tuning={"tried": list(tuning.tried), "edge_axes": list(tuning.edge)},
+        )
         if best in samples:
             samples[name] = samples[best]
     slo = scenario.catalog.default
@@ -159,19 +227,56 @@ def _jsonable(value: object) -> object:
     raise TypeError(f"not JSON serialisable: {value!r}")
 
 
+def display_label(name: str, entry: dict) -> str:
+    """``sarathi (1024)``: a tuned family with its best setting; ``[edge: budget]`` when
+    that best is at a bound of the searched range."""
+    if "best_of" not in entry:
+        return name
+    text = f"{name} ({entry['best_of'].split('@', 1)[1]})"
+    edge = entry.get("tuning", {}).get("edge_axes")
+    return f"{text} [edge: {', '.join(edge)}]" if edge else text
+
+
+def peak_text(entry: dict) -> str:
+    """Peak effective RPS; ``>=`` when reached at the highest load tried (a lower bound)."""
+    bound = ">=" if entry.get("peak_at_highest_load") else ""
+    return f"{bound}{entry['peak_effective_rps']:.2f}"
+
+
+def best_baseline(policies: dict) -> tuple[str, dict] | None:
+    """The baseline (users' systems, admission controls included) with the highest peak."""
+    present = [name for name in BASELINES if name in policies]
+    if not present:
+        return None
+    name = max(present, key=lambda n: policies[n]["peak_effective_rps"])
+    return name, policies[name]
+
+
+def ratio_text(entry: dict, base: dict) -> str:
+    """``entry`` / ``base`` peak; ``n/a`` when either is a lower bound (>=) or zero."""
+    if entry.get("peak_at_highest_load") or base.get("peak_at_highest_load"):
+        return "n/a (>=)"
+    if base["peak_effective_rps"] <= 0:
+        return "n/a"
+    return f"{entry['peak_effective_rps'] / base['peak_effective_rps']:.2f}x"
+
+
 def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
-    """A fixed-width table: peak effective RPS per policy, latencies at the CDF load."""
+    """A fixed-width table: peak effective RPS per policy, the ratio to the best baseline,
+    latencies at the CDF load."""
     cdf_rate = document["cdf_rate"]
     policies = document["policies"]
     names = list(names or document["requested"])
+    width = max(22, *(len(display_label(n, policies[n])) + 2 for n in names))
+    base = best_baseline(policies)
     header = (
-        f"{'policy':<22}{'peak eff RPS':>13}{'@ rate':>8}  |  {f'at {cdf_rate:g} req/s:':<16}"
+        f"{'policy':<{width}}{'peak eff RPS':>13}{'@ rate':>8}{'vs best':>10}  |  "
+        f"{f'at {cdf_rate:g} req/s:':<16}"
         f"{'attain':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
     )
     lines = [header, "-" * len(header)]
     for name in names:
         entry = policies[name]
-        label = f"{name} ({entry['best_of'].split('@')[1]})" if "best_of" in entry else name
         at = next((load for load in entry["loads"] if load["rate"] == cdf_rate), None)
         cells = ""
         if at is not None:
@@ -179,9 +284,17 @@ def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
                 f"{at['attainment']:>8.3f}{_ms(at['ttft_ms']['p50']):>10}{_ms(at['ttft_ms']['p99']):>8}"
                 f"{_ms(at['tpot_ms']['p50']):>10}{_ms(at['tpot_ms']['p99']):>8}"
             )
+        versus = ratio_text(entry, base[1]) if base else "-"
         lines.append(
-            f"{label:<22}{entry['peak_effective_rps']:>13.2f}{entry['peak_rate']:>8g}  |  "
-            f"{'':<16}{cells}"
+            f"{display_label(name, entry):<{width}}{peak_text(entry):>13}{entry['peak_rate']:>8g}"
+            f"{versus:>10}  |  {'':<16}{cells}"
+        )
+    if base:
+        lines.append(
+            f"\nvs best = peak / the best baseline's ({display_label(*base)}); baselines: "
+            f"{', '.join(n for n in BASELINES if n in policies)}. >= : peak at the highest load "
+            "tried, a lower bound, never used for a ratio. [edge: X]: the tuned best sits at a "
+            "bound of axis X."
         )
     return "\n".join(lines)
 

@@ -125,7 +125,7 @@ def test_sweep_writes_results_plots_and_table(tmp_path, capsys):
     assert "peak eff RPS" in table
     assert any(line.startswith("fb ") for line in table.splitlines())
     assert f"sarathi ({best.split('@')[1]})" in table
-    assert "4 requests" not in captured.err and "simulations" in captured.err
+    assert "4 requests" not in captured.err and "tuned (sarathi)" in captured.err
 
 
 # ------------------------------------------------------------------ calibrate

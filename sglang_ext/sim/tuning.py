@@ -1,0 +1,162 @@
+"""Tune a baseline's tunables to an interior best (the project's baseline rule).
+
+A *setting* is one concrete policy (``sarathi@1024``, ``sarathi-queue-cap@1024,cap=65536``)
+run at every load of the sweep. Its score is its peak effective RPS over those loads;
+**ties** go to the higher mean effective RPS over all loads, then to the smaller value.
+
+One axis at a time:
+
+1. start from the axis's grid (or, on a later pass, from the current best and its
+   halving and doubling);
+2. while the best is the smallest (largest) value tried and halving (doubling) stays
+   inside the axis's bounds, try that;
+3. refine: while a neighbour of the best is more than 25% of the best away, try the
+   midpoint.
+
+A best that is still at a bound of its axis is an **edge** best: reports mark it. An axis
+given explicitly (``--budgets``) is searched over exactly those values, never widened or
+refined. Axes: the token budget, 32 to 8192 (grid doubling); vLLM's queued-token cap,
+TTFT x prefill throughput at the budget (vLLM's sizing advice; the throughput is the
+profile's offline step-model fit) x 1/4 .. 4, within x 1/16 .. 16; SGLang's queue
+timeout, the TTFT x 1/4 .. 4, within x 1/16 .. 16. A family with two axes (budget x cap,
+budget x timeout) runs three passes of coordinate search: the second axis at budget
+512, then the budget, then the second axis again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+
+from sglang_ext.policy.policies import POLICIES, PolicyContext
+from sglang_ext.sim.baselines import default_queue_cap
+
+REFINE_STEP = 0.25
+START_BUDGET = 512
+BUDGET_BOUNDS = (32, 8192)
+SETTING_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
+SETTING_BOUNDS = (1 / 16, 16.0)
+
+Score = tuple[float, float]  # (peak effective RPS, mean effective RPS over the loads)
+#: the driver sends the scores of every label asked for, and gets the next labels to run
+Search = Generator[list[str], dict[str, Score], "TuningResult"]
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    grid: tuple[float, ...]
+    bounds: tuple[float, float]
+    integer: bool
+    search: bool = True  # False: exactly the grid, never widened or refined
+
+    def snap(self, value: float) -> float:
+        low, high = self.bounds
+        value = min(max(value, low), high)
+        return float(round(value)) if self.integer else round(value, 3)
+
+    def next_values(self, tried: dict[float, Score]) -> list[float]:
+        values = sorted(tried)
+        best = best_value(tried)
+        if not self.search:
+            return []
+        index = values.index(best)
+        low, high = self.bounds
+        if index == 0 and best > low:
+            return [self.snap(best / 2)]
+        if index == len(values) - 1 and best < high:
+            return [self.snap(best * 2)]
+        out = []
+        neighbours = values[max(index - 1, 0):index] + values[index + 1:index + 2]
+        for neighbour in neighbours:
+            if abs(neighbour - best) > REFINE_STEP * best:
+                middle = self.snap((neighbour + best) / 2)
+                if middle not in tried:
+                    out.append(middle)
+        return out
+
+    def at_edge(self, value: float) -> bool:
+        low, high = (min(self.grid), max(self.grid)) if not self.search else self.bounds
+        return value <= low or value >= high
+
+
+def best_value(tried: dict[float, Score]) -> float:
+    """The tie rule: highest peak, then highest mean, then the smallest value."""
+    return max(tried, key=lambda value: (*tried[value], -value))
+
+
+@dataclass
+class TuningResult:
+    best: str  # label of the best setting
+    edge: list[str] = field(default_factory=list)  # axes whose best is at a bound
+    tried: list[str] = field(default_factory=list)  # every label, in the order run
+
+
+def budget_axis(budgets: Sequence[int] | None) -> Axis:
+    if budgets:
+        return Axis("budget", tuple(sorted(set(budgets))), (min(budgets), max(budgets)), True, False)
+    from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS
+
+    return Axis("budget", DEFAULT_TOKEN_BUDGETS, BUDGET_BOUNDS, True)
+
+
+def _axis_search(
+    axis: Axis, start: Sequence[float], label_of: Callable[[float], str], result: TuningResult
+) -> Generator[list[str], dict[str, Score], float]:
+    tried: dict[float, Score] = {}
+    todo = sorted({axis.snap(v) for v in start})
+    while todo:
+        labels = [label_of(value) for value in todo]
+        scores = yield labels
+        for value, label in zip(todo, labels):
+            tried[value] = scores[label]
+            if label not in result.tried:
+                result.tried.append(label)
+        todo = [v for v in axis.next_values(tried) if v not in tried]
+    return best_value(tried)
+
+
+def _neighbourhood(axis: Axis, value: float) -> list[float]:
+    if not axis.search:
+        return list(axis.grid)
+    return [value / 2, value, value * 2]
+
+
+def tune(name: str, context: PolicyContext, budgets: Sequence[int] | None) -> Search:
+    """The search for family ``name`` (a registered policy with tunables)."""
+    factory = POLICIES.get(name)
+    result = TuningResult(best="")
+    budget = budget_axis(budgets)
+    if not factory.setting_names:
+        best = yield from _axis_search(budget, budget.grid, lambda b: _label(name, b), result)
+        result.best = _label(name, best)
+        result.edge = ["budget"] if budget.at_edge(best) else []
+        return result
+    (setting,) = factory.setting_names
+    start_budget = min(budget.grid, key=lambda b: abs(b - START_BUDGET))
+    base = (
+        default_queue_cap(context, int(start_budget)) if setting == "cap"
+        else context.global_slo.ttft_s
+    )
+    second = Axis(setting, tuple(base * m for m in SETTING_GRID),
+                  (base * SETTING_BOUNDS[0], base * SETTING_BOUNDS[1]), integer=setting == "cap")
+    value = yield from _axis_search(
+        second, second.grid, lambda v: _label(name, start_budget, setting, v), result
+    )
+    best_budget = yield from _axis_search(
+        budget, _neighbourhood(budget, start_budget),
+        lambda b: _label(name, b, setting, value), result,
+    )
+    value = yield from _axis_search(
+        second, _neighbourhood(second, value), lambda v: _label(name, best_budget, setting, v), result
+    )
+    result.best = _label(name, best_budget, setting, value)
+    result.edge = [axis.name for axis, v in ((budget, best_budget), (second, value)) if axis.at_edge(v)]
+    return result
+
+
+def _label(name: str, budget: float, setting: str | None = None, value: float | None = None) -> str:
+    from sglang_ext.sim.runner import PolicySpec
+
+    settings = () if setting is None else ((setting, value),)
+    return PolicySpec(name, int(budget), settings).label
