@@ -30,16 +30,25 @@ from tqdm import tqdm
 from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.sim.plots import plot_effective_rps, plot_latency_cdfs
 from sglang_ext.sim.profile import bundled_profile_path, load_profile
-from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS, Scenario
-from sglang_ext.sim.sweep import plan_sweep, run_sweep, write_results
+from sglang_ext.sim.runner import Scenario
+from sglang_ext.sim.sweep import (
+    BASELINES,
+    display_label,
+    peak_text,
+    plan_sweep,
+    ratio_text,
+    run_sweep,
+    write_results,
+)
+from sglang_ext.sim.sweep import best_baseline as _best_baseline
 from sglang_ext.sim.workloads import Workload, bundled_sample, load_workload
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
-BASELINES = ("sglang-default", "vllm-default", "sarathi")
 PAPER_POLICIES = ("fb-fb", "fb-tb", "fb", "fb-pab")
 BEYOND = ("fb-anchor", "fb-margin", "fb-kairos", "fb-anchor-margin", "fb-anchor-margin-pab")
 BREAKDOWN = ("sarathi", "sglang-default", "fb-fb", "fb-tb", "fb", "fb-pab")
+ADMISSION = ("sarathi-queue-cap", "sarathi-queue-timeout")
 GRID_POLICIES = (*BASELINES, "fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab")
 GRID_TTFT_MS = (500, 1000, 1500, 2000)
 GRID_TPOT_MS = (50, 100, 150, 200)
@@ -93,18 +102,21 @@ def slo_catalog(ttft_ms: float, tpot_ms: float) -> SloCatalog:
 
 
 def sweep(scenario: Scenario, policies: Sequence[str], rates: Sequence[float], jobs, bar) -> tuple[dict, dict]:
-    plan = plan_sweep(policies, DEFAULT_TOKEN_BUDGETS)
+    plan = plan_sweep(policies)
     cdf_rate = rates[len(rates) // 2]
-    return run_sweep(scenario, plan, rates, cdf_rate=cdf_rate, jobs=jobs, progress=bar.update)
+
+    def planned(n: int) -> None:
+        bar.total += n
+        bar.refresh()
+
+    return run_sweep(scenario, plan, rates, cdf_rate=cdf_rate, jobs=jobs, progress=bar.update,
+                     planned=planned)
 
 
-def count_runs(policies: Sequence[str], rates: Sequence[float]) -> int:
-    return len(plan_sweep(policies, DEFAULT_TOKEN_BUDGETS).runs) * len(rates)
-
-
-def best_baseline(policies: dict) -> tuple[str, float]:
-    name = max(BASELINES, key=lambda n: policies[n]["peak_effective_rps"])
-    return name, policies[name]["peak_effective_rps"]
+def best_baseline(policies: dict) -> tuple[str, dict]:
+    found = _best_baseline(policies)
+    assert found is not None
+    return found
 
 
 def at_rate(entry: dict, rate: float) -> dict:
@@ -117,18 +129,11 @@ def knee_rate(document: dict) -> float:
     return document["policies"][name]["peak_rate"]
 
 
-def label(name: str, entry: dict) -> str:
-    return f"{name} ({entry['best_of'].split('@')[1]})" if "best_of" in entry else name
+label = display_label
 
 
-def peak(entry: dict, rates: Sequence[float]) -> str:
-    """Peak effective RPS; ``>=`` when it was reached at the highest load tried (a lower bound)."""
-    bound = ">=" if entry["peak_rate"] == max(rates) else ""
-    return f"{bound}{entry['peak_effective_rps']:.2f}"
-
-
-def ratio(value: float, base: float) -> str:
-    return f"{value / base:.2f}x" if base > 0 else "n/a"
+def peak(entry: dict, rates: Sequence[float]) -> str:  # noqa: ARG001
+    return peak_text(entry)
 
 
 def table3(document: dict) -> list[str]:
@@ -139,18 +144,15 @@ def table3(document: dict) -> list[str]:
         entry = policies[name]
         lines.append(
             f"| {label(name, entry)} | {peak(entry, document['rates'])} | {entry['peak_rate']:g} "
-            f"| {ratio(entry['peak_effective_rps'], base)} |"
+            f"| {ratio_text(entry, base)} |"
         )
     lines.append("")
     lines.append(
-        f"Best baseline: **{label(base_name, policies[base_name])}**. "
-        f"`fb` / best baseline = **{ratio(policies['fb']['peak_effective_rps'], base)}**, "
-        f"`fb-pab` / best baseline = **{ratio(policies['fb-pab']['peak_effective_rps'], base)}**, "
-        f"`fb-anchor-margin` / best baseline = "
-        f"**{ratio(policies['fb-anchor-margin']['peak_effective_rps'], base)}**, "
-        f"`fb-anchor-margin-pab` / best baseline = "
-        f"**{ratio(policies['fb-anchor-margin-pab']['peak_effective_rps'], base)}**. "
-        "A `>=` peak was reached at the highest load tried: a lower bound."
+        f"Best baseline: **{label(base_name, base)}**. "
+        + ", ".join(f"`{n}` / best baseline = **{ratio_text(policies[n], base)}**"
+                    for n in ("fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab"))
+        + ". A `>=` peak was reached at the highest load tried: a lower bound, never used for "
+        "a ratio (`n/a (>=)`). `[edge: X]`: the tuned best sits at a bound of axis X."
     )
     return lines
 
@@ -179,11 +181,12 @@ def _ms(value: float | None) -> str:
 
 
 def plot_breakdown(documents: dict[str, dict], path: Path) -> None:
-    names = (*BREAKDOWN, "vllm-default", *BEYOND)
+    names = (*BREAKDOWN, "vllm-default", *ADMISSION, *BEYOND)
     fig, axes = plt.subplots(1, len(documents), figsize=(6.5 * len(documents), 4.2), squeeze=False)
     for ax, (profile, document) in zip(axes[0], documents.items()):
         values = [document["policies"][n]["peak_effective_rps"] for n in names]
-        colors = ["#4c72b0"] * len(BREAKDOWN) + ["#8c8c8c"] + ["#dd8452"] * len(BEYOND)
+        colors = (["#4c72b0"] * len(BREAKDOWN) + ["#8c8c8c"] * (1 + len(ADMISSION))
+                  + ["#dd8452"] * len(BEYOND))
         ax.bar(range(len(names)), values, color=colors)
         ax.set_xticks(range(len(names)), [label(n, document["policies"][n]) for n in names],
                       rotation=40, ha="right", fontsize=8)
@@ -208,18 +211,19 @@ def table5(grid: dict[tuple[int, int], dict]) -> list[str]:
             for tpot in GRID_TPOT_MS:
                 document = grid[(ttft, tpot)]
                 policies = document["policies"]
-                base_name, base = best_baseline(policies)
-                value = policies[name]["peak_effective_rps"]
-                capped = any(
-                    policies[n]["peak_rate"] == max(document["rates"]) for n in (name, base_name)
-                )
-                mark = " †" if capped else ""
-                cells.append(f"{(value / base - 1) * 100:+.1f}%{mark}" if base > 0 else "n/a")
+                _, base = best_baseline(policies)
+                entry = policies[name]
+                if entry.get("peak_at_highest_load") or base.get("peak_at_highest_load"):
+                    cells.append("n/a †")
+                elif base["peak_effective_rps"] > 0:
+                    cells.append(f"{(entry['peak_effective_rps'] / base['peak_effective_rps'] - 1) * 100:+.1f}%")
+                else:
+                    cells.append("n/a")
             lines.append(f"| {ttft} ms | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append(
-        "† one of the two peaks was reached at the highest load tried, so it is a lower "
-        "bound and the difference is not exact."
+        "† one of the two peaks was reached at the highest load tried: a lower bound, so no "
+        "ratio is given."
     )
     lines.append("")
     lines.append("Best baseline per cell (its peak effective RPS):")
@@ -231,7 +235,7 @@ def table5(grid: dict[tuple[int, int], dict]) -> list[str]:
         for tpot in GRID_TPOT_MS:
             policies = grid[(ttft, tpot)]["policies"]
             name, base = best_baseline(policies)
-            cells.append(f"{label(name, policies[name])} {peak(policies[name], grid[(ttft, tpot)]['rates'])}")
+            cells.append(f"{label(name, base)} {peak(base, grid[(ttft, tpot)]['rates'])}")
         lines.append(f"| {ttft} ms | " + " | ".join(cells) + " |")
     return lines
 
@@ -244,9 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out
     (out / "results").mkdir(parents=True, exist_ok=True)
     main_policies = (*BASELINES, *PAPER_POLICIES, *BEYOND)
-    total = sum(count_runs(main_policies, settings[p].rates) for p in args.profiles)
-    if not args.no_grid:
-        total += count_runs(GRID_POLICIES, grid_setting.rates) * len(GRID_TTFT_MS) * len(GRID_TPOT_MS)
+    total = 0  # tuning decides the number of runs as it goes
     started = time.time()
     documents: dict[str, dict] = {}
     grid: dict[tuple[int, int], dict] = {}
@@ -291,7 +293,9 @@ def write_report(args, out: Path, trace_label: str, settings, grid_setting, docu
         "scaled to each offered load. GPU: the roofline profiles in `configs/profiles/` (noise "
         "and stalls on; policies learn their step model online). A request meets its SLO when "
         "TTFT <= target and its max TPOT <= target; effective RPS = offered load x attainment; "
-        "a rejection (fb-pab) is a violation.",
+        "a rejection (fb-pab, sarathi-queue-cap) or an abort (sarathi-queue-timeout) is a "
+        "violation. Baselines: " + ", ".join(f"`{n}`" for n in BASELINES) + "; every ratio "
+        "divides by the best of them.",
         "",
     ]
     for profile_name, document in documents.items():
@@ -301,8 +305,11 @@ def write_report(args, out: Path, trace_label: str, settings, grid_setting, docu
             "",
             f"First {setting.head_s:g} s of the trace ({document['scenario']['requests']} requests, "
             f"natural rate {document['scenario']['natural_rate']:.2f} req/s); offered loads "
-            f"{', '.join(f'{r:g}' for r in setting.rates)} req/s; token budgets "
-            f"{', '.join(map(str, DEFAULT_TOKEN_BUDGETS))} for sarathi and fb-fb (best shown).",
+            f"{', '.join(f'{r:g}' for r in setting.rates)} req/s. Tuned families (best shown, "
+            "every setting in `results/`): `sarathi` and `fb-fb` over token budgets 32-8192 "
+            "refined to a 25% step; `sarathi-queue-cap` (vLLM's queued-token cap) over budget x "
+            "cap around TTFT x prefill throughput; `sarathi-queue-timeout` (SGLang's waiting "
+            "timeout) over budget x timeout around the TTFT (`sglang_ext/sim/tuning.py`).",
             "",
             "### Table 3: peak effective RPS",
             "",
