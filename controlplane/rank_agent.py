@@ -50,8 +50,10 @@ from controlplane.protocol import (
     daemon_to_agent_channel,
     encode,
 )
+from controlplane.ratelimited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
+LOG_INTERVAL_S = 10.0
 
 HELLO_RETRY_S = 1.0
 UNKNOWN_RANK = "unknown rank"  # Fenced.detail: the daemon does not know the rank (any more)
@@ -170,6 +172,7 @@ class RankAgent:
         self.daemon_id: str | None = None
         self.heartbeat_interval_s: float | None = None
         self.counters: Counter[str] = Counter()
+        self._rare_log = RateLimitedLog(logger, LOG_INTERVAL_S)
         self._engine = engine
         self._context = context or zmq.asyncio.Context.instance()
         self._hwm = hwm
@@ -269,12 +272,16 @@ class RankAgent:
         if goodbye:
             pending += [Goodbye(rank=rank, epoch=self.epoch) for rank in self._served()]
         deadline = time.monotonic() + self._close_timeout_s
+        sent_count = 0
         try:
             for message in pending:
                 sent = self._socket.send(encode(message))
                 await asyncio.wait_for(sent, deadline - time.monotonic())
+                sent_count += 1
         except (TimeoutError, zmq.ZMQError) as error:
-            logger.warning("agent %s closing: messages not sent (%r)", self.agent_id, error)
+            self.counters["unsent_at_close"] += len(pending) - sent_count
+            logger.warning("agent %s closing: %d messages not sent (%r)", self.agent_id,
+                           len(pending) - sent_count, error)
         linger_ms = max(0, math.ceil((deadline - time.monotonic()) * 1e3))
         self._socket.close(linger=linger_ms)  # NOTE: a bounded linger lets Goodbye leave
 
@@ -356,28 +363,30 @@ class RankAgent:
             if self._drain_deadline is not None:
                 wake_at = min(wake_at, self._drain_deadline)
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), max(0.0, wake_at - loop.time()))
-            except TimeoutError:
-                pass
+            await _wait(self._wake, max(0.0, wake_at - loop.time()))
 
     def _enqueue(self, message: AgentMessage) -> None:
         try:
             self._outbox.put_nowait(message)
         except asyncio.QueueFull:
-            self.counters[f"{type(message).__name__.lower()}_dropped"] += 1
+            kind = type(message).__name__.lower()
+            self.counters[f"{kind}_dropped"] += 1
+            self._rare_log.warning(f"outbox_full:{kind}", "outbox full; message dropped",
+                                   agent=self.agent_id, message=kind)
 
     # ---------------------------------------------------------------- daemon messages
     def _on_frames(self, frames: list[bytes]) -> list[AgentMessage]:
         if len(frames) != 1:
             self.counters["frames_dropped_multipart"] += 1
-            logger.warning("agent %s: dropped a %d-frame message", self.agent_id, len(frames))
+            self._rare_log.warning("frame_dropped:multipart", "dropped a multipart message",
+                                   agent=self.agent_id, frames=len(frames))
             return []
         try:
             message = self._channel.decode(frames[0])
         except FrameError as error:
             self.counters[f"frames_dropped_{error.kind}"] += 1
-            logger.warning("agent %s: dropped a frame from the daemon: %s", self.agent_id, error)
+            self._rare_log.warning(f"frame_dropped:{error.kind}", "dropped a frame from the daemon",
+                                   agent=self.agent_id, error=str(error)[:200])
             return []
         match message:
             case Welcome():
@@ -422,8 +431,9 @@ class RankAgent:
         try:
             self._engine.welcomed(welcome)
         except Exception:
-            logger.exception("agent %s: the engine failed on Welcome for %s", self.agent_id,
-                             welcome.rank)
+            self.counters["engine_welcome_errors"] += 1
+            self._rare_log.error("engine_welcome_error", "the engine failed on Welcome", exc_info=True,
+                                 agent=self.agent_id, rank=welcome.rank)
         return replies
 
     def _on_dispatch(self, dispatch: Dispatch) -> list[AgentMessage]:
@@ -532,3 +542,12 @@ def _check_hello(hello: Hello) -> None:
             f"invalid {field_name} {getattr(hello, field_name, '?')!r}: agent ids and rank names "
             "are 1-64 printable ASCII characters without spaces, epochs 1 to 2**63-1"
         ) from None
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
+    """Whether ``event`` was set within ``timeout_s`` (False: the time ran out)."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True

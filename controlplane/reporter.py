@@ -3,11 +3,13 @@
 It lives in the process that knows the load (an SGLang scheduler, a simulated rank),
 which may have no event loop. A report that cannot be queued at once (no daemon
 connected, or ``hwm`` reports already waiting) is dropped: only the latest load
-matters, and the next report replaces it.
+matters, and the next report replaces it. Drops are counted (``dropped``) and logged at
+most once a minute.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Hashable
 
@@ -15,6 +17,9 @@ import zmq
 
 from controlplane.curve import CurvePeer
 from controlplane.protocol import Report, encode
+from controlplane.ratelimited_log import RateLimitedLog
+
+logger = logging.getLogger(__name__)
 
 
 class ReportPublisher:
@@ -39,6 +44,7 @@ class ReportPublisher:
         self.seq = 0
         self.sent = 0
         self.dropped = 0
+        self._rare_log = RateLimitedLog(logger, 60.0)
         self._socket = (context or zmq.Context.instance()).socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, hwm)
@@ -78,6 +84,9 @@ class ReportPublisher:
             self._socket.send(encode(report), zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1
+            self._rare_log.warning("report_dropped", "load report dropped (no daemon connected, or "
+                                   "the send queue is full)", address=self.address, rank=self.rank,
+                                   dropped_total=self.dropped)
             return False
         self.sent += 1
         return True
