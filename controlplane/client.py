@@ -9,11 +9,12 @@ Promises:
 - A request keeps its id on every retry. It is resubmitted (at most ``max_retries``
   times, after ``retry_after_s`` or an exponential backoff, with jitter, never past its
   deadline) when the daemon refused it before dispatch (``no_budget``, ``overloaded``,
-  ``queue_timeout``, ``no_ranks``), when its rank was lost before any output reached the
-  client, or when the daemon connection was lost (a disconnect, a Pong from another
-  ``daemon_id``, or no Pong within ``connect_timeout_s`` after ``daemon_timeout_s`` of
-  silence) before any output reached the client. After output, those raise
-  :class:`RankLost` / :class:`DaemonUnavailable`. Nothing else is retried.
+  ``queue_timeout``, ``no_ranks``), when its rank was lost or the daemon failed handling
+  it (``internal``) before any output reached the client, or when the daemon connection
+  was lost (a disconnect, a Pong from another ``daemon_id``, or no Pong within
+  ``connect_timeout_s`` after ``daemon_timeout_s`` of silence) before any output reached
+  the client. After output, those raise :class:`RankLost` / :class:`InternalError` /
+  :class:`DaemonUnavailable`. Nothing else is retried.
 - No wait is unbounded: a silent request pings the daemon every ``daemon_timeout_s``;
   a deadline bounds the whole call (the daemon is given what is left of it).
 - A request that ends on the client's side (deadline, break, exception, task
@@ -48,9 +49,11 @@ from controlplane.protocol import (
     FrameError, Ping, Pong, Prompt, RejectReason, SamplingParams, SloSpec, StatusReply, StatusRequest,
     Submit, client_reply_channel, client_request_channel, encode, retryable,
 )
+from controlplane.ratelimited_log import RateLimitedLog
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5560"
 log = logging.getLogger(__name__)
+LOG_INTERVAL_S = 10.0
 T = TypeVar("T")
 
 
@@ -156,6 +159,7 @@ class AsyncClient:
         self.stream_buffer = stream_buffer
         self.hwm = hwm
         self.frames_dropped = 0
+        self._rare_log = RateLimitedLog(log, LOG_INTERVAL_S)
         self._requests = client_request_channel(max_frame_bytes)
         self._replies = client_reply_channel(max_frame_bytes)
         self._socket: zmq.asyncio.Socket | None = None
@@ -370,7 +374,7 @@ class AsyncClient:
                     reason = message.reason
                     # a duplicate after a lost connection: the old attempt is still known there
                     may_retry = retryable(reason) or (recovering and reason is RejectReason.DUPLICATE)
-                    if not may_retry or (reason is RejectReason.RANK_LOST and streamed):
+                    if not may_retry or streamed:  # the consumer has seen part of the output
                         raise error
                     retry_after, recovering = message.retry_after_s, reason is RejectReason.DUPLICATE
                 if attempts > self.max_retries:
@@ -510,7 +514,8 @@ class AsyncClient:
             message = self._replies.decode(frames[0])
         except FrameError as error:
             self.frames_dropped += 1
-            log.warning("dropped a frame from the daemon: %s", error)
+            self._rare_log.warning(f"frame_dropped:{error.kind}", "dropped a frame from the daemon",
+                                   daemon=self.address, error=str(error)[:200])
             return
         if isinstance(message, Pong):
             self._saw_daemon(message.daemon_id)

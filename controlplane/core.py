@@ -4,15 +4,24 @@ Every handler takes the current time and returns the sends it causes; the asynci
 (:mod:`controlplane.daemon`) owns the sockets and reports failed sends back through
 :meth:`DispatcherCore.on_send_failed`. Every request leaves the table through
 :meth:`DispatcherCore._close`, the one place that releases its in-flight slot, so each
-exit path (finish, error, cancel, deadline, client gone, rank lost, drain) releases it
-exactly once.
+exit path (finish, error, cancel, deadline, client gone, rank lost, drain, internal
+error) releases it exactly once.
+
+Every entry point (``on_client``, ``on_agent``, ``on_report``, ``on_tick``,
+``on_send_failed``) is guarded: a bug in a handler is counted (``internal_errors``),
+logged (rate-limited), and the requests the message concerned, or that the handler
+left half-done, end with ``Reject internal`` (:meth:`DispatcherCore._recover`); those it
+had already closed still get their answers. So an accepted request always gets exactly
+one final answer, and the daemon serves on.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controlplane.balancer import RankView, least_in_flight, make_balancer
@@ -24,6 +33,7 @@ from controlplane.protocol import (
     Heartbeat, Hello, Output, Ping, Pong, RankStatus, Reject, RejectReason, Report, StatusReply, StatusRequest, Submit, Welcome,
     retryable,
 )
+from controlplane.ratelimited_log import RateLimitedLog
 from controlplane.registry import Departure, HelloOutcome, RankRegistry, RankState, ReportOutcome
 
 UNKNOWN_AGENT = "unknown agent"
@@ -65,9 +75,19 @@ class Pending:
     tried: set[str] = field(default_factory=set)
 
 
+@dataclass(slots=True)
+class _Step:
+    """What the current call into the core has done so far, for :meth:`DispatcherCore._recover`."""
+
+    closed: list[Send] = field(default_factory=list)  # everything _close returned (final answers, aborts)
+    dispatched: set[str] = field(default_factory=set)  # dispatched in this call: the rank has not got it
+    working: str | None = None  # the request a loop is working on
+    ending: list[str] = field(default_factory=list)  # requests the call ends anyway (drain, abort all)
+
+
 class DispatcherCore:
     def __init__(self, config: DaemonConfig, daemon_id: str, started_at: float,
-                 first_dispatch_seq: int = 1) -> None:
+                 first_dispatch_seq: int = 1, log: RateLimitedLog | None = None) -> None:
         self.config = config
         self.daemon_id = daemon_id
         self.started_at = started_at
@@ -75,10 +95,12 @@ class DispatcherCore:
         self.ledger = DispatchLedger(first_dispatch_seq)
         self.balancer = make_balancer(config.policy, config.seed)
         self.counters: Counter[str] = Counter()
+        self.log = log if log is not None else RateLimitedLog(logging.getLogger(__name__))
         self.draining = False
         self._requests: dict[str, Pending] = {}
         self._queue: deque[str] = deque()
         self._deadlines: list[tuple[float, str]] = []
+        self._step = _Step()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -112,6 +134,9 @@ class DispatcherCore:
 
     # ------------------------------------------------------------------ clients
     def on_client(self, identity: bytes, message: ClientRequest, now: float) -> list[Send]:
+        return self._guarded("client", identity, message, self._client_message, identity, message, now)
+
+    def _client_message(self, identity: bytes, message: ClientRequest, now: float) -> list[Send]:
         match message:
             case Submit():
                 return self._submit(identity, message, now)
@@ -228,6 +253,7 @@ class DispatcherCore:
         pending.rank, pending.epoch, pending.agent, pending.dispatch_seq = rank, state.epoch, state.agent, seq
         pending.queued_until = None
         pending.tried.add(rank)
+        self._step.dispatched.add(request_id)
         state.in_flight.add(request_id)
         state.dispatched += 1
         self.counters["dispatched"] += 1
@@ -248,6 +274,7 @@ class DispatcherCore:
             pending = self._requests.get(request_id)
             if pending is None or pending.rank is not None:
                 continue
+            self._step.working = request_id
             if pending.queued_until is not None and now > pending.queued_until:
                 self.counters["queue_timeouts"] += 1
                 sends += self._close(request_id, self._reject(
@@ -261,6 +288,7 @@ class DispatcherCore:
             else:
                 sends += self._dispatch(request_id, pending, rank)
                 views = None
+        self._step.working = None
         return sends
 
     def _reject(self, request_id: str, reason: RejectReason, detail: str, *, output_sent: bool = False) -> Reject:
@@ -270,17 +298,20 @@ class DispatcherCore:
         return Reject(request_id, reason, detail, retry_after_s=retry_after, retryable=can_retry)
 
     # ------------------------------------------------------------------ the one exit
-    def _close(self, request_id: str, reply: ClientReply | None, *, abort: bool = False) -> list[Send]:
+    def _close(self, request_id: str, reply: ClientReply | None, *, abort: bool = False,
+               release: bool = False) -> list[Send]:
+        """End the request once: free its queue or in-flight slot, ``abort`` it at the rank,
+        ``release`` its debit (the rank will not serve it), send ``reply`` to the client."""
         pending = self._requests.pop(request_id, None)
         if pending is None:
             return []
         sends: list[Send] = []
         if pending.rank is None:
-            try:
+            if request_id in self._queue:  # not while _pump_queue holds it, nor before it was queued
                 self._queue.remove(request_id)
-            except ValueError:
-                pass
         else:
+            if release:
+                self.ledger.release(pending.rank, pending.dispatch_seq)
             state = self.registry.get(pending.rank)
             if state is not None and state.epoch == pending.epoch:
                 state.in_flight.discard(request_id)
@@ -289,10 +320,114 @@ class DispatcherCore:
         self.counters["closed"] += 1
         if reply is not None:
             sends.append(ToClient(pending.client, reply))
+        self._step.closed += sends
         return sends
+
+    # ------------------------------------------------------------------ internal errors
+    def _guarded(self, where: str, identity: bytes, message: object,
+                 handle: Callable[..., list[Send]], *args: object) -> list[Send]:
+        self._step = _Step()
+        try:
+            return handle(*args)
+        except Exception:
+            return self._recover(where, identity, message)
+
+    def _recover(self, where: str, identity: bytes, message: object) -> list[Send]:
+        """A bug in the handler of ``message`` (called in its ``except``). The requests it
+        had closed keep their answers; those it concerned or left half-done end with
+        ``Reject internal``, their debits released; queued ones it had not reached go back
+        in the queue."""
+        step = self._step
+        name = where if message is None else type(message).__name__
+        self.counters["internal_errors"] += 1
+        self.log.error(f"internal_error:{where}:{name}", "message handling failed", exc_info=True,
+                       socket=where, message=name)
+        detail = f"the daemon failed handling {name}; see its log"
+        sends = list(step.closed)
+        answered = {s.message.request_id for s in step.closed if isinstance(s, ToClient)}
+        concerned = dict.fromkeys([*self._concerned(identity, message), *step.ending, *step.dispatched])
+        if step.working is not None:
+            concerned[step.working] = None
+        for request_id in self._orphans():
+            pending = self._requests[request_id]
+            if request_id not in concerned and pending.rank is None and pending.queued_until is not None:
+                self._queue.append(request_id)
+            else:
+                concerned[request_id] = None
+        for request_id in concerned:
+            pending = self._requests.get(request_id)
+            if pending is None:
+                continue
+            self.counters["internal_error_requests"] += 1
+            reject = self._reject(request_id, RejectReason.INTERNAL, detail, output_sent=pending.output_sent)
+            sends += self._close(request_id, reject, release=True,
+                                 abort=pending.rank is not None and request_id not in step.dispatched)
+            answered.add(request_id)
+        if isinstance(message, Submit) and message.request_id not in answered:
+            sends.append(ToClient(identity, self._reject(message.request_id, RejectReason.INTERNAL, detail)))
+        return sends
+
+    def _concerned(self, identity: bytes, message: object) -> list[str]:
+        """The requests ``message`` was about, found without the handler that failed."""
+        match message:
+            case Submit(request_id=request_id):
+                pending = self._requests.get(request_id)
+                return [request_id] if pending is not None and pending.submit is message else []
+            case Cancel(request_id=request_id):
+                pending = self._requests.get(request_id)
+                return [request_id] if pending is not None and pending.client == identity else []
+            case Output() | Done():
+                pending = self._requests.get(message.request_id)
+                state = self.registry.get(message.rank)
+                ours = (pending is not None and state is not None and state.agent == identity
+                        and state.epoch == message.epoch == pending.epoch and pending.rank == message.rank
+                        and message.dispatch_seq in (0, pending.dispatch_seq))
+                return [message.request_id] if ours else []
+            case Goodbye(rank=rank, epoch=epoch) | Hello(rank=rank, epoch=epoch):
+                # Goodbye ends the rank's requests, a newer epoch's Hello replaces them
+                older = isinstance(message, Hello)
+                return [request_id for request_id, pending in self._requests.items()
+                        if pending.rank == rank and (pending.epoch < epoch if older else
+                                                     (pending.epoch, pending.agent) == (epoch, identity))]
+            case ToClient(message=reply):
+                request_id = getattr(reply, "request_id", None)
+                pending = self._requests.get(request_id) if request_id is not None else None
+                return [request_id] if pending is not None and pending.client == identity else []
+            case ToAgent(message=Dispatch(request_id=request_id, dispatch_seq=seq)):
+                pending = self._requests.get(request_id)
+                return [request_id] if pending is not None and pending.dispatch_seq == seq else []
+        return []
+
+    def _orphans(self) -> list[str]:
+        """Requests that neither the queue nor their rank's in-flight set holds: nothing
+        would ever end them (a handler failed half-way)."""
+        queued = set(self._queue)
+        orphans = []
+        for request_id, pending in self._requests.items():
+            if pending.rank is None:
+                if request_id not in queued:
+                    orphans.append(request_id)
+                continue
+            state = self.registry.get(pending.rank)
+            if state is None or state.epoch != pending.epoch or request_id not in state.in_flight:
+                orphans.append(request_id)
+        return orphans
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless every request is queued once or in flight on its rank's
+        current epoch, and the ranks' in-flight sets hold nothing else."""
+        orphans = self._orphans()
+        on_ranks = sum(len(state.in_flight) for state in self.registry.ranks())
+        if orphans or on_ranks != self.in_flight or len(set(self._queue)) != len(self._queue):
+            raise RuntimeError(f"core integrity: {len(orphans)} orphaned requests {orphans[:5]}, "
+                               f"{on_ranks} in flight on ranks vs {self.in_flight} dispatched, "
+                               f"{len(self._queue)} queue slots for {len(set(self._queue))} requests")
 
     # ------------------------------------------------------------------ agents
     def on_agent(self, identity: bytes, message: AgentMessage, now: float) -> list[Send]:
+        return self._guarded("agent", identity, message, self._agent_message, identity, message, now)
+
+    def _agent_message(self, identity: bytes, message: AgentMessage, now: float) -> list[Send]:
         match message:
             case Hello():
                 return self._hello(identity, message, now)
@@ -366,9 +501,9 @@ class DispatcherCore:
             pending.text.append(message.text)
             pending.token_ids.extend(message.token_ids)
             return []
-        if message.invalid:
-            self.ledger.release(message.rank, pending.dispatch_seq)  # it never reached the scheduler
-            return self._close(request_id, self._reject(request_id, RejectReason.INVALID, message.error))
+        if message.invalid:  # it never reached the scheduler: release its debit
+            return self._close(request_id, self._reject(request_id, RejectReason.INVALID, message.error),
+                               release=True)
         self.counters[f"finished_{message.reason}"] += 1
         text = "" if pending.submit.stream else "".join(pending.text) + message.text
         token_ids = [] if pending.submit.stream else pending.token_ids + message.token_ids
@@ -393,6 +528,9 @@ class DispatcherCore:
 
     # ------------------------------------------------------------------ reports
     def on_report(self, report: Report, now: float) -> list[Send]:
+        return self._guarded("report", b"", report, self._report, report, now)
+
+    def _report(self, report: Report, now: float) -> list[Send]:
         outcome, gaps = self.registry.report(report, now)
         self.counters[f"reports_{outcome.value}"] += 1
         if gaps:
@@ -404,6 +542,9 @@ class DispatcherCore:
 
     # ------------------------------------------------------------------ time and failures
     def on_tick(self, now: float) -> list[Send]:
+        return self._guarded("tick", b"", None, self._tick, now)
+
+    def _tick(self, now: float) -> list[Send]:
         sends: list[Send] = []
         for departure in self.registry.lost_agents(now, self.config.lost_after_s):
             self.counters["ranks_lost"] += 1
@@ -413,13 +554,18 @@ class DispatcherCore:
             pending = self._requests.get(request_id)
             if pending is None or pending.deadline_at != deadline_at:
                 continue
+            self._step.working = request_id
             self.counters["deadline_expired"] += 1
             sends += self._close(request_id, self._reject(request_id, RejectReason.DEADLINE,
                                                           "the request's deadline passed"), abort=True)
+        self._step.working = None
         return sends + self._pump_queue(now)
 
     def on_send_failed(self, send: Send, now: float) -> list[Send]:
         """A send could not be delivered (peer gone or its queue full)."""
+        return self._guarded("send_failed", send.identity, send, self._send_failed, send, now)
+
+    def _send_failed(self, send: Send, now: float) -> list[Send]:
         self.counters["send_failures"] += 1
         message = send.message
         if isinstance(send, ToClient):
@@ -444,7 +590,11 @@ class DispatcherCore:
 
     # ------------------------------------------------------------------ drain
     def begin_drain(self) -> list[Send]:
+        return self._guarded("drain", b"", None, self._begin_drain)
+
+    def _begin_drain(self) -> list[Send]:
         self.draining = True
+        self._step.ending += self._queue
         sends: list[Send] = []
         for request_id in list(self._queue):
             sends += self._close(request_id, self._reject(request_id, RejectReason.SHUTTING_DOWN,
@@ -452,6 +602,10 @@ class DispatcherCore:
         return sends
 
     def abort_all(self, detail: str) -> list[Send]:
+        return self._guarded("abort_all", b"", None, self._abort_all, detail)
+
+    def _abort_all(self, detail: str) -> list[Send]:
+        self._step.ending += self._requests
         sends: list[Send] = []
         for request_id, pending in list(self._requests.items()):
             sends += self._close(request_id, self._reject(request_id, RejectReason.SHUTTING_DOWN, detail,

@@ -7,7 +7,12 @@ the daemon stops)::
     rank socket owner     ROUTER  recv -> core.on_agent,   its outbox -> send
     report socket owner   PULL    recv -> core.on_report
     ticker                        core.on_tick every TICK_S (staleness, lost ranks, deadlines, queue TTL)
-    drain watcher                 SIGTERM/SIGINT -> drain -> stop
+    drain watcher                 SIGTERM/SIGINT -> drain -> cancel the others -> return
+
+A bug in a core handler is the core's to recover from (the requests concerned end with
+``Reject internal``); one in that recovery is counted (``internal_errors_unrecovered``)
+and logged here, and the daemon serves on. Errors that repeat (bad frames, failed
+sends) are counted and logged at most once per ``LOG_INTERVAL_S`` each.
 
 The core (:mod:`controlplane.core`) is synchronous and does no I/O; sends it returns go
 to the owning socket's bounded outbox. A send that fails (``EHOSTUNREACH`` under
@@ -37,9 +42,11 @@ from controlplane.core import DispatcherCore, Send, ToAgent, ToClient
 from controlplane.protocol import (
     Channel, FrameError, agent_message_channel, client_request_channel, encode, report_channel,
 )
+from controlplane.ratelimited_log import RateLimitedLog
 
 TICK_S = 0.05
 FLUSH_GRACE_S = 0.2
+LOG_INTERVAL_S = 10.0
 
 
 def configure_logging(level: str) -> None:
@@ -57,10 +64,6 @@ def configure_logging(level: str) -> None:
     )
 
 
-class _Stop(Exception):
-    """Raised inside the supervisor to end every task after a drain."""
-
-
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -68,8 +71,10 @@ class Daemon:
         # Ranks keep echoing the dispatch numbers of a previous daemon incarnation; start
         # above any number it can have handed out (fewer than 10**6 per second per rank).
         first_dispatch_seq = time.time_ns() // 1000
-        self.core = DispatcherCore(config, self.daemon_id, time.monotonic(), first_dispatch_seq)
         self.log = structlog.get_logger("controlplane").bind(daemon=self.daemon_id)
+        self.rare_log = RateLimitedLog(self.log, LOG_INTERVAL_S)
+        self.core = DispatcherCore(config, self.daemon_id, time.monotonic(), first_dispatch_seq,
+                                   log=self.rare_log)
         self._context = zmq.asyncio.Context()
         self._curve_keys: KeyPair | None = None
         self._authenticator: AsyncioAuthenticator | None = None
@@ -131,21 +136,22 @@ class Daemon:
                       curve=self.config.curve)
         try:
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._own_router(self.client_socket, self._client_outbox,
-                                                   client_request_channel(self.config.max_frame_bytes),
-                                                   self.core.on_client, "client"))
-                tasks.create_task(self._own_router(self.rank_socket, self._agent_outbox,
-                                                   agent_message_channel(self.config.max_frame_bytes),
-                                                   self.core.on_agent, "agent"))
-                tasks.create_task(self._own_reports())
-                tasks.create_task(self._tick())
-                tasks.create_task(self._drain_watcher())
+                workers = [
+                    tasks.create_task(self._own_router(self.client_socket, self._client_outbox,
+                                                       client_request_channel(self.config.max_frame_bytes),
+                                                       self.core.on_client, "client")),
+                    tasks.create_task(self._own_router(self.rank_socket, self._agent_outbox,
+                                                       agent_message_channel(self.config.max_frame_bytes),
+                                                       self.core.on_agent, "agent")),
+                    tasks.create_task(self._own_reports()),
+                    tasks.create_task(self._tick()),
+                ]
+                tasks.create_task(self._drain_watcher(workers))
                 self._ready.set()
-        except* _Stop:
-            pass
         finally:
             self._close()
-            self.log.info("daemon stopped", counters=dict(self.core.counters))
+            self.log.info("daemon stopped", counters=dict(self.core.counters),
+                          log_lines_suppressed=self.rare_log.suppressed())
 
     # ------------------------------------------------------------------ plumbing
     def _deliver(self, sends: list[Send]) -> None:
@@ -156,14 +162,18 @@ class Daemon:
             try:
                 outbox.put_nowait(send)
             except asyncio.QueueFull:
-                self.log.warning("outbox full", peer=send.identity.decode(errors="replace"),
-                                 message=type(send.message).__name__)
-                pending.extend(self.core.on_send_failed(send, time.monotonic()))
+                where = "client" if isinstance(send, ToClient) else "agent"
+                self.core.counters[f"outbox_full_{where}"] += 1
+                self.rare_log.warning(f"outbox_full:{where}", "outbox full; the send failed",
+                                      peer=send.identity.decode(errors="replace"),
+                                      message=type(send.message).__name__)
+                pending.extend(self._handled("send_failed", self.core.on_send_failed, send))
 
     def _drop(self, where: str, peer: bytes | None, error: FrameError) -> None:
         self.core.counters[f"frames_dropped_{error.kind}"] += 1
-        self.log.warning("frame dropped", socket=where, kind=error.kind, detail=error.detail[:200],
-                         peer=peer.decode(errors="replace") if peer is not None else None)
+        self.rare_log.warning(f"frame_dropped:{where}:{error.kind}", "frame dropped", socket=where,
+                              kind=error.kind, detail=error.detail[:200],
+                              peer=peer.decode(errors="replace") if peer is not None else None)
 
     async def _own_router(
         self,
@@ -206,18 +216,18 @@ class Daemon:
         except FrameError as error:
             self._drop(where, peer, error)
             return
-        self._deliver(self._handled(handle, peer, message, where))
+        self._deliver(self._handled(where, handle, peer, message))
 
-    def _handled(self, handle: Callable, *args) -> list[Send]:
-        """The core's reply to one message; a bug in it is logged and counted, and the daemon
-        keeps serving the other requests."""
-        *inputs, where = args
+    def _handled(self, where: str, handle: Callable[..., list[Send]], *inputs: object) -> list[Send]:
+        """What the core sends in answer to ``inputs``. The core recovers from a bug in a
+        handler itself; this is the backstop for a bug in that recovery."""
         try:
             return handle(*inputs, time.monotonic())
         except Exception:
-            self.core.counters["internal_errors"] += 1
-            self.log.exception("message handling failed", socket=where,
-                               message=type(inputs[-1]).__name__)
+            self.core.counters["internal_errors_unrecovered"] += 1
+            name = type(inputs[-1]).__name__ if inputs else where
+            self.rare_log.error(f"unrecovered:{where}:{name}", "message handling failed; no answer sent",
+                                exc_info=True, socket=where, message=name)
             return []
 
     def _send(self, socket: zmq.asyncio.Socket, send: Send) -> None:
@@ -227,9 +237,10 @@ class Daemon:
         if error is not None:
             if not isinstance(error, zmq.ZMQError) or error.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise error
-            self.log.info("send failed", peer=send.identity.decode(errors="replace"),
-                          message=type(send.message).__name__, error=error.strerror)
-            self._deliver(self.core.on_send_failed(send, time.monotonic()))
+            self.rare_log.info(f"send_failed:{error.errno}", "send failed",
+                               peer=send.identity.decode(errors="replace"),
+                               message=type(send.message).__name__, error=error.strerror)
+            self._deliver(self._handled("send_failed", self.core.on_send_failed, send))
 
     async def _own_reports(self) -> None:
         channel = report_channel()
@@ -243,13 +254,13 @@ class Daemon:
             except FrameError as error:
                 self._drop("report", None, error)
                 continue
-            self._deliver(self._handled(self.core.on_report, report, "report"))
+            self._deliver(self._handled("report", self.core.on_report, report))
 
     async def _tick(self) -> None:
         known: set[str] = set()
         while True:
             await asyncio.sleep(TICK_S)
-            self._deliver(self.core.on_tick(time.monotonic()))
+            self._deliver(self._handled("tick", self.core.on_tick))
             ranks = {state.rank for state in self.core.registry.ranks()}
             for rank in sorted(ranks - known):
                 self.log.info("rank joined", rank=rank)
@@ -257,21 +268,24 @@ class Daemon:
                 self.log.warning("rank gone", rank=rank)
             known = ranks
 
-    async def _drain_watcher(self) -> None:
+    async def _drain_watcher(self, workers: list[asyncio.Task]) -> None:
+        """Wait for a drain request, drain, then cancel ``workers`` (the supervisor ends)."""
         await self._drain_requested.wait()
         self.log.info("draining", in_flight=self.core.in_flight, queued=self.core.queued)
-        self._deliver(self.core.begin_drain())
+        self._deliver(self._handled("drain", lambda now: self.core.begin_drain()))
         deadline = time.monotonic() + self.config.drain_timeout_s
         while not self.core.idle and time.monotonic() < deadline:
             await asyncio.sleep(TICK_S)
         if not self.core.idle:
             self.log.warning("drain timed out; aborting", in_flight=self.core.in_flight)
-            self._deliver(self.core.abort_all("the daemon stopped before the request finished"))
+            self._deliver(self._handled("drain", lambda now: self.core.abort_all(
+                "the daemon stopped before the request finished")))
         flush_deadline = time.monotonic() + FLUSH_GRACE_S
         while (not self._client_outbox.empty() or not self._agent_outbox.empty()) \
                 and time.monotonic() < flush_deadline:
             await asyncio.sleep(0.01)
-        raise _Stop
+        for task in workers:
+            task.cancel()
 
 
 def run(config: DaemonConfig) -> int:

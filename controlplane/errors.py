@@ -75,6 +75,11 @@ class ShuttingDown(RequestRejected):
     pass
 
 
+class InternalError(RequestRejected):
+    """The daemon failed while handling a message about the request (a bug there, in its
+    log and its ``internal_errors`` counter). The SDK retries it only before any output."""
+
+
 _BY_REASON: dict[RejectReason, type[RequestRejected]] = {
     RejectReason.NO_BUDGET: NoBudget,
     RejectReason.OVERLOADED: Overloaded,
@@ -85,6 +90,7 @@ _BY_REASON: dict[RejectReason, type[RequestRejected]] = {
     RejectReason.DEADLINE: DeadlineExceeded,
     RejectReason.QUEUE_TIMEOUT: QueueTimeout,
     RejectReason.SHUTTING_DOWN: ShuttingDown,
+    RejectReason.INTERNAL: InternalError,
 }
 
 

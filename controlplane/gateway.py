@@ -16,9 +16,11 @@
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "code"}}``: 400 invalid, 404
 unknown model, 401 bad API key, 429 no budget / overloaded / queue timeout (with
-``Retry-After``), 502 rank lost, 503 no ranks / daemon unavailable or draining, 504
-deadline. After a stream has started an error is sent as a last ``data: {"error": ..}``
-event before ``data: [DONE]``. A client that disconnects cancels its request.
+``Retry-After``), 500 the daemon or the rank failed the request (code ``internal`` when
+the daemon failed handling it), 502 rank lost, 503 no ranks / daemon unavailable or
+draining, 504 deadline. After a stream has started an error is sent as a last
+``data: {"error": ..}`` event before ``data: [DONE]``. A client that disconnects
+cancels its request.
 Chat completions need the model's chat template, which only the servers have: 404 here.
 """
 
@@ -39,8 +41,8 @@ from aiohttp import web
 from controlplane.client import AsyncClient, Result, StreamChunk
 from controlplane.errors import (
     Cancelled, ControlPlaneError, DaemonUnavailable, DeadlineExceeded, DuplicateRequest,
-    InvalidRequest, NoBudget, NoRanks, Overloaded, QueueTimeout, RankLost, RequestFailed,
-    ShuttingDown,
+    InternalError, InvalidRequest, NoBudget, NoRanks, Overloaded, QueueTimeout, RankLost,
+    RequestFailed, ShuttingDown,
 )
 from controlplane.protocol import SamplingParams, SloSpec, StatusReply
 
@@ -265,6 +267,7 @@ _STATUS: tuple[tuple[type[ControlPlaneError], int, str], ...] = (
     (DuplicateRequest, 409, "conflict"),
     (NoBudget, 429, "overloaded"), (Overloaded, 429, "overloaded"), (QueueTimeout, 429, "overloaded"),
     (RankLost, 502, "upstream_error"), (RequestFailed, 500, "server_error"),
+    (InternalError, 500, "server_error"),
     (NoRanks, 503, "service_unavailable"), (ShuttingDown, 503, "service_unavailable"),
     (DaemonUnavailable, 503, "service_unavailable"), (Cancelled, 503, "service_unavailable"),
     (DeadlineExceeded, 504, "timeout"),

@@ -18,6 +18,11 @@ A rank agent serves one or more ranks (one rank = one data-parallel scheduler). 
 older epoch. Reports are per rank, numbered by ``seq`` per (rank, epoch), and echo the
 highest dispatch sequence they account for, which travels with each request (SGLang:
 ``custom_params["_fairbatching_dispatch_seq"]``).
+
+Schema version 1 grows by additions only (new messages, new fields with defaults, new
+enum values); ``SCHEMA_VERSION`` changes only for a change an older peer would misread.
+A peer drops, counts and logs a frame it cannot decode, so an older one receiving an
+addition is no worse off than before it existed.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class RejectReason(enum.StrEnum):
     DEADLINE = "deadline"  # the client's deadline passed before the request finished
     QUEUE_TIMEOUT = "queue_timeout"  # waited in the admission queue past its TTL
     SHUTTING_DOWN = "shutting_down"  # the daemon is draining
+    INTERNAL = "internal"  # the daemon failed handling a message about it (a bug; retry before output)
 
 
 class FinishReason(enum.StrEnum):
@@ -164,7 +170,8 @@ class Reject(Struct, frozen=True, tag="reject", omit_defaults=True):
     """The request is over and was not served (or stopped before finishing).
 
     ``retryable`` says whether resubmitting the same request id can succeed: true for
-    no budget, overloaded, queue timeout and rank lost before any output was streamed.
+    no budget, overloaded, queue timeout and no ranks, and for rank lost and internal
+    before any output was streamed.
     """
 
     request_id: str
@@ -413,5 +420,7 @@ def report_channel(max_frame_bytes: int = 64 * 1024) -> Channel[Report]:
 
 
 def retryable(reason: RejectReason) -> bool:
+    """Whether a request refused for ``reason`` may be resubmitted; rank lost and internal
+    only before any output reached the client (the daemon's ``Reject.retryable`` says)."""
     return reason in {RejectReason.NO_BUDGET, RejectReason.OVERLOADED, RejectReason.QUEUE_TIMEOUT,
-                      RejectReason.RANK_LOST, RejectReason.NO_RANKS}
+                      RejectReason.RANK_LOST, RejectReason.NO_RANKS, RejectReason.INTERNAL}

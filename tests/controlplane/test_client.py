@@ -294,6 +294,42 @@ async def test_rank_lost_after_streamed_output_raises(address: str) -> None:
         await daemon.stop()
 
 
+@run_in_loop
+async def test_an_internal_error_before_output_is_retried_then_raised_typed(address: str) -> None:
+    daemon = await FakeDaemon(address, rejecting(*[RejectReason.INTERNAL] * 5)).start()
+    try:
+        async with AsyncClient(address, max_retries=2, **FAST) as client:
+            with pytest.raises(errors.InternalError) as caught:
+                await client.generate("Hi")
+            daemon.script = rejecting(RejectReason.INTERNAL)
+            daemon.received.clear()
+            assert (await client.generate("Hi")).attempts == 2
+        assert isinstance(caught.value, errors.RequestRejected)
+        assert caught.value.reason is RejectReason.INTERNAL
+        assert caught.value.detail == "scripted"
+    finally:
+        await daemon.stop()
+
+
+@run_in_loop
+async def test_an_internal_error_after_streamed_output_raises_at_once(address: str) -> None:
+    async def script(daemon: FakeDaemon, identity: bytes, submit: Submit) -> None:
+        await chunk_then_hang(daemon, identity, submit)
+        daemon.send(identity, Reject(submit.request_id, RejectReason.INTERNAL, "bug", retryable=False))
+
+    daemon = await FakeDaemon(address, script).start()
+    try:
+        async with AsyncClient(address, **FAST) as client:
+            received = []
+            with pytest.raises(errors.InternalError):
+                async with client.stream("Hi") as stream:
+                    async for chunk in stream:
+                        received.append(chunk)
+        assert len(received) == 1 and len(daemon.submits) == 1 and not daemon.cancels
+    finally:
+        await daemon.stop()
+
+
 # ---------------------------------------------------------------------- cancellation and deadlines
 @pytest.mark.parametrize("how", ["break", "exception", "task_cancelled", "dropped"])
 @run_in_loop
@@ -731,3 +767,29 @@ async def test_against_the_daemon_a_crash_and_restart_on_the_same_address() -> N
     finally:
         if running.thread.is_alive():
             running.stop()
+
+
+@run_in_loop
+async def test_against_the_daemon_a_handler_failure_is_an_internal_error(monkeypatch) -> None:
+    running = start_thread_daemon(live_config())
+    try:
+        core = running.daemon.core
+        original = core._submit
+
+        def failing(identity: bytes, submit: Submit, now: float) -> list:
+            if submit.request_id == "unlucky":
+                raise RuntimeError("injected failure")
+            return original(identity, submit, now)
+
+        monkeypatch.setattr(core, "_submit", failing)
+        async with FakeAgent(running.config), AsyncClient(running.config.client_address, max_retries=1,
+                                                          **FAST) as client:
+            with pytest.raises(errors.InternalError) as caught:
+                await client.generate("Hi", request_id="unlucky")
+            assert caught.value.retryable and caught.value.request_id == "unlucky"
+            assert (await client.generate("Hi")).text == "hello"
+            status = await client.status()
+        assert status.counters["internal_errors"] == 2 and status.counters["rejected_internal"] == 2
+        assert status.in_flight == 0 and status.ranks[0].in_flight == 0
+    finally:
+        running.stop()

@@ -16,9 +16,23 @@ from controlplane.protocol import (
 CLIENT = b"client-1"
 
 
+CORES: list[DispatcherCore] = []
+
+
+@pytest.fixture(autouse=True)
+def integrity_checked():
+    """Every core a test made is consistent when the test ends."""
+    CORES.clear()
+    yield
+    for core in CORES:
+        core.check_integrity()
+
+
 def make_core(**overrides) -> DispatcherCore:
     overrides.setdefault("policy", "pab")
-    return DispatcherCore(DaemonConfig(**overrides), "daemon-A", started_at=0.0)
+    core = DispatcherCore(DaemonConfig(**overrides), "daemon-A", started_at=0.0)
+    CORES.append(core)
+    return core
 
 
 def join(core: DispatcherCore, rank: str, *, agent: str | None = None, epoch: int = 1,
@@ -383,3 +397,157 @@ def test_a_drain_survives_a_same_epoch_rejoin_but_not_a_new_epoch():
     assert core.registry.get("r0").draining
     core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 2), 0.2)
     assert not core.registry.get("r0").draining
+
+
+# ---------------------------------------------------------------------- handler failures
+class Boom(RuntimeError):
+    pass
+
+
+def failing_once(original, when=lambda *args: True, *, after: bool = False):
+    """``original``, except that the first call for which ``when(*args)`` holds raises
+    (``after``: once ``original`` has run, so its changes stay and its sends are lost)."""
+    state = {"armed": True}
+
+    def call(*args, **kwargs):
+        if state["armed"] and when(*args):
+            state["armed"] = False
+            if after:
+                original(*args, **kwargs)
+            raise Boom("injected")
+        return original(*args, **kwargs)
+
+    return call
+
+
+def final_answers(sends) -> dict[str, list]:
+    """Each request's final answers (Finish or Reject) among ``sends``."""
+    answers: dict[str, list] = {}
+    for message in replies(sends, (Finish, Reject)):
+        answers.setdefault(message.request_id, []).append(message)
+    return answers
+
+
+def test_a_submit_handler_failure_after_the_debit_rejects_internal_retryably_and_releases_it(monkeypatch):
+    core = make_core()
+    join(core, "r0", pab=10_000)
+    monkeypatch.setattr(core, "_dispatch", failing_once(core._dispatch, after=True))
+    sends = submit(core, "a", tokens=700)
+    (reject,) = final_answers(sends)["a"]
+    assert (reject.reason, reject.retryable) == (RejectReason.INTERNAL, True)
+    assert reject.retry_after_s == core.config.retry_after_s
+    assert [s for s in sends if isinstance(s, ToAgent)] == []  # the Dispatch never left: no Abort
+    assert core.ledger.effective_budget("r0") == 10_000 and core.idle
+    assert core.registry.get("r0").in_flight == set()
+    assert (core.counters["internal_errors"], core.counters["rejected_internal"]) == (1, 1)
+    core.check_integrity()
+    (dispatch,) = dispatches(submit(core, "a", tokens=700))  # the retry, and the daemon serves on
+    assert dispatch.request_id == "a" and core.ledger.effective_budget("r0") == 9_300
+
+
+def test_a_submit_that_fails_before_entering_the_table_is_still_answered(monkeypatch):
+    core = make_core()
+    join(core, "r0")
+    monkeypatch.setattr(core, "_refusal", failing_once(core._refusal))
+    (reject,) = replies(submit(core, "a"), Reject)
+    assert (reject.request_id, reject.reason, reject.retryable) == ("a", RejectReason.INTERNAL, True)
+    assert core.idle
+
+
+def test_an_output_handler_failure_ends_only_its_request_at_the_rank_and_client(monkeypatch):
+    core = make_core()
+    join(core, "r0", pab=10_000)
+    submit(core, "a", tokens=100)
+    submit(core, "b", tokens=200)
+    assert replies(core.on_agent(b"agent-r0", Output("r0", 1, "a", [1], "x", 1), 0.1), Chunk)
+    monkeypatch.setattr(core, "_rank_output", failing_once(core._rank_output))
+    sends = core.on_agent(b"agent-r0", Output("r0", 1, "a", [2], "y", 2), 0.2)
+    (reject,) = final_answers(sends)["a"]
+    assert (reject.reason, reject.retryable, reject.retry_after_s) == (RejectReason.INTERNAL, False, None)
+    assert [s.message for s in sends if isinstance(s, ToAgent)] == [Abort("r0", 1, "a")]
+    assert core.ledger.effective_budget("r0") == 10_000 - 200  # a's debit released, b's kept
+    assert core.registry.get("r0").in_flight == {"b"} and core.in_flight == 1
+    assert core.on_agent(b"agent-r0", Done("r0", 1, "a", FinishReason.CANCELLED), 0.3) == []
+    done = Done("r0", 1, "b", FinishReason.LENGTH, 200, 4)
+    assert final_answers(core.on_agent(b"agent-r0", done, 0.4))["b"][0].reason == FinishReason.LENGTH
+    core.check_integrity()
+
+
+def test_a_done_handler_failure_before_any_output_is_retryable(monkeypatch):
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a", stream=False)
+    core.on_agent(b"agent-r0", Output("r0", 1, "a", [1], "x", 1), 0.1)  # accumulated, not sent
+    monkeypatch.setattr(core, "_rank_output", failing_once(core._rank_output))
+    (reject,) = replies(core.on_agent(b"agent-r0", Done("r0", 1, "a", FinishReason.LENGTH), 0.2), Reject)
+    assert (reject.reason, reject.retryable) == (RejectReason.INTERNAL, True) and core.idle
+
+
+def test_a_failing_message_from_another_agent_or_dispatch_ends_nothing(monkeypatch):
+    core = make_core()
+    join(core, "r0")
+    (first,) = dispatches(submit(core, "a"))
+    monkeypatch.setattr(core, "_rank_output", failing_once(core._rank_output))
+    assert core.on_agent(b"mallory", Output("r0", 1, "a", [1], "x", 1), 0.1) == []
+    monkeypatch.setattr(core, "_rank_output", failing_once(core._rank_output))
+    late = Output("r0", 1, "a", [1], "x", 1, dispatch_seq=first.dispatch_seq + 5)
+    assert core.on_agent(b"agent-r0", late, 0.2) == []
+    assert core.in_flight == 1 and core.counters["internal_errors"] == 2
+    core.check_integrity()
+
+
+def test_a_goodbye_that_fails_half_way_answers_every_request_of_the_rank_once(monkeypatch):
+    core = make_core()
+    join(core, "r0", pab=50_000)
+    for request_id in ("a", "b", "c"):
+        submit(core, request_id)
+    join(core, "r1", pab=100_000)
+    assert dispatches(submit(core, "d"))[0].rank == "r1"
+    only_b = lambda request_id, *rest: request_id == "b"  # noqa: E731
+    monkeypatch.setattr(core, "_reject", failing_once(core._reject, only_b))
+    answers = final_answers(core.on_agent(b"agent-r0", Goodbye("r0", 1), 0.1))
+    assert {request_id: [a.reason for a in answer] for request_id, answer in answers.items()} == {
+        "a": [RejectReason.RANK_LOST],  # closed before the failure: its answer is kept
+        "b": [RejectReason.INTERNAL], "c": [RejectReason.INTERNAL]}
+    assert "r0" not in core.registry and core.in_flight == 1
+    core.check_integrity()
+
+
+def test_a_report_whose_queue_pump_fails_ends_the_request_it_was_on_and_requeues_the_rest(monkeypatch):
+    core = make_core(on_no_budget="queue", queue_ttl_s=10.0)
+    join(core, "r0", pab=100)
+    assert submit(core, "a", tokens=1_000) == [] and submit(core, "b", tokens=1_000) == []
+    monkeypatch.setattr(core, "_dispatch", failing_once(core._dispatch, after=True))
+    sends = report(core, "r0", 5_000, seq=2, now=0.5)
+    (reject,) = final_answers(sends)["a"]
+    assert reject.reason == RejectReason.INTERNAL and "b" not in final_answers(sends)
+    assert core.queued == 1 and core.ledger.effective_budget("r0") == 5_000
+    core.check_integrity()
+    (dispatch,) = dispatches(report(core, "r0", 5_000, seq=3, now=0.6))
+    assert dispatch.request_id == "b"
+
+
+def test_a_tick_that_fails_on_a_deadline_still_ends_that_request(monkeypatch):
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a", deadline_s=1.0)
+    submit(core, "b")
+    monkeypatch.setattr(core, "_close", failing_once(core._close))
+    sends = core.on_tick(1.5)
+    (reject,) = final_answers(sends)["a"]
+    assert reject.reason == RejectReason.INTERNAL
+    assert [s.message for s in sends if isinstance(s, ToAgent)] == [Abort("r0", 1, "a")]
+    assert core.in_flight == 1 and core.on_tick(2.0) == []
+    core.check_integrity()
+
+
+def test_a_failure_in_the_recovery_itself_propagates_to_the_daemons_backstop(monkeypatch):
+    core = make_core()
+    join(core, "r0")
+    monkeypatch.setattr(core, "_dispatch", failing_once(core._dispatch))
+    monkeypatch.setattr(core, "_orphans", failing_once(core._orphans))
+    with pytest.raises(Boom):
+        submit(core, "a")
+    with pytest.raises(RuntimeError, match="1 orphaned requests"):
+        core.check_integrity()
+    CORES.remove(core)

@@ -185,3 +185,82 @@ def test_drain_on_request_rejects_new_work_and_stops():
             for peer in (agent, client):
                 peer.close()
             reports.close()
+
+
+def failing_for(original, request_id: str, *, after_calls: int = 0):
+    """``original``, except that it raises once, for the message about ``request_id``
+    that follows the first ``after_calls`` of them."""
+    seen = {"calls": 0}
+
+    def call(*args):
+        message = args[1]
+        if getattr(message, "request_id", None) == request_id:
+            seen["calls"] += 1
+            if seen["calls"] == after_calls + 1:
+                raise RuntimeError(f"injected failure for {request_id}")
+        return original(*args)
+
+    return call
+
+
+def broken(*args):
+    raise RuntimeError("injected failure in the recovery")
+
+
+def test_a_handler_failure_gets_one_internal_reject_and_the_daemon_serves_on(monkeypatch):
+    with thread_daemon(stale_after_s=30.0, lost_after_s=60.0, retry_after_s=0.05) as running:
+        config, core = running.config, running.daemon.core
+        agent = Peer(config.rank_address, b"agent-bug")
+        client = Peer(config.client_address)
+        reports = pusher(config.report_address)
+        try:
+            agent.send(p.Hello("agent-bug", "bug-0", 3))
+            agent.receive(AGENT_INBOX)
+            reports.send(p.encode(p.Report("bug-0", 3, 1, 50_000.0, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
+            time.sleep(0.2)
+            # a rank's Output fails after one chunk went out: not retryable, aborted at the rank
+            monkeypatch.setattr(core, "_rank_output", failing_for(core._rank_output, "bug-a", after_calls=1))
+            client.send(p.Submit("bug-a", p.Prompt(token_ids=[1] * 100)))
+            dispatch = agent.receive(AGENT_INBOX)
+            assert isinstance(client.receive(CLIENT_REPLIES), p.Dispatched)
+            agent.send(p.Output("bug-0", 3, "bug-a", [7], "x", 1, dispatch.dispatch_seq))
+            assert client.receive(CLIENT_REPLIES) == p.Chunk("bug-a", [7], "x", 1)
+            agent.send(p.Output("bug-0", 3, "bug-a", [8], "y", 2, dispatch.dispatch_seq))
+            reject = client.receive(CLIENT_REPLIES)
+            assert (reject.request_id, reject.reason, reject.retryable) == \
+                ("bug-a", p.RejectReason.INTERNAL, False)
+            assert agent.receive(AGENT_INBOX) == p.Abort("bug-0", 3, "bug-a")
+            agent.send(p.Done("bug-0", 3, "bug-a", p.FinishReason.CANCELLED,
+                              dispatch_seq=dispatch.dispatch_seq))
+            # (a late Done: the request is over, the daemon drops it)
+            # a client's Submit fails: retryable, nothing reaches the rank
+            monkeypatch.setattr(core, "_submit", failing_for(core._submit, "bug-b"))
+            client.send(p.Submit("bug-b", p.Prompt(token_ids=[1] * 10)))
+            reject = client.receive(CLIENT_REPLIES)
+            assert (reject.request_id, reject.reason, reject.retryable) == \
+                ("bug-b", p.RejectReason.INTERNAL, True)
+            assert not client.socket.poll(200) and not agent.socket.poll(0)  # nothing more for either
+            client.send(p.StatusRequest())
+            status = client.receive(CLIENT_REPLIES)
+            (rank,) = status.ranks
+            assert (rank.in_flight, rank.pab_tokens, status.in_flight) == (0, 50_000.0, 0)  # debits released
+            assert (status.counters["internal_errors"], status.counters["rejected_internal"]) == (2, 2)
+            # the daemon serves the next request as usual
+            client.send(p.Submit("bug-c", p.Prompt(token_ids=[1] * 10)))
+            dispatch = agent.receive(AGENT_INBOX)
+            assert client.receive(CLIENT_REPLIES) == p.Dispatched("bug-c", "bug-0", dispatch.dispatch_seq)
+            agent.send(p.Done("bug-0", 3, "bug-c", p.FinishReason.LENGTH, 10, 1,
+                              dispatch_seq=dispatch.dispatch_seq))
+            assert client.receive(CLIENT_REPLIES).reason == p.FinishReason.LENGTH
+            # a bug in the recovery itself: counted by the daemon, which still answers
+            monkeypatch.setattr(core, "_recover", broken)
+            monkeypatch.setattr(core, "_submit", failing_for(core._submit, "bug-d"))
+            client.send(p.Submit("bug-d", p.Prompt(token_ids=[1] * 10)))
+            client.send(p.Ping(9))
+            assert client.receive(CLIENT_REPLIES) == p.Pong(9, running.daemon.daemon_id)
+            assert running.counters()["internal_errors_unrecovered"] == 1
+            assert running.counters()["late_messages"] == 1
+        finally:
+            for peer in (agent, client):
+                peer.close()
+            reports.close()

@@ -15,7 +15,7 @@ import pytest
 from controlplane.client import AsyncClient
 from controlplane.gateway import GatewaySettings, parse_listen, serve
 
-from live import REPO, free_ports, loopback_config, start_process_daemon
+from live import REPO, free_ports, loopback_config, start_process_daemon, thread_daemon
 
 MODEL = "test-model"
 API_KEY = "sk-test"
@@ -38,7 +38,7 @@ def cluster(tmp_path_factory):
         daemon.kill()
 
 
-def with_gateway(config, scenario, *, api_key: str | None = None):
+def with_gateway(config, scenario, *, api_key: str | None = None, wait_for_rank: bool = True):
     """Run ``scenario(session, base_url, client)`` against a gateway served on a free port."""
     (port,) = free_ports(1)
 
@@ -46,7 +46,7 @@ def with_gateway(config, scenario, *, api_key: str | None = None):
         stop = asyncio.Event()
         async with AsyncClient(config.client_address) as client:
             deadline = time.monotonic() + 30
-            while not [r for r in (await client.status()).ranks if not r.stale]:
+            while wait_for_rank and not [r for r in (await client.status()).ranks if not r.stale]:
                 assert time.monotonic() < deadline, "the simulated rank never reported"
                 await asyncio.sleep(0.1)
             server = asyncio.create_task(serve(client, GatewaySettings(MODEL, api_key), "127.0.0.1", port, stop))
@@ -165,6 +165,31 @@ def test_api_key_metrics_and_a_disconnect_that_cancels(cluster):
     assert 'fairbatching_controlplane_rank_in_flight{rank="gw"}' in text
     assert 'fairbatching_controlplane_events_total{event="cancelled"}' in text
     assert 'fairbatching_gateway_responses_total{status="401"} 1' in text
+
+
+def test_a_daemon_failing_the_request_is_a_500_with_an_openai_error(monkeypatch):
+    with thread_daemon(retry_after_s=0.01) as running:
+        core = running.daemon.core
+
+        def failing(identity, submit, now):
+            raise RuntimeError("injected failure")
+
+        monkeypatch.setattr(core, "_submit", failing)
+
+        async def scenario(session, url, _):
+            outcomes = []
+            for stream in (False, True):
+                async with session.post(f"{url}/v1/completions", json={"prompt": "hi", "stream": stream},
+                                        headers={"X-Request-Id": f"gw-internal-{stream}"}) as response:
+                    outcomes.append((response.status, await response.json()))
+            return outcomes
+
+        outcomes = with_gateway(running.config, scenario, wait_for_rank=False)
+        assert running.counters()["rejected_internal"] == 2 * 4  # the SDK's 3 retries, each time
+    for status, payload in outcomes:
+        assert status == 500, payload
+        assert payload["error"]["type"] == "server_error" and payload["error"]["code"] == "internal"
+        assert "the daemon failed handling Submit" in payload["error"]["message"]
 
 
 def test_listen_addresses_are_loopback_unless_allowed():

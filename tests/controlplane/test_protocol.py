@@ -25,6 +25,7 @@ SAMPLES_BY_CHANNEL = {
         p.Chunk("req-1", [5, 6], "ab", 2),
         p.Finish("req-1", p.FinishReason.LENGTH, 3, 8, 0.12, 0.5, "text", [1, 2]),
         p.Reject("req-1", p.RejectReason.NO_BUDGET, "none covers", 0.25, True),
+        p.Reject("req-2", p.RejectReason.INTERNAL, "the daemon failed handling Output; see its log"),
         p.Pong(42, "d1", True),
         p.StatusReply("d1", "pab", 3.0, False, 1, 0, [
             p.RankStatus("rank-0", "agent-0", 9, 100.0, 200.0, 1, 2, 3000, 1, 0.1, False, 10, 0, 4),
