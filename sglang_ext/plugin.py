@@ -43,7 +43,7 @@ def register() -> None:
     from sglang_ext.scheduler.hooks import install_scheduler_hooks
 
     install_scheduler_hooks(config)
-    install_request_validation(config.catalog)
+    install_request_validation(config.catalog, config.initial_step_model)
     install_dp_pab_hooks()
     if controlplane is not None:
         from sglang_ext.controlplane_agent import install_controlplane_ingress
