@@ -106,6 +106,13 @@ class Sarathi(BatchPolicy):
     Every decode runs every step (stall-free), then partial prefills continue, then
     waiting requests are admitted FCFS, chunked to the tokens the decodes left.
     The budget is the tuned hyper-parameter: swept as ``sarathi@BUDGET``.
+
+    Decodes run past the budget: with more decodes than budget tokens every decode still
+    runs and no prefill does. That is Sarathi-Serve's stall-free rule (a decode is never
+    delayed by the budget); vLLM's scheduler instead stops at ``max_num_batched_tokens``
+    and leaves the rest of the decodes waiting at tiny budgets. We keep Sarathi's rule:
+    it is the better baseline for TPOT, and where the two differ (budget below the decode
+    batch) neither admits any prefill, so it cannot flatter FairBatching's ratios.
     """
 
     name = "sarathi"

@@ -54,9 +54,10 @@ def test_report_writes_every_table_and_figure(report_module, tmp_path):
     }
 
 
-def test_improvement_cells_flag_peaks_at_the_highest_load(report_module):
+def test_a_peak_at_the_highest_load_gives_no_ratio(report_module):
     def entry(peak, rate):
-        return {"peak_effective_rps": peak, "peak_rate": rate, "loads": []}
+        return {"peak_effective_rps": peak, "peak_rate": rate, "loads": [],
+                "peak_at_highest_load": rate == 16.0}
 
     policies = {name: entry(10.0, 8.0) for name in report_module.GRID_POLICIES}
     policies["sarathi"] = entry(11.0, 16.0)  # the best baseline peaked at the top load
@@ -65,5 +66,7 @@ def test_improvement_cells_flag_peaks_at_the_highest_load(report_module):
         (t, p): {"rates": [8.0, 16.0], "policies": policies}
         for t in report_module.GRID_TTFT_MS for p in report_module.GRID_TPOT_MS
     }
-    lines = report_module.table5(grid)
-    assert any("+9.1% †" in line for line in lines)  # 12 / 11 - 1
+    fb_rows = report_module.table5(grid)[:8]
+    assert any("n/a †" in line for line in fb_rows) and not any("%" in line for line in fb_rows[4:])
+    policies["sarathi"] = entry(11.0, 8.0)
+    assert any("+9.1%" in line for line in report_module.table5(grid))  # 12 / 11 - 1

@@ -20,10 +20,11 @@ def _scenario(seed: int = 0) -> Scenario:
 
 def _sweep(scenario: Scenario, jobs: int):
     plan = plan_sweep(["fb", "sarathi", "sglang-default"], budgets=(256, 1024))
-    ticks = []
+    ticks, planned = [], []
     document, samples = run_sweep(scenario, plan, RATES, cdf_rate=8.0, jobs=jobs,
-                                  progress=ticks.append)
-    assert sum(ticks) == len(plan.runs) * len(RATES)
+                                  progress=ticks.append, planned=planned.append)
+    # the static runs and the two explicit budgets, each at every rate
+    assert sum(ticks) == sum(planned) == (len(plan.runs) + 2) * len(RATES)
     return document, samples
 
 
