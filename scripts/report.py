@@ -64,14 +64,14 @@ class Setting:
 
 
 REDUCED = {
-    "llama3.1-8b-h100": Setting(300, (4, 8, 12, 14, 16, 18, 20, 22, 24, 28, 32)),
-    "qwen3-14b-h20": Setting(120, (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)),
+    "llama3.1-8b-h100": Setting(300, (4, 8, 12, 14, 16, 18, 20, 22, 24, 28, 32, 36, 40)),
+    "qwen3-14b-h20": Setting(120, (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)),
 }
 FULL = {
     "llama3.1-8b-h100": Setting(900, (4, 6, 8, 10, 12, 13, 14, 15, 16, 17, 18, 19, 20, 22, 24, 28, 32)),
     "qwen3-14b-h20": Setting(600, (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5)),
 }
-GRID_REDUCED = Setting(180, (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32))
+GRID_REDUCED = Setting(180, (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 36, 40))
 GRID_FULL = Setting(600, (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 22, 24, 26, 28, 32, 36))
 
 
@@ -85,6 +85,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--grid-profile", default="llama3.1-8b-h100", help="profile of the SLO grid")
     parser.add_argument("--full", action="store_true", help="longer trace heads and finer rates")
     parser.add_argument("--no-grid", action="store_true", help="skip Table 5")
+    parser.add_argument("--grid-ttft-ms", type=int, nargs="+", default=list(GRID_TTFT_MS),
+                        help="TTFT targets of the SLO grid (Table 5)")
+    parser.add_argument("--grid-tpot-ms", type=int, nargs="+", default=list(GRID_TPOT_MS),
+                        help="TPOT targets of the SLO grid (Table 5)")
     parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "report")
@@ -200,15 +204,17 @@ def plot_breakdown(documents: dict[str, dict], path: Path) -> None:
 
 
 def table5(grid: dict[tuple[int, int], dict]) -> list[str]:
+    ttfts = sorted({ttft for ttft, _ in grid})
+    tpots = sorted({tpot for _, tpot in grid})
     lines = []
     for name in ("fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab"):
-        lines += [f"**{name}** peak effective RPS vs the best baseline (max of sglang-default, "
-                  "vllm-default, sarathi at its best budget):", "",
-                  "| TTFT \\ TPOT | " + " | ".join(f"{t} ms" for t in GRID_TPOT_MS) + " |",
-                  "|---|" + "---:|" * len(GRID_TPOT_MS)]
-        for ttft in GRID_TTFT_MS:
+        lines += [f"**{name}** peak effective RPS vs the best baseline (max of "
+                  + ", ".join(BASELINES) + ", each tuned):", "",
+                  "| TTFT \\ TPOT | " + " | ".join(f"{t} ms" for t in tpots) + " |",
+                  "|---|" + "---:|" * len(tpots)]
+        for ttft in ttfts:
             cells = []
-            for tpot in GRID_TPOT_MS:
+            for tpot in tpots:
                 document = grid[(ttft, tpot)]
                 policies = document["policies"]
                 _, base = best_baseline(policies)
@@ -228,11 +234,11 @@ def table5(grid: dict[tuple[int, int], dict]) -> list[str]:
     lines.append("")
     lines.append("Best baseline per cell (its peak effective RPS):")
     lines.append("")
-    lines.append("| TTFT \\ TPOT | " + " | ".join(f"{t} ms" for t in GRID_TPOT_MS) + " |")
-    lines.append("|---|" + "---|" * len(GRID_TPOT_MS))
-    for ttft in GRID_TTFT_MS:
+    lines.append("| TTFT \\ TPOT | " + " | ".join(f"{t} ms" for t in tpots) + " |")
+    lines.append("|---|" + "---|" * len(tpots))
+    for ttft in ttfts:
         cells = []
-        for tpot in GRID_TPOT_MS:
+        for tpot in tpots:
             policies = grid[(ttft, tpot)]["policies"]
             name, base = best_baseline(policies)
             cells.append(f"{label(name, base)} {peak(base, grid[(ttft, tpot)]['rates'])}")
@@ -266,8 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_grid:
             grid_profile = load_profile(bundled_profile_path(args.grid_profile))
             base = Scenario(trace.head(grid_setting.head_s), grid_profile, slo_catalog(*MAIN_SLO_MS), seed=args.seed)
-            for ttft in GRID_TTFT_MS:
-                for tpot in GRID_TPOT_MS:
+            for ttft in args.grid_ttft_ms:
+                for tpot in args.grid_tpot_ms:
                     bar.set_description(f"grid {ttft}/{tpot}")
                     scenario = replace(base, catalog=slo_catalog(ttft, tpot))
                     grid[(ttft, tpot)], _ = sweep(scenario, GRID_POLICIES, grid_setting.rates, args.jobs, bar)
@@ -282,6 +288,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def write_report(args, out: Path, trace_label: str, settings, grid_setting, documents, grid, elapsed) -> None:
     command = "scripts/report.sh" + (" --full" if args.full else "")
+    if args.no_grid:
+        command += " --no-grid"
+    if tuple(args.grid_ttft_ms) != GRID_TTFT_MS:
+        command += " --grid-ttft-ms " + " ".join(map(str, args.grid_ttft_ms))
+    if tuple(args.grid_tpot_ms) != GRID_TPOT_MS:
+        command += " --grid-tpot-ms " + " ".join(map(str, args.grid_tpot_ms))
     lines = [
         "# Single-node report: FairBatching vs the baselines users run today (simulated)",
         "",

@@ -59,7 +59,7 @@ from sglang_ext.sim.workloads import (
 DEFAULT_SLO_CONFIG = PROFILES_DIR.parent / "slo.toml"
 DEFAULT_PROFILE = "llama3.1-8b-h100"
 DEFAULT_SAMPLE_HEAD_S = 300.0
-DEFAULT_RATES = (4.0, 8.0, 12.0, 14.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0, 24.0, 28.0)
+DEFAULT_RATES = (4.0, 8.0, 12.0, 14.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0, 24.0, 28.0, 32.0, 36.0)
 EXIT_USAGE = 2
 
 
