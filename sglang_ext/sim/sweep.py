@@ -269,8 +269,10 @@ def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
     names = list(names or document["requested"])
     width = max(22, *(len(display_label(n, policies[n])) + 2 for n in names))
     base = best_baseline(policies)
+    top = max(document["rates"])
     header = (
-        f"{'policy':<{width}}{'peak eff RPS':>13}{'@ rate':>8}{'vs best':>10}  |  "
+        f"{'policy':<{width}}{'peak eff RPS':>13}{'@ rate':>8}{'vs best':>10}"
+        f"{f'eff @ {top:g}':>12}  |  "
         f"{f'at {cdf_rate:g} req/s:':<16}"
         f"{'attain':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
     )
@@ -285,16 +287,19 @@ def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
                 f"{_ms(at['tpot_ms']['p50']):>10}{_ms(at['tpot_ms']['p99']):>8}"
             )
         versus = ratio_text(entry, base[1]) if base else "-"
+        at_top = next((load for load in entry["loads"] if load["rate"] == top), None)
+        top_text = "-" if at_top is None else f"{at_top['effective_rps']:.2f}"
         lines.append(
             f"{display_label(name, entry):<{width}}{peak_text(entry):>13}{entry['peak_rate']:>8g}"
-            f"{versus:>10}  |  {'':<16}{cells}"
+            f"{versus:>10}{top_text:>12}  |  {'':<16}{cells}"
         )
     if base:
         lines.append(
             f"\nvs best = peak / the best baseline's ({display_label(*base)}); baselines: "
             f"{', '.join(n for n in BASELINES if n in policies)}. >= : peak at the highest load "
-            "tried, a lower bound, never used for a ratio. [edge: X]: the tuned best sits at a "
-            "bound of axis X."
+            "tried, a lower bound, never used for a ratio (admission-controlled policies "
+            "plateau instead of collapsing, so compare them at the highest load: the eff @ "
+            "column). [edge: X]: the tuned best sits at a bound of axis X."
         )
     return "\n".join(lines)
 
