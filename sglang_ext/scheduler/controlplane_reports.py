@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_ext.scheduler.state import LAUNCH_ATTR
+from sglang_ext.scheduler.state import LAUNCH_ATTR, HandledErrors
 
 logger = logging.getLogger("sglang_ext.fairbatching")
 
@@ -41,6 +41,8 @@ REPORTER_ATTR = "fairbatching_controlplane_reports"
 INTERVAL_S = 0.02  # a report at least this often while the scheduler loop turns
 MIN_GAP_S = 0.002  # and sooner when the load changed, but not more often than this
 IDLE_INTERVAL_S = 0.1  # while it sleeps on idle
+#: :class:`HandledErrors` site: a load report that could not be built or sent.
+REPORT_FAILED_SITE = "controlplane.load_report"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +89,18 @@ def load_of(scheduler: Any) -> RankLoad:
 class SchedulerReports:
     """A scheduler's publisher, throttle and step clock (``scheduler.<REPORTER_ATTR>``)."""
 
-    def __init__(self, publisher: Any, throttle: Any) -> None:
+    def __init__(self, publisher: Any, throttle: Any, errors: HandledErrors | None = None) -> None:
         self.publisher = publisher
         self.throttle = throttle
         self.step_time_s = 0.0
         self._last_done = 0.0
-        self.failures = 0
+        # The scheduler's FairBatchingState.errors: failures are counted with its other
+        # handled errors (snapshot, fairbatching:handled_errors_total) and rate-limit logged.
+        self.errors = errors if errors is not None else HandledErrors()
+
+    @property
+    def failures(self) -> int:
+        return self.errors.counts[REPORT_FAILED_SITE]
 
     def observe_step(self, launch: Any, done_at: float) -> None:
         """A step's result reached the host: it ran from its launch or from the previous
@@ -111,10 +119,8 @@ class SchedulerReports:
             self.publisher.publish(load.pab_tokens, load.running, load.waiting, load.total_tokens,
                                    load.free_kv_tokens, load.echoed_dispatch_seq, self.step_time_s)
             self.throttle.published(now, load.key)
-        except Exception:  # a report is never worth a scheduler
-            self.failures += 1
-            if self.failures == 1 or self.failures % 1000 == 0:
-                logger.exception("control plane: load report failed (%d so far)", self.failures)
+        except Exception:  # a report is never worth a scheduler; counted and logged
+            self.errors.record(REPORT_FAILED_SITE, "control plane: load report failed")
 
     def close(self) -> None:
         self.publisher.close()
@@ -162,7 +168,8 @@ def attach_reports(scheduler: Any, settings: Any) -> SchedulerReports | None:
     dp_rank = parallel.dp_rank if parallel.dp_rank is not None else 0
     rank = f"{rank_prefix_of(settings, scheduler.server_args)}/{dp_rank}"
     publisher = ReportPublisher(settings.report_address, rank, settings.epoch, curve=settings.curve_peer())
-    reports = SchedulerReports(publisher, ReportThrottle(INTERVAL_S, MIN_GAP_S))
+    reports = SchedulerReports(publisher, ReportThrottle(INTERVAL_S, MIN_GAP_S),
+                               errors=scheduler.fairbatching.errors)
     setattr(scheduler, REPORTER_ATTR, reports)
     sleeper = getattr(scheduler, "idle_sleeper", None)
     poller = getattr(sleeper, "poller", None)

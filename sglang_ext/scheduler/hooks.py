@@ -262,21 +262,52 @@ def _collect_inflight_batches(result: list[Any], self: Scheduler) -> list[Any]:
     return result if parked is None else [*result, parked]
 
 
+#: :class:`HandledErrors` site: a step that could not be timed.
+UNTIMED_STEP_SITE = "run_batch.untimed_step"
+
+
 def _run_batch(orig: Callable[..., Any], self: Scheduler, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """Time the step: its launch rides on the result (``LAUNCH_ATTR``) to
+    ``process_batch_result``, where the measured step feeds the online step model."""
     features = step_features(batch)
     launched_at = time.perf_counter()
     result = orig(self, batch, *args, **kwargs)
-    if result is not None and features.new_tokens > 0:
-        state: FairBatchingState = self.fairbatching
-        decision = state.last_decision
-        budget = decision.time_budget_s if decision is not None else None
-        predicted = state.policy.step_model.predict(features.new_tokens, features.total_context)
-        state.launched(launched_at, predicted)
-        try:
-            setattr(result, LAUNCH_ATTR, StepLaunch(launched_at, features, predicted, budget))
-        except AttributeError:
-            pass
+    if result is None or features.new_tokens <= 0:
+        return result  # an idle batch computes nothing: nothing to time
+    state: FairBatchingState = self.fairbatching
+    if not _takes_attributes(result):
+        state.errors.record(
+            UNTIMED_STEP_SITE,
+            f"run_batch returned a {type(result).__module__}.{type(result).__qualname__}, which takes "
+            "no new attributes: this step is not timed and the step model does not learn from it",
+            exc_info=False,
+        )
+        return result
+    decision = state.last_decision
+    budget = decision.time_budget_s if decision is not None else None
+    predicted = state.policy.step_model.predict(features.new_tokens, features.total_context)
+    setattr(result, LAUNCH_ATTR, StepLaunch(launched_at, features, predicted, budget))
+    state.launched(launched_at, predicted)  # only once its completion will be observed
     return result
+
+
+def _takes_attributes(result: Any) -> bool:
+    """Whether the launch can ride on ``result``.
+
+    In SGLang 0.5.23 it always can: ``run_batch`` returns a ``GenerationBatchResult`` in
+    every generation mode (normal and overlap loops, pipeline parallel, PD-multiplexed
+    split prefill, PD prefill, and PD decode's prebuilt placeholder) and an
+    ``EmbeddingBatchResult`` for embedding and reward models, both plain dataclasses
+    (no ``__slots__``, not frozen); the emulated GPU's result subclasses the first. The
+    case handled here is a future result type with ``__slots__`` or a frozen dataclass
+    (whose ``FrozenInstanceError`` is an ``AttributeError``: an ``except AttributeError:
+    pass`` stood here before and would have silently stopped every step-model
+    observation, and left the in-flight step count, hence the predicted device-free
+    time, never returning to zero)."""
+    if not hasattr(result, "__dict__"):
+        return False
+    params = getattr(type(result), "__dataclass_params__", None)
+    return not (params is not None and params.frozen)
 
 
 def _process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: Any, result: Any, *args: Any, **kwargs: Any) -> Any:

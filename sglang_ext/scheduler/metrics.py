@@ -4,7 +4,9 @@ runs with ``--enable-metrics`` (SGLang's multiprocess registry; one series per D
 ``fairbatching:step_model_{a,b,c}`` coefficients, ``fairbatching:step_model_error``
 (mean and p95 relative error), ``fairbatching:pab_tokens``, ``fairbatching:parked_requests``,
 ``fairbatching:deferred_decodes_total``, ``fairbatching:decisions_total``,
-``fairbatching:fallbacks_total`` and ``fairbatching:gc_pause_seconds``.
+``fairbatching:fallbacks_total``, ``fairbatching:gc_pause_seconds`` and
+``fairbatching:handled_errors_total{site}`` (errors a hook caught instead of raising;
+see :class:`sglang_ext.scheduler.state.HandledErrors`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class FairBatchingMetrics:
         self.fallbacks = Counter("fairbatching:fallbacks", "Plans SGLang could not realise", names)
         self.gc_pause = Histogram("fairbatching:gc_pause_seconds", "Proactive gc.collect() pauses",
                                   names, buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0))
+        self.handled_errors = Counter("fairbatching:handled_errors",
+                                      "Errors FairBatching's scheduler hooks caught instead of raising",
+                                      [*names, "site"])
         self._last_counts = (0, 0, 0)
 
     def publish(self, state: Any) -> None:
@@ -53,6 +58,10 @@ class FairBatchingMetrics:
             if now > before:
                 counter.labels(**labels).inc(now - before)
         self._last_counts = counts
+
+    def observe_error(self, site: str) -> None:
+        """At once, not at the next ``publish``: the error may be what stops publishing."""
+        self.handled_errors.labels(**self._labels, site=site).inc()
 
     def observe_gc_pause(self, pause_s: float) -> None:
         self.gc_pause.labels(**self._labels).observe(pause_s)

@@ -11,11 +11,12 @@ import gc
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.ratelimited_log import RateLimitedLog
 from sglang_ext.config import ExtensionConfig
 from sglang_ext.policy.gc import should_collect
 from sglang_ext.policy.view import BatchDecision, RequestState
@@ -25,6 +26,35 @@ from sglang_ext.sim.gpu import StepShape
 logger = logging.getLogger("sglang_ext.fairbatching")
 
 LAUNCH_ATTR = "_fairbatching_launch"
+#: A handled error's site is logged the first time, then at most once per this many
+#: seconds with the number left out since (every occurrence is counted).
+ERROR_LOG_INTERVAL_S = 60.0
+
+
+class HandledErrors:
+    """Errors a scheduler hook handled instead of letting them stop the scheduler.
+
+    Nothing is dropped silently: every occurrence is counted by site (``counts``, the
+    state's ``snapshot()["errors"]`` and, with ``--enable-metrics``,
+    ``fairbatching:handled_errors_total{site}``) and logged at WARNING, the first time
+    at once and then at most once per ``interval_s`` per site with ``suppressed=N``
+    (:class:`controlplane.ratelimited_log.RateLimitedLog`)."""
+
+    def __init__(self, interval_s: float = ERROR_LOG_INTERVAL_S,
+                 on_error: Callable[[str], None] | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.counts: Counter[str] = Counter()
+        self.on_error = on_error  # FairBatchingMetrics.observe_error, with --enable-metrics
+        self._log = RateLimitedLog(logger, interval_s, clock=clock)
+
+    def record(self, site: str, message: str, *, exc_info: bool = True, **fields: object) -> None:
+        """Count one occurrence at ``site`` and log it (rate-limited); call it from the
+        ``except`` block handling it (``exc_info`` then carries the traceback)."""
+        self.counts[site] += 1
+        if self.on_error is not None:
+            self.on_error(site)
+        self._log.warning(site, f"FairBatching: {message}", site=site, total=self.counts[site],
+                          exc_info=exc_info, **fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +95,7 @@ class FairBatchingState:
         self.pab_tokens = 0
         self.last_decision: BatchDecision | None = None
         self.counters = Counters()
+        self.errors = HandledErrors(on_error=metrics.observe_error if metrics is not None else None)
         self.gc_pauses: deque[GcPause] = deque(maxlen=256)
         self.decision_s: deque[float] = deque(maxlen=4096)  # adapter + policy time per decision
         self._last_gc: float | None = None
@@ -186,6 +217,7 @@ class FairBatchingState:
                 "p95_abs_relative_error": error.p95_abs_relative,
             },
             "counters": vars(self.counters).copy(),
+            "errors": dict(self.errors.counts),
             "gc_pauses_ms": [round(p.pause_s * 1e3, 3) for p in self.gc_pauses],
             "decision_us": _percentiles_us(self.decision_s),
         }

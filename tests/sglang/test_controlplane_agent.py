@@ -396,13 +396,37 @@ def test_reports_are_numbered_throttled_and_carry_the_step_time() -> None:
         assert (first.rank, first.epoch, first.pab_tokens, first.running, first.waiting,
                 first.total_tokens, first.free_kv_tokens) == ("srv:1/0", 42, 777.0, 5, 2, 115, 900)
         assert first.step_time_s == pytest.approx(0.020)
-        scheduler.pool_stats_observer = None  # a broken load read is logged, never raised
-        reports.maybe_publish(scheduler)
-        assert reports.failures == 1
         reports.close()
     finally:
         pull.close(linger=0)
         context.term()
+
+
+def test_a_failed_report_is_counted_with_the_schedulers_errors_and_logged_rate_limited(caplog) -> None:
+    import logging
+    from types import SimpleNamespace as NS
+
+    from controlplane.reporter import ReportThrottle
+    from sglang_ext.scheduler.controlplane_reports import REPORT_FAILED_SITE, SchedulerReports
+    from sglang_ext.scheduler.state import HandledErrors
+
+    published = []
+    errors = HandledErrors()  # the scheduler's FairBatchingState.errors
+    reports = SchedulerReports(NS(publish=lambda *load: published.append(load)),
+                               ReportThrottle(interval_s=10.0, min_gap_s=0.0), errors=errors)
+    scheduler = _fake_scheduler()
+    scheduler.pool_stats_observer = None  # a broken load read is counted and logged, never raised
+    with caplog.at_level(logging.WARNING, logger="sglang_ext.fairbatching"):
+        for _ in range(3):
+            reports.maybe_publish(scheduler)
+    assert reports.failures == 3 and errors.counts == {REPORT_FAILED_SITE: 3}
+    lines = [r for r in caplog.records if r.name == "sglang_ext.fairbatching"]
+    assert len(lines) == 1  # then at most once a minute, with the number left out
+    assert "load report failed" in lines[0].getMessage() and lines[0].exc_info is not None
+    assert "get_pool_stats" in str(lines[0].exc_info[1])
+    scheduler.pool_stats_observer = _fake_scheduler().pool_stats_observer
+    reports.maybe_publish(scheduler)
+    assert len(published) == 1 and reports.failures == 3
 
 
 def test_the_idle_sleepers_wait_is_sliced_with_reports_and_still_wakes_for_requests() -> None:
