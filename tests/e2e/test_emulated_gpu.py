@@ -3,7 +3,11 @@
 Only ``FAIRBATCHING_EMULATED_GPU`` (and its optional variables) is set.  Each server mode
 (overlap scheduling, SGLang's default, and ``--disable-overlap-schedule``) is started once
 and shared by the tests of this module.  Timing assertions read the emulated step log (the
-model's own durations and the device timeline), never wall-clock latency thresholds.
+model's own durations and the device timeline), never wall-clock latency thresholds; what
+depends on how much CPU the machine has left (how often SGLang's host work fits inside a
+step, a process's CPU share) is judged relative to what the same machine shows at the same
+time, and a state a test needs is waited for. They must hold on a busy machine
+(``scripts/stress_tests.sh`` runs them beside busy loops).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import importlib.util
 import itertools
 import json
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -57,6 +63,16 @@ class EmulatedServer:
 
     def steps_between(self, t0: float, t1: float) -> list[StepRecord]:
         return [s for s in StepLog.read(self.step_log) if t0 <= s.launch <= t1]
+
+    def wait_for_step(self, t0: float, wanted, timeout: float = 60.0) -> StepRecord:
+        """The first step launched since ``t0`` that satisfies ``wanted``, polling the log."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [s for s in self.steps_between(t0, float("inf")) if wanted(s)]
+            if found:
+                return found[0]
+            assert time.monotonic() < deadline, f"no such step within {timeout:.0f} s"
+            time.sleep(0.05)
 
 
 def emulated_server(sglang_server, tmp_path_factory, mode: str) -> EmulatedServer:
@@ -193,31 +209,42 @@ def test_step_log_follows_the_profile_and_the_scheduling_mode(emulated):
     assert min(s.duration for s in decodes) > 3e-3  # well above SGLang's CPU time per step
 
     pairs = list(itertools.pairwise(steps))
-    assert all(b.start >= a.end - 1e-9 for a, b in pairs)  # one step at a time
+    # One step at a time, each starting when launched or when the previous one ends,
+    # whichever is later: the device never idles with a step waiting, never overlaps two.
+    assert all(abs(b.start - max(b.launch, a.end)) < 1e-6 for a, b in pairs)
     if emulated.mode != "overlap":
         # The forward returns only when its step has ended.
         assert all(b.launch >= a.end - 1e-6 for a, b in pairs)
         return
-    # Steady decoding (no request joined or left): each step is launched while the
-    # previous one still runs, so the device works back to back.  (A finishing request
-    # costs the scheduler, the detokenizer and the HTTP server CPU time on this machine.)
+    # Overlap: the forward returns at once, so SGLang forms and launches the next step
+    # while this one runs, and the device works back to back -- whenever SGLang's host
+    # work per step (launch to launch, less the device time) fits inside a decode step of
+    # ~10 ms. Idle, it fits in over 90% of steady decode steps (no request joining or
+    # leaving); two busy loops on this 2-core VM still left it at over 90%. A forward that
+    # waited for its step, as in the other mode, makes it 0%. Half is the bar: a machine
+    # busy enough to push SGLang's host time past the device time on most steps is one
+    # where this test cannot tell the two apart.
     steady = [(a, b) for a, b in pairs if a.mode == b.mode == "decode" and a.num_reqs == b.num_reqs]
     assert len(steady) >= 20
-    back_to_back = sum(b.launch < a.end and b.start - a.end < 1e-6 for a, b in steady)
-    assert back_to_back >= 0.9 * len(steady)
+    back_to_back = sum(b.launch < a.end for a, b in steady)
+    host_ms = sorted((b.launch - a.start) * 1e3 for a, b in steady)
+    print(f"{back_to_back}/{len(steady)} steady decode steps launched while the previous one ran; "
+          f"host time per step p50 {host_ms[len(host_ms) // 2]:.1f} ms, "
+          f"device step p50 {statistics.median(a.duration for a, _ in steady) * 1e3:.1f} ms")
+    assert back_to_back >= 0.5 * len(steady)
 
 
 def test_mixed_batches_count_prefill_chunks_and_decodes(mixed):
-    def decode_then_long_prompt(i: int) -> requests.Response:
-        if i < 3:
-            return generate(mixed.url, 60)
-        time.sleep(0.3)  # the first three are decoding by now
-        body = {"text": "word " * 700, "sampling_params": {"max_new_tokens": 4}}
-        return requests.post(f"{mixed.url}/generate", json=body, timeout=120)
-
+    # Three requests decode; once the device shows them decoding together, a long prompt
+    # arrives. 300 tokens each outlast the prompt's ~6 chunks by far, however slowly the
+    # prompt reaches the scheduler on a busy machine.
     t0 = time.monotonic()
-    with ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(decode_then_long_prompt, range(4)))
+    with ThreadPoolExecutor(3) as pool:
+        decodes = [pool.submit(generate, mixed.url, 300) for _ in range(3)]
+        mixed.wait_for_step(t0, lambda s: s.mode == "decode" and s.decode_reqs == 3)
+        body = {"text": "word " * 700, "sampling_params": {"max_new_tokens": 4}}
+        prompt = requests.post(f"{mixed.url}/generate", json=body, timeout=120)
+        replies = [prompt, *(f.result() for f in decodes)]
     t1 = time.monotonic()
     assert all(r.status_code == 200 for r in replies)
     steps = [s for s in mixed.steps_between(t0, t1) if s.mode == "mixed"]
@@ -250,9 +277,24 @@ def test_data_parallel_ranks_each_emulate_and_the_controller_sleeps(sglang_serve
     children = psutil.Process(server.process.pid).children(recursive=True)
     controller = [p for p in children if "data_parallel_controller" in p.name()]
     assert controller
-    controller[0].cpu_percent(None)
-    time.sleep(2.0)
-    assert controller[0].cpu_percent(None) < 25.0  # SGLang's own loop spins at ~100%
+    # SGLang's own controller loop spins: it takes whatever CPU a busy loop gets here,
+    # ~100% of a core on an idle machine, less on a busy one. So it is compared with a
+    # busy loop running over the same 2 s: the sleeping loop must take under a quarter
+    # of that (it takes ~0).
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        reference = psutil.Process(spinner.pid)
+        time.sleep(0.3)  # past the interpreter's start-up
+        before = (sum(controller[0].cpu_times()[:2]), sum(reference.cpu_times()[:2]))
+        time.sleep(2.0)
+        controller_s = sum(controller[0].cpu_times()[:2]) - before[0]
+        spinner_s = sum(reference.cpu_times()[:2]) - before[1]
+    finally:
+        spinner.kill()
+        spinner.wait()
+    print(f"CPU over 2 s: DP controller {controller_s:.3f} s, a busy loop beside it {spinner_s:.3f} s")
+    assert spinner_s > 0.1
+    assert controller_s < 0.25 * spinner_s
 
 
 def test_bad_profile_stops_the_server_with_the_reason(server_pool):

@@ -2,7 +2,10 @@
 the emulated GPU. Servers are shared per test session (see ``conftest.py``).
 
 Assertions are about behaviour (which requests ran, deferrals, attainment trends, PAB
-movement, token counts), never absolute latency.
+movement, token counts), never absolute latency: client-side timings are only compared
+between the two servers of the same run, and a state a test needs (streams decoding,
+prompts queued, a counter published) is waited for, not assumed after a sleep. They
+must hold on a busy machine (``scripts/stress_tests.sh`` runs them beside busy loops).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -32,10 +36,17 @@ REPO = Path(__file__).resolve().parents[2]
 KV_TOKENS = "200000"
 TIGHT = {"ttft_ms": 2000, "tpot_ms": 60}
 # Token times are taken by a client sharing two cores with the server, the tokenizer and 25
-# other streams, so they carry jitter the scheduler's deadlines cannot see. Attainment is
-# compared with this allowance: FairBatching plans to the edge of the envelope (~60 ms here),
-# the plugin-off server misses by ~3x, so only the jitter, not the verdict, is absorbed.
-CLIENT_TIMING_ALLOWANCE = 1.25
+# other streams (and, on a busy machine, whatever else runs), so they carry jitter the
+# scheduler cannot see, and their absolute values say as much about the machine as about
+# the scheduler. The tight class's max TPOT is therefore compared between the two servers
+# on the same burst, not with the 60 ms target. Median max TPOT, plugin off / FairBatching:
+# 182/59 ms = 3.1 (idle), 180/63 = 2.9 (CI under load), 151/58 = 2.6 (beside two busy
+# loops), 226/86 = 2.6 (a fresh clone on a busy VM). The gap is structural: with the plugin
+# off the burst's 48,000 prompt tokens run prefill-first while every decode waits (one
+# ~840 ms gap per stream); FairBatching interleaves them (longest gap ~150 ms). Jitter of j
+# ms added to both sides keeps the ratio above MARGIN while j < 2*stock - 3*fb, i.e. over
+# 120 ms in every run above.
+TPOT_RATIO_MARGIN = 1.5
 BASE_ARGS = ("--max-total-tokens", KV_TOKENS, "--enable-metrics", "--max-prefill-tokens", "16384")
 
 
@@ -112,16 +123,29 @@ def metric(url: str, name: str) -> float:
     return sum(values)
 
 
+def loads(url: str) -> list[dict]:
+    return requests.get(f"{url}/v1/loads", timeout=30).json()["loads"]
+
+
 def pab_tokens(url: str) -> list[int | None]:
-    loads = requests.get(f"{url}/v1/loads", timeout=30).json()
-    return [rank.get("fairbatching_pab_tokens") for rank in loads["loads"]]
+    return [rank.get("fairbatching_pab_tokens") for rank in loads(url)]
+
+
+def wait_for_metric_above(url: str, name: str, floor: float, timeout: float = 60.0) -> float:
+    """The metric once it exceeds ``floor`` (FairBatching publishes its counters every
+    0.5 s of steps), or its value at the timeout."""
+    deadline = time.monotonic() + timeout
+    while (value := metric(url, name)) <= floor and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
 
 
 @dataclass
 class BurstResult:
     tight: list[Stream]
     burst: list[Stream]
-    pab_samples: list[int]
+    #: (PAB tokens, waiting requests) from each /v1/loads sample taken during the run
+    pab_samples: list[tuple[int, int]]
 
 
 def run_burst(url: str, tag: str) -> BurstResult:
@@ -136,13 +160,16 @@ def run_burst(url: str, tag: str) -> BurstResult:
             if len(first_tokens) >= 8:
                 started.set()
 
-    pab_samples: list[int] = []
+    pab_samples: list[tuple[int, int]] = []
     stop_sampling = threading.Event()
 
     def sample_pab() -> None:
+        # Each sample pairs the PAB with the queue it was computed for (one /v1/loads
+        # snapshot), so the test can look at the samples taken while the burst waited.
         while not stop_sampling.is_set():
-            pab_samples.extend(v for v in pab_tokens(url) if v is not None)
-            time.sleep(0.05)
+            pab_samples.extend((rank["fairbatching_pab_tokens"], rank.get("num_waiting_reqs", 0))
+                               for rank in loads(url) if rank.get("fairbatching_pab_tokens") is not None)
+            time.sleep(0.02)
 
     with ThreadPoolExecutor(26) as pool:
         sampler = pool.submit(sample_pab)
@@ -159,10 +186,10 @@ def run_burst(url: str, tag: str) -> BurstResult:
 
 @pytest.fixture(scope="module")
 def fb_burst(fb_server) -> tuple[BurstResult, float]:
-    deferred_before = metric(fb_server.url, "fairbatching:deferred_decodes_total")
+    name = "fairbatching:deferred_decodes_total"
+    deferred_before = metric(fb_server.url, name)
     result = run_burst(fb_server.url, "fb")
-    time.sleep(1.0)  # metrics are published every 0.5 s
-    return result, metric(fb_server.url, "fairbatching:deferred_decodes_total") - deferred_before
+    return result, wait_for_metric_above(fb_server.url, name, deferred_before) - deferred_before
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +197,8 @@ def stock_burst(stock_server) -> BurstResult:
     return run_burst(stock_server.url, "stock")
 
 
-def attainment(streams: list[Stream], tpot_s: float) -> float:
-    return sum(s.max_tpot <= tpot_s for s in streams) / len(streams)
+def median_max_tpot(streams: list[Stream]) -> float:
+    return statistics.median(s.max_tpot for s in streams)
 
 
 def test_burst_completes_with_exact_token_counts(fb_burst) -> None:
@@ -188,31 +215,36 @@ def test_decodes_are_deferred_while_prefills_queue(fb_burst) -> None:
 
 
 def test_tight_class_tpot_attainment_beats_the_plugin_off(fb_burst, stock_burst) -> None:
+    """The same burst against both servers, compared with each other (see
+    TPOT_RATIO_MARGIN): the tight class's median max TPOT is at most 1/MARGIN of the
+    plugin-off server's, and at a target set by the run itself, the fastest plugin-off
+    tight stream's max TPOT, FairBatching's attainment is at least 6/8 (plugin off: 0/8
+    by construction)."""
     fb, _ = fb_burst
-    tpot_s = TIGHT["tpot_ms"] / 1e3 * CLIENT_TIMING_ALLOWANCE
-    fb_attainment = attainment(fb.tight, tpot_s)
-    stock_attainment = attainment(stock_burst.tight, tpot_s)
-    fb_worst = sorted(s.max_tpot for s in fb.tight)[len(fb.tight) // 2]
-    stock_worst = sorted(s.max_tpot for s in stock_burst.tight)[len(stock_burst.tight) // 2]
     for name, streams in (("fb", fb.tight), ("stock", stock_burst.tight)):
         for s in streams:
             gaps = [b - a for a, b in zip(s.token_times, s.token_times[1:])]
             worst_j = max(range(1, len(s.token_times)), key=lambda j: (s.token_times[j] - s.token_times[0]) / j)
             print(name, s.rid, f"max_tpot={s.max_tpot*1e3:.0f}ms at j={worst_j} max_gap={max(gaps)*1e3:.0f}ms ttft={s.ttft*1e3:.0f}ms")
-    strict_s = TIGHT["tpot_ms"] / 1e3
-    print(f"tight TPOT attainment within {tpot_s * 1e3:.0f} ms: fairbatching {fb_attainment:.2f} "
-          f"(strict {attainment(fb.tight, strict_s):.2f}, median max TPOT {fb_worst * 1e3:.0f} ms), "
-          f"plugin off {stock_attainment:.2f} (strict {attainment(stock_burst.tight, strict_s):.2f}, "
-          f"{stock_worst * 1e3:.0f} ms)")
-    assert fb_attainment > stock_attainment
-    assert fb_worst < stock_worst
+    fb_median, stock_median = median_max_tpot(fb.tight), median_max_tpot(stock_burst.tight)
+    target = min(s.max_tpot for s in stock_burst.tight)
+    fb_attainment = sum(s.max_tpot < target for s in fb.tight) / len(fb.tight)
+    print(f"tight class median max TPOT: fairbatching {fb_median * 1e3:.0f} ms, plugin off "
+          f"{stock_median * 1e3:.0f} ms (ratio {stock_median / fb_median:.2f}); fairbatching's "
+          f"attainment at the plugin-off server's best ({target * 1e3:.0f} ms): {fb_attainment:.2f}")
+    assert fb_median * TPOT_RATIO_MARGIN <= stock_median
+    assert fb_attainment >= 0.75
 
 
 def test_pab_falls_as_prefills_queue(fb_server, fb_burst) -> None:
+    """While the burst's prompts wait (seen in the same /v1/loads snapshot as the PAB),
+    the PAB is down by at least half of their 48,000 tokens from the idle PAB."""
     result, _ = fb_burst
     idle = max(v for v in pab_tokens(fb_server.url) if v is not None)
     assert result.pab_samples, "no PAB in /v1/loads"
-    assert min(result.pab_samples) < idle - 16 * 3000 // 2
+    queued = [pab for pab, waiting in result.pab_samples if waiting >= 8]
+    assert queued, f"no sample while 8 or more prompts waited: {sorted(set(w for _, w in result.pab_samples))}"
+    assert min(queued) < idle - 16 * 3000 // 2
 
 
 def test_plugin_off_reports_no_fairbatching_state(stock_server) -> None:
@@ -263,16 +295,26 @@ def fb_no_overlap_server(sglang_server, fb_config):
 
 def test_without_overlap_scheduling(fb_no_overlap_server) -> None:
     url = fb_no_overlap_server.url
-    deferred_before = metric(url, "fairbatching:deferred_decodes_total")
+    name = "fairbatching:deferred_decodes_total"
+    deferred_before = metric(url, name)
+    decoding: set[str] = set()
+    all_decoding = threading.Event()
+
+    def note(stream: Stream) -> None:
+        if len(stream.token_times) >= 2:  # past its first token: decoding
+            decoding.add(stream.rid)
+            if len(decoding) == 4:
+                all_decoding.set()
+
     with ThreadPoolExecutor(12) as pool:
-        tight = [pool.submit(stream_generate, url, f"no-overlap-tight-{i}", 200, 60, TIGHT) for i in range(4)]
-        time.sleep(0.5)
+        tight = [pool.submit(stream_generate, url, f"no-overlap-tight-{i}", 200, 60, TIGHT, note)
+                 for i in range(4)]
+        assert all_decoding.wait(120), "the tight streams never started decoding"
         burst = [pool.submit(stream_generate, url, f"no-overlap-burst-{i}", 3000, 16, {"class": "relaxed"})
                  for i in range(8)]
         results = [f.result() for f in tight + burst]
     assert [len(r.token_times) for r in results] == [60] * 4 + [16] * 8
-    time.sleep(1.0)
-    assert metric(url, "fairbatching:deferred_decodes_total") > deferred_before
+    assert wait_for_metric_above(url, name, deferred_before) > deferred_before
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,8 @@ def main(scenario_path: str) -> None:
     checks = {"parked_kv_kept": 0, "parked_relay_token_ok": 0, "parked_kv_changed": 0,
               "relay_token_wrong": 0}
     state = getattr(scheduler, "fairbatching", None)
+    triage = _record_triage(state) if state is not None else None
+    observations = _record_observations(state) if state is not None else None
     overlap = scheduler.enable_overlap
     result_queue = scheduler.result_queue if overlap else None
     last_batch = None
@@ -98,6 +100,8 @@ def main(scenario_path: str) -> None:
             ):
                 scheduler.abort_request(AbortReq(rid=rid))
                 aborted[rid] = step
+        if triage is not None:
+            triage.clear()
         formed = time.perf_counter()
         plan = scheduler.get_next_batch_to_run(scheduler.running_batch, last_batch)
         formed = time.perf_counter() - formed
@@ -107,6 +111,8 @@ def main(scenario_path: str) -> None:
         scheduler.running_batch = plan.running_batch
         batch = plan.batch_to_run
         record = _step_record(scheduler, batch, state, step)
+        if triage and batch is not None:
+            record["triage"] = triage[-1]
         record["get_next_batch_us"] = round(formed * 1e6, 1)
         if state is not None and state.parked is not None:
             for req in state.parked.reqs:
@@ -151,8 +157,46 @@ def main(scenario_path: str) -> None:
         "kv_free_plus_evictable": allocator.available_size() + evictable,
         "kv_total": scheduler.max_total_num_tokens,
         "fairbatching": state.snapshot() if state is not None else None,
+        "observations": observations,
     }
     print("HARNESS-RESULT " + json.dumps(report))
+
+
+def _record_triage(state: Any) -> list[dict[str, Any]]:
+    """What each decision saw, from the policy's own triage (Algorithm 1's groups): the
+    decodes it must run (urgent, or late under the lateness guard) and the deferrable
+    ones with their slack. Tests check parking against it, so their verdict does not
+    depend on how fast this machine ran the steps."""
+    policy = state.policy
+    form_batch = policy.form_batch
+    seen: list[dict[str, Any]] = []
+
+    def recording_form_batch(requests: Any, now: float) -> Any:
+        groups = policy._triage(requests, now, getattr(policy, "anchored", False))
+        if groups is not None:
+            seen.append({
+                "must_run": sorted(str(r.req_id) for _, r in (*groups.urgent_decodes, *groups.late_decodes)),
+                "deferrable": {str(r.req_id): round(slack * 1e3, 3) for slack, r in groups.deferrable_decodes},
+                "urgent_below_ms": round((groups.init_time_budget_s + groups.min_tpot_s) * 1e3, 3),
+            })
+        return form_batch(requests, now)
+
+    policy.form_batch = recording_form_batch
+    return seen
+
+
+def _record_observations(state: Any) -> list[tuple[int, int, float]]:
+    """Every measured step the online step model learns from: (new tokens, context, seconds)."""
+    policy = state.policy
+    observe_step = policy.observe_step
+    seen: list[tuple[int, int, float]] = []
+
+    def recording_observe_step(new_tokens: int, context: int, measured_s: float, *args: Any) -> None:
+        seen.append((int(new_tokens), int(context), float(measured_s)))
+        observe_step(new_tokens, context, measured_s, *args)
+
+    policy.observe_step = recording_observe_step
+    return seen
 
 
 def _prompt(spec: dict[str, Any]) -> list[int]:

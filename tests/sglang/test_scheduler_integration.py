@@ -47,10 +47,11 @@ def run_scenario(tmp_path: Path, name: str, *, overlap: bool, fairbatching: bool
     return run_harness(tmp_path, name, scenario)
 
 
-def run_harness(tmp_path: Path, name: str, scenario: dict[str, Any]) -> dict[str, Any]:
+def run_harness(tmp_path: Path, name: str, scenario: dict[str, Any],
+                env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(scenario))
-    env = {**os.environ, "FAIRBATCHING_EMULATED_GPU": "llama3.1-8b-h100"}
+    env = {**os.environ, "FAIRBATCHING_EMULATED_GPU": "llama3.1-8b-h100", **(env_extra or {})}
     env.pop("FAIRBATCHING_CONFIG", None)
     done = subprocess.run([sys.executable, str(HARNESS), str(path)], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=300)
@@ -93,12 +94,22 @@ def test_no_kv_leak_and_idle_at_the_end(fairbatching_run: dict) -> None:
 
 
 def test_decodes_are_deferred_while_a_prefill_runs(fairbatching_run: dict) -> None:
-    mixed = [s for s in fairbatching_run["steps"] if s["prefill_tokens"] > 0 and s["parked"]]
+    """Which decodes may be parked is decided from their slack, which depends on how fast
+    this machine ran the previous steps (the harness's CPU time is part of every step).
+    So each decision is checked against the slack it saw (the policy's own triage,
+    recorded by the harness): a decode that was urgent, or already late, is never parked;
+    every parked decode was deferrable. Then the pattern the scenario is built for."""
+    decided = [s for s in fairbatching_run["steps"] if "triage" in s]
+    assert decided
+    for step in decided:
+        parked, triage = set(step["parked"]), step["triage"]
+        assert not parked & set(triage["must_run"]), f"an urgent or late decode was parked: {step}"
+        assert parked <= set(triage["deferrable"]), f"a decode was parked without slack: {step}"
+    mixed = [s for s in decided if s["prefill_tokens"] > 0 and s["parked"]]
     assert mixed, "no step deferred a decode while prefilling"
-    for step in mixed:
-        assert "tight" in step["decodes"], "the tight-TPOT request was deferred"
-        assert "tight" not in step["parked"]
-    assert any({"relaxed-0", "relaxed-1"} <= set(step["parked"]) for step in mixed)
+    # The relaxed decodes (200 ms TPOT) wait together while the tight one (15 ms) rides
+    # along with the prompt's chunk.
+    assert any({"relaxed-0", "relaxed-1"} <= set(s["parked"]) and "tight" in s["decodes"] for s in mixed)
 
 
 def test_the_long_prompt_is_chunked_to_the_time_budget(fairbatching_run: dict) -> None:
@@ -111,11 +122,77 @@ def test_the_long_prompt_is_chunked_to_the_time_budget(fairbatching_run: dict) -
     assert sum(s["prefills"]["long-prompt"] for s in chunks) == 7000
 
 
-def test_step_model_is_recalibrated_from_measured_steps(fairbatching_run: dict) -> None:
+def test_every_measured_step_reaches_the_step_model_and_nothing_was_dropped(fairbatching_run: dict) -> None:
     snapshot = fairbatching_run["fairbatching"]
-    assert snapshot["counters"]["steps"] > 50
-    assert snapshot["step_model"]["mean_abs_relative_error"] < 0.5
+    timed = [s for s in fairbatching_run["steps"] if s["new_tokens"] > 0]
+    assert snapshot["counters"]["steps"] == len(timed) == len(fairbatching_run["observations"])
+    assert snapshot["errors"] == {}  # no hook handled (and so hid) an error
     assert snapshot["pab_tokens"] > 0
+
+
+#: The recalibration scenario's emulated GPU runs this many times slower than the profile,
+#: and its step model starts from the profile's offline fit times this factor and
+#: WRONG_BY: WRONG_BY times too slow. (Too slow, not too fast: the online model weights
+#: each step by 1/measured, so it corrects an overestimate within tens of steps and an
+#: underestimate, by design, only over hundreds.)
+TIME_SCALE = 3.0
+WRONG_BY = 3.0
+
+
+def initial_step_model() -> Any:
+    from sglang_ext.policy.step_model import StepCoefficients
+
+    shipped = StepCoefficients.load(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml")
+    k = TIME_SCALE * WRONG_BY
+    return StepCoefficients(shipped.a_s * k, shipped.b_s_per_token * k, shipped.c_s_per_context_token * k)
+
+
+@pytest.fixture(scope="module")
+def recalibration_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Decodes and prompts of varied sizes; the step model starts WRONG_BY x too slow."""
+    tmp_path = tmp_path_factory.mktemp("recalibration")
+    initial_step_model().save(tmp_path / "wrong.toml")
+    config = tmp_path / "fb.toml"
+    config.write_text(f'policy = "fb"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
+                      f'step_model = "{tmp_path / "wrong.toml"}"\n')
+    requests = [
+        *({"rid": f"decode-{i}", "prompt_tokens": 100 + 50 * i, "max_new_tokens": 120,
+           "slo": {"class": "relaxed"}, "at_step": 2 * i} for i in range(4)),
+        {"rid": "prompt-a", "prompt_tokens": 2500, "max_new_tokens": 10, "slo": {"class": "standard"},
+         "at_step": 15},
+        {"rid": "prompt-b", "prompt_tokens": 900, "max_new_tokens": 10, "slo": {"class": "standard"},
+         "at_step": 80},
+    ]
+    scenario = {"requests": requests, "overlap": False, "timeout_s": 150, "config": str(config)}
+    return run_harness(tmp_path, "recalibration", scenario,
+                       env_extra={"FAIRBATCHING_EMULATED_GPU_TIME_SCALE": str(TIME_SCALE)})
+
+
+def test_step_model_is_recalibrated_from_measured_steps(recalibration_run: dict) -> None:
+    """Judged on the steps it measured and relative to where it started, not against a
+    fixed error: a step's wall-clock time includes this machine's CPU time, which a busy
+    machine inflates. Starting 3x too slow, the initial model is off by over 100% on the
+    measured steps (138% on an idle 2-core VM; less on a busy one, as measured steps get
+    longer); the recalibrated one must be off by at most half of that on the second half
+    of the run (it was 2%). A model that learned nothing stays where it started."""
+    from statistics import median
+
+    from sglang_ext.policy.step_model import StepCoefficients
+
+    observations = recalibration_run["observations"]
+    assert len(observations) > 100 and recalibration_run["fairbatching"]["errors"] == {}
+    model = recalibration_run["fairbatching"]["step_model"]
+    final = StepCoefficients(model["a_s"], model["b_s_per_token"], model["c_s_per_context_token"])
+    later = observations[len(observations) // 2:]
+    assert any(new_tokens > 100 for new_tokens, _, _ in later), "no prefill in the second half"
+
+    def error(coefficients: StepCoefficients) -> float:
+        return median(abs(coefficients.predict(n, c) - s) / s for n, c, s in later)
+
+    initial_error, final_error = error(initial_step_model()), error(final)
+    print(f"step model relative error on measured steps: initial {initial_error:.2f}, "
+          f"recalibrated {final_error:.2f}; coefficients {model}")
+    assert final_error <= initial_error / 2
 
 
 def test_stock_scheduler_is_untouched_and_prefills_alone(stock_run: dict) -> None:
