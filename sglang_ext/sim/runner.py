@@ -40,10 +40,6 @@ class PolicySpec:
         return f"{self.base}@{','.join(parts)}" if parts else self.base
 
     @property
-    def sweeps_budget(self) -> bool:
-        return POLICIES.get(self.base).takes_token_budget
-
-    @property
     def is_tunable(self) -> bool:
         """Named without any of its tunables: a sweep tunes them."""
         factory = POLICIES.get(self.base)

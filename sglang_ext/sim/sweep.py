@@ -16,7 +16,6 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_ext.sim.calibration import offline_fit
 from sglang_ext.sim.metrics import LatencySamples
 from sglang_ext.sim.runner import (
     PolicySpec,
@@ -124,14 +123,11 @@ def _tune_all(
     results: dict[str, list[RunResult]],
 ) -> dict[str, TuningResult]:
     """Drive every family's search together, one batch of settings per round."""
-    initial = offline_fit(scenario.profile) if scenario.initial_step_model is None else None
     searches: dict[str, Search] = {}
     asked: dict[str, list[str]] = {}
     done: dict[str, TuningResult] = {}
     for name in plan.tuned:
-        context = build_policy(
-            scenario if initial is None else _with_model(scenario, initial), PolicySpec(name)
-        ).context
+        context = build_policy(scenario, PolicySpec(name)).context
         searches[name] = tune(name, context, plan.budgets)
         asked[name] = next(searches[name])
     while asked:
@@ -144,12 +140,6 @@ def _tune_all(
                 done[name] = stop.value
                 del asked[name]
     return done
-
-
-def _with_model(scenario: Scenario, model) -> Scenario:
-    from dataclasses import replace
-
-    return replace(scenario, initial_step_model=model)
 
 
 def _score(runs: list[RunResult]) -> tuple[float, float]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from sglang_ext.policy.policies import POLICIES, PolicyContext
 from sglang_ext.sim.baselines import default_queue_cap
+from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS, PolicySpec
 
 REFINE_STEP = 0.25
 START_BUDGET = 512
@@ -95,8 +96,6 @@ class TuningResult:
 def budget_axis(budgets: Sequence[int] | None) -> Axis:
     if budgets:
         return Axis("budget", tuple(sorted(set(budgets))), (min(budgets), max(budgets)), True, False)
-    from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS
-
     return Axis("budget", DEFAULT_TOKEN_BUDGETS, BUDGET_BOUNDS, True)
 
 
@@ -156,7 +155,5 @@ def tune(name: str, context: PolicyContext, budgets: Sequence[int] | None) -> Se
 
 
 def _label(name: str, budget: float, setting: str | None = None, value: float | None = None) -> str:
-    from sglang_ext.sim.runner import PolicySpec
-
     settings = () if setting is None else ((setting, value),)
     return PolicySpec(name, int(budget), settings).label
