@@ -104,6 +104,7 @@ def triage(
     *,
     anchored: bool = False,
     floor: ServiceFloor | None = None,
+    hopeless: frozenset = frozenset(),
 ) -> Triage | None:
     """Group active requests; ``None`` when there is nothing to run.
 
@@ -111,7 +112,8 @@ def triage(
     ``first_token_time + tpot * j`` (the ``fb-anchor`` variant) instead of the paper's
     ``arrival + ttft + tpot * j``; the first token keeps the TTFT deadline.
     ``floor`` turns on the lateness guard (module docstring); ``None`` is the printed
-    algorithm.
+    algorithm. ``hopeless`` (request ids; admission mode ``defer``) are treated as late
+    too: served after every request in time, never setting the time budget.
     """
     if not requests:
         return None
@@ -130,7 +132,9 @@ def triage(
             slack = request.first_token_time + tpot * index - now
         else:
             slack = request.arrival + slo.ttft_s + tpot * index - now
-        if floor is not None and (slack < 0.0 or tpot < serviceable):
+        if (floor is not None and (slack < 0.0 or tpot < serviceable)) or (
+            hopeless and request.req_id in hopeless
+        ):
             (late_prefills if request.pending_prefill else late_decodes).append((slack, request))
             continue
         if slack < min_slack:

@@ -8,10 +8,14 @@ and register into the same :data:`POLICIES` registry.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from sglang_ext.policy.admission import (
+    AdmissionError, AdmissionMode, AdmissionRule, AdmissionSettings, class_budgets, forecast,
+)
 from sglang_ext.policy.batch_former import (
     DEFAULT_MAX_TOKEN_BUDGET, ServiceFloor, Triage, pack, triage, unserviceable_slo_reason,
 )
@@ -34,6 +38,8 @@ class PolicyContext:
     # False runs the printed algorithm without the lateness guard or the door's refusal
     # (batch_former); only to measure what the guard costs (scripts/bench_hostile.py)
     lateness_guard: bool = True
+    # admission control (sglang_ext.policy.admission); the FairBatching family applies it
+    admission: AdmissionSettings = AdmissionSettings()
 
     def __post_init__(self) -> None:
         if self.max_token_budget < 1:
@@ -55,12 +61,15 @@ class BatchPolicy:
     name = "abstract"
     takes_token_budget = False  # swept as NAME@BUDGET
     setting_names: tuple[str, ...] = ()  # further tunables, NAME@BUDGET,key=value
+    takes_admission = False  # applies PolicyContext.admission
 
     def __init__(self, context: PolicyContext) -> None:
         self.context = context
         self.step_model = OnlineStepModel(context.initial_step_model)
 
-    def admit(self, requests: Sequence[RequestState], now: float, prompt_tokens: int) -> bool:
+    def admit(
+        self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo
+    ) -> bool:
         """Called when a request arrives, before it joins ``requests``."""
         return True
 
@@ -84,6 +93,16 @@ class BatchPolicy:
             requests, now, self.step_model.coefficients, self.context.global_slo
         )
 
+    def admission_budgets(
+        self, requests: Sequence[RequestState], now: float, classes: Mapping[str, Slo]
+    ) -> dict[str, float]:
+        """Each SLO class's admission budget in prompt tokens (what a rank publishes),
+        under the policy's admission rule (``edf`` when admission is off)."""
+        return class_budgets(
+            self.context.admission.rule, requests, now, self.step_model.coefficients, classes,
+            self.context.global_slo.tpot_s,
+        )
+
 
 POLICIES: Registry[Callable[[PolicyContext], BatchPolicy]] = Registry("policy")
 
@@ -91,6 +110,36 @@ POLICIES: Registry[Callable[[PolicyContext], BatchPolicy]] = Registry("policy")
 class _LatenessGuarded(BatchPolicy):
     """The FairBatching family: the lateness guard in every triage, and the door's
     refusal of a TPOT no rank can honour (``sglang_ext.policy.batch_former``)."""
+
+    takes_admission = True
+    #: the admission these names stand for (``fb-pab``: reject under the PAB rule)
+    implied_admission: AdmissionSettings | None = None
+
+    def __init__(self, context: PolicyContext) -> None:
+        super().__init__(context)
+        self.admission = _resolved_admission(self.name, self.implied_admission, context.admission)
+
+    def admit(
+        self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo
+    ) -> bool:
+        admission = self.admission
+        if admission.mode is not AdmissionMode.REJECT:
+            return True
+        coefficients = self.step_model.coefficients
+        if admission.rule is AdmissionRule.PAB:
+            return prompt_tokens <= prefill_admission_budget(requests, now, coefficients, slo)
+        queue = forecast(
+            requests, now, coefficients, self.context.global_slo.tpot_s, admission.headroom
+        )
+        return prompt_tokens <= queue.budget(slo.ttft_s)
+
+    def admission_budgets(
+        self, requests: Sequence[RequestState], now: float, classes: Mapping[str, Slo]
+    ) -> dict[str, float]:
+        return class_budgets(
+            self.admission.rule, requests, now, self.step_model.coefficients, classes,
+            self.context.global_slo.tpot_s, self.admission.headroom,
+        )
 
     def refusal(self, slo: Slo) -> str | None:
         if not self.context.lateness_guard:
@@ -101,7 +150,51 @@ class _LatenessGuarded(BatchPolicy):
         floor = None
         if self.context.lateness_guard:
             floor = ServiceFloor.of(self.step_model.coefficients, self.context.global_slo.tpot_s)
-        return triage(requests, now, anchored=anchored, floor=floor)
+        hopeless: frozenset = frozenset()
+        if self.admission.mode is AdmissionMode.DEFER:
+            hopeless = forecast(
+                requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
+                self.admission.headroom,
+            ).hopeless
+        return triage(requests, now, anchored=anchored, floor=floor, hopeless=hopeless)
+
+    def _expired(self, requests: Sequence[RequestState], now: float) -> tuple[Hashable, ...]:
+        """Under ``defer``: requests still without a first token ``max_defer_s`` after
+        they arrived, which the engine ends (aborts) before the step."""
+        if self.admission.mode is not AdmissionMode.DEFER:
+            return ()
+        limit = self.admission.max_defer_s
+        return tuple(
+            r.req_id for r in requests if r.next_output_index == 0 and now - r.arrival > limit
+        )
+
+    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        expired = self._expired(requests, now)
+        if not expired:
+            return self._form_batch(requests, now)
+        gone = set(expired)
+        decision = self._form_batch([r for r in requests if r.req_id not in gone], now)
+        return dataclasses.replace(decision, abort_ids=expired)
+
+    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        raise NotImplementedError
+
+
+def _resolved_admission(
+    name: str, implied: AdmissionSettings | None, configured: AdmissionSettings
+) -> AdmissionSettings:
+    """A policy name that implies an admission (``fb-pab``) and configured settings must
+    agree; configured ``off`` takes the implied one."""
+    if implied is None or configured.mode is AdmissionMode.OFF:
+        return implied or configured
+    if (configured.mode, configured.rule) != (implied.mode, implied.rule):
+        raise AdmissionError(
+            f"policy {name!r} means admission mode {implied.mode.value!r} with rule "
+            f"{implied.rule.value!r}, but admission mode {configured.mode.value!r} with rule "
+            f"{configured.rule.value!r} is configured: name the policy without '-pab' to use "
+            "the configured admission, or configure mode 'reject' with rule 'pab'"
+        )
+    return configured
 
 
 @POLICIES.register("fb")
@@ -114,7 +207,7 @@ class FairBatching(_LatenessGuarded):
     name = "fb"
     anchored = False
 
-    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         groups = self._triage(requests, now, self.anchored)
         if groups is None:
             return BatchDecision.make_empty()
@@ -133,12 +226,11 @@ class FairBatching(_LatenessGuarded):
 
 @POLICIES.register("fb-pab")
 class FairBatchingWithAdmission(FairBatching):
-    """``fb`` that rejects a new request whose prompt exceeds the rank's PAB."""
+    """``fb`` that rejects a new request whose prompt exceeds the rank's PAB at the
+    request's SLO (the same as ``fb`` with admission mode ``reject``, rule ``pab``)."""
 
     name = "fb-pab"
-
-    def admit(self, requests: Sequence[RequestState], now: float, prompt_tokens: int) -> bool:
-        return prompt_tokens <= self.prefill_admission_budget(requests, now)
+    implied_admission = AdmissionSettings(AdmissionMode.REJECT, AdmissionRule.PAB)
 
 
 @POLICIES.register("fb-fb")
@@ -152,7 +244,7 @@ class FairBatchingFixedBudget(_LatenessGuarded):
         super().__init__(context)
         self.token_budget = context.token_budget or 2048
 
-    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         groups = self._triage(requests, now)
         if groups is None:
             return BatchDecision.make_empty()
@@ -178,7 +270,7 @@ class FairBatchingDerivedTokenBudget(_LatenessGuarded):
         super().observe_step(new_tokens, context, measured_s, prefill_tokens)
         self.tokens_only_model.observe(new_tokens, context, measured_s)
 
-    def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         groups = self._triage(requests, now)
         if groups is None:
             return BatchDecision.make_empty()

@@ -11,6 +11,7 @@ from collections.abc import Hashable, Sequence
 from operator import attrgetter
 
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
+from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.view import BatchDecision, RequestState
 
 _arrival_order = attrgetter("arrival_seq")
@@ -156,7 +157,9 @@ class SarathiQueueCap(Sarathi):
         super().__init__(context)
         self.cap = context.setting("cap") or default_queue_cap(context, self.token_budget)
 
-    def admit(self, requests: Sequence[RequestState], now: float, prompt_tokens: int) -> bool:
+    def admit(
+        self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo
+    ) -> bool:
         queued = sum(r.prompt_tokens for r in requests if r.pending_prefill > 0)
         return queued <= self.cap
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import sglang_ext.policy.variants  # noqa: F401  registers fb-anchor, fb-margin, fb-kairos
 import sglang_ext.sim.baselines  # noqa: F401  registers the baselines
+from sglang_ext.policy.admission import AdmissionError, AdmissionSettings
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.registry import UnknownNameError
@@ -32,12 +34,14 @@ class PolicySpec:
     base: str  # registered policy name
     token_budget: int | None = None
     settings: tuple[tuple[str, float], ...] = ()  # the policy's other tunables, by name
+    admission: AdmissionSettings | None = None  # NAME+MODE[:RULE]; None: the policy's own
 
     @property
     def label(self) -> str:
         parts = [] if self.token_budget is None else [str(self.token_budget)]
         parts += [f"{name}={_number(value)}" for name, value in self.settings]
-        return f"{self.base}@{','.join(parts)}" if parts else self.base
+        label = f"{self.base}@{','.join(parts)}" if parts else self.base
+        return label if self.admission is None else f"{label}+{self.admission.label}"
 
     @property
     def is_tunable(self) -> bool:
@@ -52,9 +56,35 @@ def _number(value: float) -> str:
     return str(int(value)) if value == int(value) else f"{value:.6g}"
 
 
+def parse_admission(text: str, max_defer_s: float | None = None) -> AdmissionSettings:
+    """``MODE`` or ``MODE:RULE`` (``reject``, ``defer``, ``reject:pab``)."""
+    mode, _, rule = text.partition(":")
+    extra = {} if max_defer_s is None else {"max_defer_s": max_defer_s}
+    try:
+        return AdmissionSettings.parse(mode, rule or "edf", **extra)
+    except AdmissionError as exc:
+        raise PolicySpecError(str(exc)) from None
+
+
 def parse_policy(text: str) -> PolicySpec:
     """``NAME``, ``NAME@BUDGET`` (policies that take a token budget), and either followed
-    by ``,key=value`` for the policy's other tunables: ``sarathi-queue-cap@1024,cap=32768``."""
+    by ``,key=value`` for the policy's other tunables: ``sarathi-queue-cap@1024,cap=32768``;
+    then optionally ``+MODE[:RULE]``, the admission control of a FairBatching-family
+    policy (``fb-anchor-margin+reject``, ``+defer``, ``+reject:pab``)."""
+    text, plus, admission_text = text.partition("+")
+    admission = parse_admission(admission_text) if plus else None
+    spec = _parse_policy_settings(text)
+    if admission is None:
+        return spec
+    if not POLICIES.get(spec.base).takes_admission:
+        raise PolicySpecError(
+            f"policy {spec.base!r} takes no +admission: it is not of the FairBatching family "
+            "(the baselines' admission controls are their own policies, e.g. sarathi-queue-cap)"
+        )
+    return dataclasses.replace(spec, admission=admission)
+
+
+def _parse_policy_settings(text: str) -> PolicySpec:
     base, _, params_text = text.partition("@")
     try:
         factory = POLICIES.get(base)
@@ -121,9 +151,13 @@ def build_policy(scenario: Scenario, spec: PolicySpec, **context_overrides) -> B
         gpu_memory_gb=scenario.profile.memory_gb,
         token_budget=spec.token_budget,
         settings=spec.settings,
+        **({} if spec.admission is None else {"admission": spec.admission}),
         **context_overrides,
     )
-    return POLICIES.get(spec.base)(context)
+    try:
+        return POLICIES.get(spec.base)(context)
+    except AdmissionError as exc:
+        raise PolicySpecError(f"{spec.label}: {exc}") from None
 
 
 def replay(scenario: Scenario, policy: BatchPolicy, rate: float) -> tuple[SimEngine, float]:

@@ -92,7 +92,7 @@ def test_fb_is_algorithm_1_with_its_step_model() -> None:
     policy = make("fb", max_token_budget=300)
     assert policy.form_batch(requests, NOW) == form_batch(requests, NOW, COEF, max_token_budget=300)
     assert policy.form_batch([], NOW).is_empty
-    assert policy.admit(requests, NOW, 10**9)  # fb admits everything
+    assert policy.admit(requests, NOW, 10**9, SLO)  # fb admits everything
 
 
 # --------------------------------------------------------------------------- fb-pab
@@ -102,8 +102,8 @@ def test_fb_pab_admits_up_to_the_budget_on_an_empty_rank() -> None:
     policy = make("fb-pab")
     # (TTFT - a) / (b + c) = 0.995 / 1.01e-4 = 9851.49
     assert policy.prefill_admission_budget([], NOW) == pytest.approx(9851.485, abs=1e-3)
-    assert policy.admit([], NOW, 9851)
-    assert not policy.admit([], NOW, 9852)
+    assert policy.admit([], NOW, 9851, SLO)
+    assert not policy.admit([], NOW, 9852, SLO)
 
 
 def test_fb_pab_on_a_loaded_rank() -> None:
@@ -114,15 +114,16 @@ def test_fb_pab_on_a_loaded_rank() -> None:
         request("p", 0.9, prefill=500),
     ]
     # hand-computed in test_pab: (1 - 0.1286) / 1.01e-4 - 500 = 8127.72
-    assert policy.admit(requests, NOW, 8127)
-    assert not policy.admit(requests, NOW, 8128)
+    assert policy.admit(requests, NOW, 8127, SLO)
+    assert not policy.admit(requests, NOW, 8128, SLO)
 
 
-def test_fb_pab_uses_the_global_slo() -> None:
-    # global TTFT 2 s: (2 - 0.005) / 1.01e-4 = 19752.48
-    policy = make("fb-pab", global_slo=Slo(2.0, 0.05))
-    assert policy.admit([], NOW, 19752)
-    assert not policy.admit([], NOW, 19753)
+def test_fb_pab_uses_the_slo_of_the_request_at_hand() -> None:
+    # TTFT 2 s: (2 - 0.005) / 1.01e-4 = 19752.48, whatever the global SLO
+    policy = make("fb-pab")
+    assert policy.admit([], NOW, 19752, Slo(2.0, 0.05))
+    assert not policy.admit([], NOW, 19753, Slo(2.0, 0.05))
+    assert not policy.admit([], NOW, 9852, SLO)
 
 
 # --------------------------------------------------------------------------- fb-tb

@@ -486,7 +486,8 @@ def test_anchor_margin_pab_admits_up_to_the_pab_and_packs_like_anchor_margin() -
     requests = [RequestView("p", 0.0, Slo(2.0, 0.05), 0, 3000, 0, 3000)]
     budget = guarded.prefill_admission_budget(requests, 0.0)
     assert budget > 0
-    assert guarded.admit(requests, 0.0, int(budget))
-    assert not guarded.admit(requests, 0.0, int(budget) + 1)
-    assert plain.admit(requests, 0.0, int(budget) + 1)
+    slo = Slo(2.0, 0.05)
+    assert guarded.admit(requests, 0.0, int(budget), slo)
+    assert not guarded.admit(requests, 0.0, int(budget) + 1, slo)
+    assert plain.admit(requests, 0.0, int(budget) + 1, slo)
     assert guarded.form_batch(requests, 0.0) == plain.form_batch(requests, 0.0)

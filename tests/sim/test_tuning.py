@@ -110,10 +110,10 @@ def view(req_id: str, prompt: int, pending: int, arrival: float = 0.0, seq: int 
 def test_queue_cap_rejects_while_prefill_tokens_exceed_the_cap() -> None:
     policy = make_policy("sarathi-queue-cap", llama(), token_budget=512, settings=(("cap", 1000.0),))
     half_done = view("a", 800, 100)  # counted whole: 800
-    assert policy.admit([half_done], 0.0, 5000)  # 800 <= 1000: admitted, whatever its size
-    assert not policy.admit([half_done, view("b", 300, 300)], 0.0, 1)  # 1100 > 1000
+    assert policy.admit([half_done], 0.0, 5000, SLO)  # 800 <= 1000: admitted, whatever its size
+    assert not policy.admit([half_done, view("b", 300, 300)], 0.0, 1, SLO)  # 1100 > 1000
     decoding = RequestView("c", 0.0, SLO, 3, 0, 5000, 5000, 0)
-    assert policy.admit([half_done, decoding], 0.0, 1)  # decodes do not count
+    assert policy.admit([half_done, decoding], 0.0, 1, SLO)  # decodes do not count
 
 
 def test_queue_timeout_aborts_only_requests_never_started() -> None:

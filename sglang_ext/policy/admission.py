@@ -1,0 +1,233 @@
+"""Admission: which arriving prompt a rank can still prefill within its TTFT, per SLO class.
+
+One model for every path (the simulator's engine, the scheduler that publishes budgets,
+the HTTP process that refuses with 429) and both modes:
+
+- ``reject``: an arrival whose prompt exceeds its class's budget is refused.
+- ``defer``: nothing is refused; a queued prefill the forecast cannot finish before its
+  TTFT deadline is *hopeless* and joins the late requests of the lateness guard
+  (``sglang_ext.policy.batch_former``): served after every request still in time, never
+  setting the time budget, and ended after ``max_defer_s`` without a first token.
+
+The forecast (the ``edf`` rule). FairBatching serves queued prefills in deadline order;
+model that queue as one earliest-deadline-first server of rate ``R`` prompt tokens per
+second, where ``R`` is what the step model leaves for prefill once every decode gets
+its token once per TPOT and every step pays its fixed cost::
+
+    R = (1 - a / period - sum_decoding (b + c * context_i) / tpot_i) / b
+
+(``period`` is the smallest TPOT present, the step cadence FairBatching keeps under load).
+Scanning the in-time prefills by deadline, each one that fits (work before it plus its
+own pending tokens <= ``R * (deadline - now)``) is *feasible* and leaves ``spare`` tokens;
+one that does not is hopeless and its work is not counted (it is served after the others).
+A new request of TTFT ``T`` gets::
+
+    budget(T) = min( R * T - work of feasible entries due by now + T,
+                     min spare over feasible entries due after now + T )
+
+so it is refused if its own prefill cannot finish in time, or if serving it first (its
+deadline is earlier) would make a request already admitted miss its TTFT.
+
+The ``pab`` rule is the paper's Prefill Admission Budget (``sglang_ext.policy.pab``),
+evaluated with each class's SLO as the global one; kept to measure against.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from sglang_ext.policy.pab import prefill_admission_budget
+from sglang_ext.policy.slo import Slo
+from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.view import RequestState
+
+DEFAULT_MAX_DEFER_S = 30.0
+DEFAULT_RETRY_AFTER_S = 1.0
+DEFAULT_MAX_BUDGET_AGE_S = 0.5
+DEFAULT_HEADROOM = 0.1
+
+
+class AdmissionError(ValueError):
+    """Contradictory or malformed admission settings."""
+
+
+class AdmissionMode(str, Enum):
+    OFF = "off"
+    REJECT = "reject"
+    DEFER = "defer"
+
+
+class AdmissionRule(str, Enum):
+    EDF = "edf"
+    PAB = "pab"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    """``[admission]`` of the extension's config and ``--admission`` of the simulator.
+
+    ``max_budget_age_s`` bounds how stale a published budget the HTTP process may use
+    (older: it refuses on "unknown load" only if ``reject_when_stale``, else admits);
+    ``retry_after_s`` is the ``Retry-After`` of a refusal."""
+
+    mode: AdmissionMode = AdmissionMode.OFF
+    rule: AdmissionRule = AdmissionRule.EDF
+    max_defer_s: float = DEFAULT_MAX_DEFER_S
+    retry_after_s: float = DEFAULT_RETRY_AFTER_S
+    max_budget_age_s: float = DEFAULT_MAX_BUDGET_AGE_S
+    headroom: float = DEFAULT_HEADROOM
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, AdmissionMode):
+            raise AdmissionError(f"admission mode must be one of {_names(AdmissionMode)}")
+        if not isinstance(self.rule, AdmissionRule):
+            raise AdmissionError(f"admission rule must be one of {_names(AdmissionRule)}")
+        if self.mode is AdmissionMode.DEFER and self.rule is AdmissionRule.PAB:
+            raise AdmissionError(
+                "admission rule 'pab' only rejects; defer needs the per-request forecast "
+                "of rule 'edf'"
+            )
+        for name in ("max_defer_s", "retry_after_s", "max_budget_age_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > 0
+            ):
+                raise AdmissionError(f"admission {name} must be a finite number > 0, got {value!r}")
+        if isinstance(self.headroom, bool) or not isinstance(self.headroom, (int, float)) or not (
+            0.0 <= self.headroom < 1.0
+        ):
+            raise AdmissionError(f"admission headroom must be a number in [0, 1), got {self.headroom!r}")
+
+    @classmethod
+    def parse(cls, mode: str, rule: str = AdmissionRule.EDF.value, **numbers: float) -> AdmissionSettings:
+        try:
+            parsed_mode = AdmissionMode(mode)
+        except ValueError:
+            raise AdmissionError(
+                f"unknown admission mode {mode!r}; expected one of {_names(AdmissionMode)}"
+            ) from None
+        try:
+            parsed_rule = AdmissionRule(rule)
+        except ValueError:
+            raise AdmissionError(
+                f"unknown admission rule {rule!r}; expected one of {_names(AdmissionRule)}"
+            ) from None
+        return cls(parsed_mode, parsed_rule, **numbers)
+
+    @property
+    def label(self) -> str:
+        """``reject``, ``defer`` or ``reject:pab`` (the simulator's policy-label suffix)."""
+        if self.rule is AdmissionRule.EDF:
+            return self.mode.value
+        return f"{self.mode.value}:{self.rule.value}"
+
+
+def _names(enum: type[Enum]) -> str:
+    return ", ".join(repr(member.value) for member in enum)
+
+
+def prefill_rate(
+    requests: Sequence[RequestState], coefficients: StepCoefficients, default_tpot_s: float,
+    headroom: float = 0.0,
+) -> float:
+    """Prompt tokens per second left for prefill (module docstring); >= 0."""
+    usable = coefficients.usable()
+    a, b, c = usable.a_s, usable.b_s_per_token, usable.c_s_per_context_token
+    period = default_tpot_s
+    decode_share = 0.0
+    for request in requests:
+        tpot = request.slo.tpot_s
+        if tpot < period:
+            period = tpot
+        decode_share += (b + c * (request.context + request.pending_prefill)) / tpot
+    free = 1.0 - a / period - decode_share
+    return max(0.0, free) / b * (1.0 - headroom)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueForecast:
+    """The EDF forecast of one rank's prefill queue at ``now`` (module docstring)."""
+
+    now: float
+    rate: float  # prompt tokens per second
+    deadlines: tuple[float, ...]  # feasible entries, ascending
+    work_through: tuple[float, ...]  # cumulative pending tokens up to and including each
+    spare_after: tuple[float, ...]  # min spare over entries i.. (len + 1; last is inf)
+    hopeless: frozenset[Hashable]
+
+    def budget(self, ttft_s: float) -> float:
+        """Prompt tokens a request arriving now with TTFT ``ttft_s`` may bring (may be < 0)."""
+        deadline = self.now + ttft_s
+        index = bisect_right(self.deadlines, deadline)
+        work_before = self.work_through[index - 1] if index else 0.0
+        own = self.rate * ttft_s - work_before
+        return min(own, self.spare_after[index])
+
+
+def forecast(
+    requests: Sequence[RequestState], now: float, coefficients: StepCoefficients,
+    default_tpot_s: float, headroom: float = DEFAULT_HEADROOM,
+) -> QueueForecast:
+    rate = prefill_rate(requests, coefficients, default_tpot_s, headroom)
+    queue = []
+    for request in requests:
+        if request.pending_prefill <= 0:
+            continue
+        slo = request.slo
+        deadline = request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index
+        queue.append((deadline, request.arrival_seq, request.pending_prefill, request.req_id))
+    queue.sort()
+    deadlines: list[float] = []
+    work_through: list[float] = []
+    spares: list[float] = []
+    hopeless: set[Hashable] = set()
+    work = 0.0
+    for deadline, _, pending, req_id in queue:
+        capacity = rate * (deadline - now)
+        if work + pending > capacity:
+            hopeless.add(req_id)
+            continue
+        work += pending
+        deadlines.append(deadline)
+        work_through.append(work)
+        spares.append(capacity - work)
+    spare_after = [math.inf] * (len(spares) + 1)
+    for index in range(len(spares) - 1, -1, -1):
+        spare_after[index] = min(spares[index], spare_after[index + 1])
+    return QueueForecast(
+        now, rate, tuple(deadlines), tuple(work_through), tuple(spare_after), frozenset(hopeless)
+    )
+
+
+def class_budgets(
+    rule: AdmissionRule,
+    requests: Sequence[RequestState],
+    now: float,
+    coefficients: StepCoefficients,
+    classes: Mapping[str, Slo],
+    default_tpot_s: float,
+    headroom: float = DEFAULT_HEADROOM,
+) -> dict[str, float]:
+    """Each SLO class's admission budget in prompt tokens, from one rank state."""
+    if rule is AdmissionRule.PAB:
+        return {
+            name: prefill_admission_budget(requests, now, coefficients, slo)
+            for name, slo in classes.items()
+        }
+    queue = forecast(requests, now, coefficients, default_tpot_s, headroom)
+    return {name: queue.budget(slo.ttft_s) for name, slo in classes.items()}
+
+
+def budget_for(budgets: Mapping[float, float], ttft_s: float, rate: float) -> float:
+    """A request's budget from budgets published at class TTFTs (``{ttft_s: tokens}``):
+    the class with the largest TTFT not above the request's; below every class, the
+    smallest class's budget less ``rate`` tokens per second of TTFT it lacks."""
+    below = [t for t in budgets if t <= ttft_s]
+    if below:
+        return budgets[max(below)]
+    smallest = min(budgets)
+    return budgets[smallest] - rate * (smallest - ttft_s)
