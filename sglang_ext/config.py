@@ -13,6 +13,14 @@
     min_decode_slack_ms = 500
     min_interval_s = 30
 
+    [admission]                             # sglang_ext.policy.admission; all optional
+    mode = "reject"                         # "off" (default), "reject" or "defer"
+    rule = "edf"                            # "edf" (default) or "pab"
+    max_defer_s = 30                        # defer: end a request still without a first token
+    retry_after_s = 1                       # reject: the 429's Retry-After
+    max_budget_age_s = 0.5                  # reject: an older published budget is not trusted
+    headroom = 0.1                          # fraction of the prefill rate held back
+
 Pure: importing it needs neither sglang nor torch, so a bad file is reported before
 any SGLang process starts.
 """
@@ -26,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_ext.policy.admission import AdmissionError, AdmissionSettings
 from sglang_ext.policy.gc import GcConfig
 from sglang_ext.policy import variants as _variants  # noqa: F401  (registers the variants)
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
@@ -39,8 +48,11 @@ DEFAULT_POLICY = "fb"
 TIME_BUDGET_POLICIES = ("fb", "fb-pab", "fb-anchor", "fb-margin", "fb-kairos",
                         "fb-anchor-margin", "fb-anchor-margin-pab")
 
-_TOP_KEYS = {"policy", "slo_file", "step_model", "max_token_budget", "log_interval_s", "gc"}
+_TOP_KEYS = {"policy", "slo_file", "step_model", "max_token_budget", "log_interval_s", "gc",
+             "admission"}
 _GC_KEYS = {"enabled", "min_decode_slack_ms", "min_interval_s"}
+_ADMISSION_NUMBERS = ("max_defer_s", "retry_after_s", "max_budget_age_s", "headroom")
+_ADMISSION_KEYS = {"mode", "rule", *_ADMISSION_NUMBERS}
 
 
 class ConfigError(ValueError):
@@ -57,14 +69,23 @@ class ExtensionConfig:
     gc_enabled: bool = True
     gc: GcConfig = field(default_factory=GcConfig)
     source: str = "<defaults>"
+    #: as configured; the policy's ``admission`` is what applies (``-pab`` names imply one)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
 
     def build_policy(self) -> BatchPolicy:
         context = PolicyContext(
             global_slo=self.catalog.default,
             initial_step_model=self.initial_step_model,
             max_token_budget=self.max_token_budget,
+            admission=self.admission,
         )
         return POLICIES.get(self.policy)(context)
+
+    @property
+    def effective_admission(self) -> AdmissionSettings:
+        """The admission the policy applies: the configured one, or the one its name
+        implies (``fb-anchor-margin-pab`` with mode ``off``: reject under rule ``pab``)."""
+        return self.build_policy().admission
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ExtensionConfig:
@@ -115,8 +136,14 @@ class ExtensionConfig:
             )
         except ValueError as exc:
             raise ConfigError(f"[gc]: {exc}") from None
-        return cls(policy, catalog, step_model, max_token_budget, log_interval_s, enabled, gc,
-                   source)
+        admission = _load_admission(data.get("admission", {}))
+        config = cls(policy, catalog, step_model, max_token_budget, log_interval_s, enabled, gc,
+                     source, admission)
+        try:
+            config.build_policy()  # refuses a policy name that contradicts [admission]
+        except AdmissionError as exc:
+            raise ConfigError(f"[admission]: {exc}") from None
+        return config
 
 
 def load_from_environment() -> ExtensionConfig | None:
@@ -161,6 +188,34 @@ def _load_step_model(value: Any, base_dir: Path) -> StepCoefficients:
         return StepCoefficients.load(_resolve(value, base_dir, "step_model"))
     except ValueError as exc:
         raise ConfigError(f"step_model: {exc}") from None
+
+
+def _load_admission(table: Any) -> AdmissionSettings:
+    if not isinstance(table, Mapping):
+        raise ConfigError("[admission] must be a table")
+    unknown = set(table) - _ADMISSION_KEYS
+    if unknown:
+        raise ConfigError(
+            f"[admission]: unknown key(s) {sorted(unknown)}; expected {sorted(_ADMISSION_KEYS)}"
+        )
+    words = {}
+    for key, default in (("mode", "off"), ("rule", "edf")):
+        value = table.get(key, default)
+        if not isinstance(value, str):
+            raise ConfigError(f"[admission] {key} must be a string, got {value!r}")
+        words[key] = value
+    numbers = {}
+    for key in _ADMISSION_NUMBERS:
+        if key not in table:
+            continue
+        value = table[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"[admission] {key} must be a number, got {value!r}")
+        numbers[key] = float(value)
+    try:
+        return AdmissionSettings.parse(words["mode"], words["rule"], **numbers)
+    except AdmissionError as exc:
+        raise ConfigError(f"[admission]: {exc}") from None
 
 
 def _positive_int(table: Mapping[str, Any], key: str, default: int) -> int:

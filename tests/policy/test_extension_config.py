@@ -101,3 +101,53 @@ def test_malformed_custom_params_slo(custom_params: object, message: str) -> Non
 def test_slo_spec_of_passes_the_inner_spec_through() -> None:
     spec = {"ttft_ms": 1, "tpot_ms": 2}
     assert slo_spec_of({"slo": spec}) is spec
+
+
+def test_admission_table(tmp_path: Path) -> None:
+    from sglang_ext.policy.admission import AdmissionMode, AdmissionRule
+
+    config = ExtensionConfig.load(write(tmp_path, (
+        'policy = "fb-anchor-margin"\n[admission]\nmode = "defer"\nmax_defer_s = 5\n'
+        "retry_after_s = 2\nmax_budget_age_s = 0.25\nheadroom = 0\n"
+    )))
+    admission = config.admission
+    assert (admission.mode, admission.rule) == (AdmissionMode.DEFER, AdmissionRule.EDF)
+    assert (admission.max_defer_s, admission.retry_after_s) == (5.0, 2.0)
+    assert (admission.max_budget_age_s, admission.headroom) == (0.25, 0.0)
+    assert config.build_policy().admission == admission
+
+
+def test_admission_defaults_off_and_pab_names_imply_reject(tmp_path: Path) -> None:
+    from sglang_ext.policy.admission import AdmissionMode, AdmissionRule
+
+    shipped = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml")
+    assert shipped.admission.mode is AdmissionMode.OFF
+    config = ExtensionConfig.load(write(tmp_path, 'policy = "fb-anchor-margin-pab"\n'))
+    assert config.admission.mode is AdmissionMode.OFF
+    effective = config.effective_admission
+    assert (effective.mode, effective.rule) == (AdmissionMode.REJECT, AdmissionRule.PAB)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[admission]\nmood = "reject"\n', "[admission]: unknown key(s) ['mood']"),
+        ('[admission]\nmode = "drop"\n', "unknown admission mode 'drop'"),
+        ("[admission]\nmode = 1\n", "[admission] mode must be a string"),
+        ('[admission]\nrule = "fifo"\n', "unknown admission rule 'fifo'"),
+        ("[admission]\nmax_defer_s = 0\n", "max_defer_s must be a finite number > 0"),
+        ('[admission]\nretry_after_s = "1"\n', "retry_after_s must be a number"),
+        ("[admission]\nmax_budget_age_s = -1\n", "max_budget_age_s"),
+        ("[admission]\nheadroom = 1\n", "headroom must be a number in [0, 1)"),
+        ("admission = 3\n", "[admission] must be a table"),
+        ('[admission]\nmode = "defer"\nrule = "pab"\n', "defer needs the per-request forecast"),
+        ('policy = "fb-anchor-margin-pab"\n[admission]\nmode = "defer"\n',
+         "policy 'fb-anchor-margin-pab' means admission mode 'reject' with rule 'pab'"),
+    ],
+)
+def test_bad_admission_is_refused_at_load(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as excinfo:
+        ExtensionConfig.load(path)
+    assert str(path) in str(excinfo.value)
+    assert message in str(excinfo.value)
