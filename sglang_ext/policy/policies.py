@@ -68,9 +68,11 @@ class BatchPolicy:
         self.step_model = OnlineStepModel(context.initial_step_model)
 
     def admit(
-        self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo
+        self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,
+        arrival: float | None = None,
     ) -> bool:
-        """Called when a request arrives, before it joins ``requests``."""
+        """Called when a request arrives (at ``arrival``, default ``now``), before it
+        joins ``requests``."""
         return True
 
     def refusal(self, slo: Slo) -> str | None:
@@ -120,7 +122,8 @@ class _LatenessGuarded(BatchPolicy):
         self.admission = _resolved_admission(self.name, self.implied_admission, context.admission)
 
     def admit(
-        self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo
+        self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,
+        arrival: float | None = None,
     ) -> bool:
         admission = self.admission
         if admission.mode is not AdmissionMode.REJECT:
@@ -131,7 +134,8 @@ class _LatenessGuarded(BatchPolicy):
         queue = forecast(
             requests, now, coefficients, self.context.global_slo.tpot_s, admission.headroom
         )
-        return prompt_tokens <= queue.budget(slo.ttft_s)
+        waited = 0.0 if arrival is None else max(0.0, now - arrival)
+        return prompt_tokens <= queue.budget(slo.ttft_s - waited)
 
     def admission_budgets(
         self, requests: Sequence[RequestState], now: float, classes: Mapping[str, Slo]

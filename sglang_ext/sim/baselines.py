@@ -158,7 +158,8 @@ class SarathiQueueCap(Sarathi):
         self.cap = context.setting("cap") or default_queue_cap(context, self.token_budget)
 
     def admit(
-        self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo
+        self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,
+        arrival: float | None = None,
     ) -> bool:
         queued = sum(r.prompt_tokens for r in requests if r.pending_prefill > 0)
         return queued <= self.cap

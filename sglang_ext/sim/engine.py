@@ -138,7 +138,7 @@ class SimEngine:
         if (
             too_long
             or self.policy.refusal(slo) is not None
-            or not self.policy.admit(self._active, self.now, prompt_tokens, slo)
+            or not self.policy.admit(self._active, self.now, prompt_tokens, slo, arrival)
         ):
             record.rejected = True
             return False

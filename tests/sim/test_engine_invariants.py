@@ -242,10 +242,10 @@ def test_policy_never_sees_the_output_length():
         seen["calls"] += 1
         return inner_form(requests, now)
 
-    def admit(requests, now, prompt_tokens, slo):
+    def admit(requests, now, prompt_tokens, slo, arrival=None):
         inspect(requests)
         assert prompt_tokens != output
-        return inner_admit(requests, now, prompt_tokens, slo)
+        return inner_admit(requests, now, prompt_tokens, slo, arrival)
 
     policy.form_batch, policy.admit = form_batch, admit
     engine.submit("long", 0.0, 1, output, policy.context.global_slo)
