@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from controlplane.balancer import BALANCERS
+from sglang_ext.policy.admission import AdmissionSettings
+from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 from sglang_ext.policy.step_model import StepCoefficients, StepModelError
 from sglang_ext.sim.calibration import offline_fit, profile_samples
@@ -35,6 +37,7 @@ from sglang_ext.sim.runner import (
     PolicySpecError,
     RunResult,
     Scenario,
+    parse_admission,
     parse_policy,
     simulate,
 )
@@ -49,6 +52,7 @@ from sglang_ext.sim.sweep import (
 )
 from sglang_ext.sim.workloads import (
     FORMATS,
+    ClassMix,
     Workload,
     WorkloadError,
     bundled_sample,
@@ -122,6 +126,29 @@ def _arrivals(text: str) -> str:
     return text
 
 
+def _class_mix(text: str) -> ClassMix:
+    try:
+        return ClassMix.parse(text)
+    except WorkloadError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _admission(text: str) -> AdmissionSettings:
+    try:
+        return parse_admission(text)
+    except PolicySpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_admission(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--admission", type=_admission, metavar="MODE[:RULE]",
+        help="admission control of every FairBatching-family policy named without its own "
+        "+MODE: reject, defer or reject:pab (sglang_ext.policy.admission); the baselines keep "
+        "theirs (sarathi-queue-cap, sarathi-queue-timeout)",
+    )
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     workload = parser.add_argument_group("workload")
     workload.add_argument("--trace", type=Path, help="trace file (default: the bundled Azure sample)")
@@ -134,6 +161,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--head-seconds", type=_positive_float,
         help=f"keep the first S seconds of the trace (default: {DEFAULT_SAMPLE_HEAD_S:g} for the "
         "bundled sample, all of a given trace)",
+    )
+    workload.add_argument(
+        "--class-mix", type=_class_mix, metavar="NAME:FRACTION,...",
+        help="assign each request an SLO class of --slo-config, drawn with --seed "
+        "(e.g. interactive:0.2,standard:0.5,relaxed:0.3); default: every request in the "
+        "default class",
     )
     system = parser.add_argument_group("system")
     system.add_argument(
@@ -167,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--policy", default="fb", help="policy name, NAME@BUDGET for budgeted ones")
     run.add_argument("--rate", type=_positive_float,
                      help="offered load, req/s (default: the trace's own rate)")
+    _add_admission(run)
     _common(run)
     sweep = commands.add_parser("sweep", help="policies x offered loads (bundled sample by default)")
     sweep.add_argument("--policy", action="append", dest="policies",
@@ -184,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="load whose latency CDFs are plotted (default: the middle rate)")
     sweep.add_argument("--jobs", type=int, help="worker processes (default: all cores)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_admission(sweep)
     _common(sweep)
     cluster = commands.add_parser(
         "cluster",
@@ -249,6 +284,14 @@ def _workload(args: argparse.Namespace, catalog: SloCatalog) -> Workload:
     }
     if unknown:
         raise CliError(f"trace names SLO class(es) {sorted(unknown)} not in {args.slo_config}")
+    if args.class_mix is not None:
+        missing = sorted({name for name, _ in args.class_mix.fractions} - set(catalog.classes))
+        if missing:
+            raise CliError(
+                f"--class-mix names SLO class(es) {missing} not in {args.slo_config} "
+                f"(defined: {', '.join(sorted(catalog.classes))})"
+            )
+        workload = workload.with_class_mix(args.class_mix, args.seed)
     return workload
 
 
@@ -272,8 +315,25 @@ def _out_dir(args: argparse.Namespace) -> Path:
     return args.out or Path("out") / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _with_admission(texts: Sequence[str], admission: AdmissionSettings | None) -> list[str]:
+    """``--admission`` appended to every FairBatching-family policy named without its own."""
+    if admission is None:
+        return list(texts)
+    labels = []
+    for text in texts:
+        spec = parse_policy(text)
+        takes = spec.admission is None and POLICIES.get(spec.base).takes_admission
+        labels.append(f"{text}+{admission.label}" if takes else text)
+    if labels == list(texts):
+        raise CliError(
+            "--admission applies to FairBatching-family policies named without +MODE; "
+            f"none among {', '.join(texts)}"
+        )
+    return labels
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    spec = parse_policy(args.policy)
+    spec = parse_policy(_with_admission([args.policy], args.admission)[0])
     scenario = _scenario(args)
     rate = args.rate or scenario.workload.mean_rate
     result = simulate(scenario, spec, rate)
@@ -291,7 +351,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     from sglang_ext.sim.plots import plot_effective_rps, plot_latency_cdfs
 
-    plan = plan_sweep(args.policies or DEFAULT_POLICIES, args.budgets)
+    plan = plan_sweep(
+        _with_admission(args.policies or DEFAULT_POLICIES, args.admission), args.budgets
+    )
     scenario = _scenario(args)
     rates = args.rates
     cdf_rate = args.cdf_rate or rates[len(rates) // 2]

@@ -138,11 +138,66 @@ class Workload:
             label = f"gamma(rate={rate:g}, cv={cv:g}, seed={seed})"
         return self._retimed(times.tolist(), label)
 
+    def with_class_mix(self, mix: ClassMix, seed: int) -> Workload:
+        """Each request gets an SLO class drawn from ``mix`` (seeded, independent of the
+        arrival draw); refused for a trace that names its own classes."""
+        named = sum(1 for r in self.requests if r.slo_class)
+        if named:
+            raise WorkloadError(
+                f"{self.source}: {named} request(s) already name an SLO class; a class mix "
+                "would replace them"
+            )
+        names = [name for name, _ in mix.fractions]
+        weights = np.array([fraction for _, fraction in mix.fractions])
+        draws = np.random.default_rng([seed, CLASS_MIX_STREAM]).choice(
+            len(names), size=len(self.requests), p=weights / weights.sum()
+        )
+        requests = tuple(
+            replace(r, slo_class=names[i]) for r, i in zip(self.requests, draws, strict=True)
+        )
+        return replace(self, requests=requests, source=f"{self.source} with classes {mix.label}")
+
     def _retimed(self, arrivals: list[float], label: str) -> Workload:
         requests = tuple(
             replace(r, arrival_s=float(t)) for r, t in zip(self.requests, arrivals, strict=True)
         )
         return replace(self, requests=requests, source=f"{self.source} @ {label}")
+
+
+CLASS_MIX_STREAM = 0x5C1A55  # separates the class draw from the arrival draw of one seed
+
+
+@dataclass(frozen=True, slots=True)
+class ClassMix:
+    """``NAME:FRACTION,...``: the share of requests in each SLO class (fractions sum to 1)."""
+
+    fractions: tuple[tuple[str, float], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> ClassMix:
+        fractions: dict[str, float] = {}
+        for part in text.split(","):
+            name, sep, value = part.strip().partition(":")
+            try:
+                fraction = float(value) if sep else math.nan
+            except ValueError:
+                fraction = math.nan
+            if not name or not (math.isfinite(fraction) and 0.0 < fraction <= 1.0):
+                raise WorkloadError(
+                    f"invalid class mix entry {part.strip()!r} in {text!r}; expected "
+                    "NAME:FRACTION with 0 < FRACTION <= 1, e.g. interactive:0.3,standard:0.7"
+                )
+            if name in fractions:
+                raise WorkloadError(f"class {name!r} appears twice in the class mix {text!r}")
+            fractions[name] = fraction
+        total = sum(fractions.values())
+        if abs(total - 1.0) > 1e-6:
+            raise WorkloadError(f"class mix fractions must sum to 1, got {total:g} in {text!r}")
+        return cls(tuple(fractions.items()))
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{name}:{fraction:g}" for name, fraction in self.fractions)
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> np.ndarray:

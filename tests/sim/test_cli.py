@@ -292,3 +292,56 @@ def test_unwritable_out_is_a_clean_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("error:") and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ admission and classes
+def test_admission_applies_to_the_fairbatching_family_only(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--policy", "fb-anchor-margin", "--policy", "sarathi@512",
+            "--policy", "fb+reject:pab", "--admission", "defer", "--rates", "8", *FAST,
+            "--jobs", "1", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    document = json.loads((out / "results.json").read_text())
+    assert set(document["policies"]) == {"fb-anchor-margin+defer", "sarathi@512", "fb+reject:pab"}
+
+
+def test_admission_without_a_fairbatching_policy_is_a_user_error(tmp_path, capsys):
+    line = _user_error(["run", "--policy", "sarathi@512", "--admission", "reject", *FAST,
+                        "--out", str(tmp_path / "x")], capsys)
+    assert "FairBatching-family" in line
+
+
+def test_plus_admission_on_a_baseline_is_a_user_error(tmp_path, capsys):
+    line = _user_error(["run", "--policy", "sarathi@512+reject", *FAST,
+                        "--out", str(tmp_path / "x")], capsys)
+    assert "takes no +admission" in line
+
+
+def test_contradicting_pab_name_is_a_user_error(tmp_path, capsys):
+    line = _user_error(["run", "--policy", "fb-pab+defer", *FAST, "--out", str(tmp_path / "x")],
+                       capsys)
+    assert "only rejects" in line or "fb-pab" in line
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--admission", "drop"], "unknown admission mode"),
+    (["--class-mix", "standard:0.5"], "sum to 1"),
+    (["--class-mix", "standard"], "NAME:FRACTION"),
+])
+def test_bad_admission_and_class_mix_are_argparse_errors(argv, fragment, capsys):
+    assert fragment in _argparse_error(["run", "--policy", "fb", *argv], capsys)
+
+
+def test_class_mix_names_must_be_defined(tmp_path, capsys):
+    line = _user_error(["run", "--policy", "fb", "--class-mix", "gold:1", *FAST,
+                        "--out", str(tmp_path / "x")], capsys)
+    assert "gold" in line and "interactive" in line
+
+
+def test_class_mix_runs_and_reaches_the_requests(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["run", "--policy", "fb", "--admission", "reject", "--rate", "8",
+            "--class-mix", "interactive:0.5,relaxed:0.5", *FAST, "--out", str(out)]
+    assert main(argv) == 0
+    document = json.loads((out / "results.json").read_text())
+    assert "interactive:0.5,relaxed:0.5" in document["scenario"]["workload"]

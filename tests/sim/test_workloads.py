@@ -316,3 +316,24 @@ def test_unknown_format_lists_formats() -> None:
 
 def test_workload_error_is_value_error() -> None:
     assert issubclass(WorkloadError, ValueError)
+
+
+def test_class_mix_is_seeded_and_follows_the_fractions():
+    from sglang_ext.sim.workloads import ClassMix, Workload, TraceRequest
+
+    workload = Workload(tuple(TraceRequest(float(i), 10, 10) for i in range(2000)), "synthetic")
+    mix = ClassMix.parse("a:0.25,b:0.75")
+    first = workload.with_class_mix(mix, seed=3)
+    assert first == workload.with_class_mix(mix, seed=3)
+    assert first != workload.with_class_mix(mix, seed=4)
+    share = sum(r.slo_class == "a" for r in first.requests) / len(first)
+    assert 0.2 < share < 0.3
+    assert [r.prompt_tokens for r in first.requests] == [r.prompt_tokens for r in workload.requests]
+
+
+def test_class_mix_refuses_a_trace_with_its_own_classes():
+    from sglang_ext.sim.workloads import ClassMix, Workload, TraceRequest, WorkloadError
+
+    workload = Workload((TraceRequest(0.0, 10, 10, "x"),), "classed")
+    with pytest.raises(WorkloadError, match="already name an SLO class"):
+        workload.with_class_mix(ClassMix.parse("a:1"), seed=0)

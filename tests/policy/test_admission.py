@@ -1,0 +1,175 @@
+"""The admission model (sglang_ext.policy.admission) and its use by the FairBatching family."""
+
+from __future__ import annotations
+
+import pytest
+
+from policy_helpers import COEF, NOW, SLO, request
+from sglang_ext.policy.admission import (
+    AdmissionError, AdmissionMode, AdmissionRule, AdmissionSettings, budget_for, class_budgets,
+    forecast, prefill_rate,
+)
+from sglang_ext.policy.policies import POLICIES, PolicyContext
+from sglang_ext.policy.slo import Slo
+import sglang_ext.policy.variants  # noqa: F401  (registers the variants)
+
+TPOT = SLO.tpot_s
+
+
+def make(name: str, **admission) -> object:
+    settings = AdmissionSettings(**admission) if admission else AdmissionSettings()
+    return POLICIES.get(name)(PolicyContext(SLO, COEF, admission=settings))
+
+
+def test_prefill_rate_is_what_decodes_and_step_costs_leave():
+    # empty rank: (1 - a / tpot) / b = (1 - 0.1) / 1e-4
+    assert prefill_rate([], COEF, TPOT) == pytest.approx(9000.0)
+    decoding = [request("d", 0.03, context=1000)]
+    # one decode: (b + c * 1000) / tpot = 1.1e-3 / 0.05 = 0.022 of every second
+    assert prefill_rate(decoding, COEF, TPOT) == pytest.approx((1 - 0.1 - 0.022) / 1e-4)
+    # a queued prefill counts as the decode it becomes (context = its prompt)
+    queued = [request("p", 0.5, prefill=1000)]
+    assert prefill_rate(queued, COEF, TPOT) == pytest.approx((1 - 0.1 - 0.022) / 1e-4)
+    assert prefill_rate([], COEF, TPOT, headroom=0.5) == pytest.approx(4500.0)
+
+
+def test_rate_is_never_negative():
+    crowd = [request(i, 0.03, context=100_000) for i in range(50)]
+    assert prefill_rate(crowd, COEF, TPOT) == 0.0
+
+
+def test_budget_on_an_empty_rank_is_rate_times_ttft():
+    queue = forecast([], NOW, COEF, TPOT, headroom=0.0)
+    assert queue.budget(1.0) == pytest.approx(9000.0)
+    assert queue.budget(2.0) == pytest.approx(18000.0)
+    assert not queue.hopeless
+
+
+def test_queued_work_due_first_is_subtracted():
+    queued = [request("p", 0.5, prefill=3000)]  # due in 0.5 s
+    rate = prefill_rate(queued, COEF, TPOT)
+    queue = forecast(queued, NOW, COEF, TPOT, headroom=0.0)
+    assert queue.budget(1.0) == pytest.approx(rate * 1.0 - 3000)
+
+
+def test_a_newcomer_may_not_make_an_admitted_request_late():
+    # due in 1.0 s with 6000 tokens: rate (1 - 0.1 - 0.122) / 1e-4 = 7780, spare 1780
+    queued = [request("p", 1.0, prefill=6000, slo=Slo(1.0, 0.05))]
+    queue = forecast(queued, NOW, COEF, TPOT, headroom=0.0)
+    assert queue.rate == pytest.approx(7780.0)
+    # a tighter request (due in 0.5 s) is served first: it may only take the spare
+    assert queue.budget(0.5) == pytest.approx(1780.0)
+    assert queue.rate * 0.5 > 1780.0
+
+
+def test_infeasible_prefills_are_hopeless_and_their_work_is_not_counted():
+    queued = [
+        request("soon", 0.1, prefill=5000, arrival_seq=0),  # 5000 > 0.1 s of prefill
+        request("later", 0.9, prefill=1000, arrival_seq=1),
+    ]
+    queue = forecast(queued, NOW, COEF, TPOT, headroom=0.0)
+    assert queue.hopeless == {"soon"}
+    assert queue.budget(1.0) == pytest.approx(queue.rate - 1000)
+
+
+def test_late_prefills_are_hopeless():
+    queue = forecast([request("late", -0.2, prefill=10)], NOW, COEF, TPOT)
+    assert queue.hopeless == {"late"}
+
+
+def test_class_budgets_per_rule():
+    classes = {"tight": Slo(0.5, 0.05), "loose": Slo(2.0, 0.1)}
+    edf = class_budgets(AdmissionRule.EDF, [], NOW, COEF, classes, TPOT, headroom=0.0)
+    assert edf["tight"] == pytest.approx(4500.0) and edf["loose"] == pytest.approx(18000.0)
+    pab = class_budgets(AdmissionRule.PAB, [], NOW, COEF, classes, TPOT)
+    assert pab["tight"] < pab["loose"]
+
+
+def test_budget_for_a_ttft_between_classes():
+    budgets = {0.5: 100.0, 2.0: 900.0}
+    assert budget_for(budgets, 2.0, rate=1000) == 900.0
+    assert budget_for(budgets, 1.0, rate=1000) == 100.0  # the class below
+    assert budget_for(budgets, 0.3, rate=1000) == pytest.approx(-100.0)  # 0.2 s short
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"mode": "reject"}, "admission mode"),
+    ({"mode": AdmissionMode.DEFER, "rule": AdmissionRule.PAB}, "only rejects"),
+    ({"max_defer_s": 0}, "max_defer_s"),
+    ({"retry_after_s": float("nan")}, "retry_after_s"),
+    ({"headroom": 1.0}, "headroom"),
+])
+def test_bad_settings_are_refused(kwargs, fragment):
+    with pytest.raises(AdmissionError, match=fragment):
+        AdmissionSettings(**kwargs)
+
+
+def test_parse_names_the_choices():
+    assert AdmissionSettings.parse("defer").mode is AdmissionMode.DEFER
+    with pytest.raises(AdmissionError, match="'off', 'reject', 'defer'"):
+        AdmissionSettings.parse("drop")
+    with pytest.raises(AdmissionError, match="'edf', 'pab'"):
+        AdmissionSettings.parse("reject", "fifo")
+
+
+# ------------------------------------------------------------------ the policies
+
+
+def test_reject_admits_up_to_the_budget_of_the_requests_class():
+    policy = make("fb-anchor-margin", mode=AdmissionMode.REJECT, headroom=0.0)
+    assert policy.admit([], NOW, 9000, SLO)
+    assert not policy.admit([], NOW, 9001, SLO)
+    assert policy.admit([], NOW, 18000, Slo(2.0, 0.05))
+
+
+def test_reject_counts_the_time_the_arrival_already_waited():
+    policy = make("fb", mode=AdmissionMode.REJECT, headroom=0.0)
+    assert policy.admit([], NOW, 9000, SLO, arrival=NOW)
+    assert not policy.admit([], NOW, 9000, SLO, arrival=NOW - 0.1)
+    assert policy.admit([], NOW, 8100, SLO, arrival=NOW - 0.1)
+
+
+def test_off_and_defer_admit_everything():
+    for mode in (AdmissionMode.OFF, AdmissionMode.DEFER):
+        assert make("fb", mode=mode).admit([], NOW, 10**9, SLO)
+
+
+def test_pab_names_imply_reject_with_the_pab_rule():
+    policy = make("fb-anchor-margin-pab")
+    assert (policy.admission.mode, policy.admission.rule) == (AdmissionMode.REJECT, AdmissionRule.PAB)
+    assert make("fb-pab", mode=AdmissionMode.REJECT, rule=AdmissionRule.PAB).admission.rule is AdmissionRule.PAB
+    with pytest.raises(AdmissionError, match="fb-pab.*defer"):
+        make("fb-pab", mode=AdmissionMode.DEFER)
+    with pytest.raises(AdmissionError, match="rule 'edf'"):
+        make("fb-anchor-margin-pab", mode=AdmissionMode.REJECT)
+
+
+def test_defer_serves_hopeless_prefills_after_the_feasible_ones():
+    hopeless = request("big", 0.1, prefill=5000, arrival_seq=0)
+    feasible = request("small", 0.9, prefill=500, arrival_seq=1)
+    deferring = make("fb", mode=AdmissionMode.DEFER, headroom=0.0)
+    plain = make("fb")
+    first = lambda policy: policy.form_batch([hopeless, feasible], NOW).prefill_chunks[0][0]
+    assert first(plain) == "big"  # least slack first
+    assert first(deferring) == "small"
+
+
+def test_defer_ends_requests_without_a_first_token_after_max_defer_s():
+    stale = request("stale", -10.0, prefill=100)  # arrived 11 s ago (TTFT 1 s)
+    fresh = request("fresh", 0.5, prefill=100)
+    decoding = request("decoding", -10.0, context=100)  # late, but has its first token
+    policy = make("fb", mode=AdmissionMode.DEFER, max_defer_s=5.0)
+    decision = policy.form_batch([stale, fresh, decoding], NOW)
+    assert decision.abort_ids == ("stale",)
+    assert "stale" not in {req_id for req_id, _ in decision.prefill_chunks}
+    assert make("fb", mode=AdmissionMode.REJECT, max_defer_s=5.0).form_batch(
+        [stale, fresh], NOW
+    ).abort_ids == ()
+
+
+def test_admission_budgets_follow_the_configured_rule():
+    classes = {"standard": SLO}
+    edf = make("fb", mode=AdmissionMode.REJECT, headroom=0.0).admission_budgets([], NOW, classes)
+    assert edf["standard"] == pytest.approx(9000.0)
+    pab = make("fb-pab").admission_budgets([], NOW, classes)
+    assert pab["standard"] == pytest.approx(9851.485, abs=1e-3)
