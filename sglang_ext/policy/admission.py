@@ -11,10 +11,12 @@ the HTTP process that refuses with 429) and both modes:
 
 The forecast (the ``edf`` rule). FairBatching serves queued prefills in deadline order;
 model that queue as one earliest-deadline-first server of rate ``R`` prompt tokens per
-second, where ``R`` is what the step model leaves for prefill once every decode gets
-its token once per TPOT and every step pays its fixed cost::
+second, where ``R`` is what the step model leaves for prefill once every request gets a
+token once per TPOT (a queued prefill counted as the decode it is about to become, its
+context its prompt: the decode load that arrives after admission) and every step pays
+its fixed cost, less a ``headroom`` fraction for the forecast's own error::
 
-    R = (1 - a / period - sum_decoding (b + c * context_i) / tpot_i) / b
+    R = (1 - a / period - sum_i (b + c * (context_i + pending_i)) / tpot_i) / b * (1 - headroom)
 
 (``period`` is the smallest TPOT present, the step cadence FairBatching keeps under load).
 Scanning the in-time prefills by deadline, each one that fits (work before it plus its
@@ -26,7 +28,13 @@ A new request of TTFT ``T`` gets::
                      min spare over feasible entries due after now + T )
 
 so it is refused if its own prefill cannot finish in time, or if serving it first (its
-deadline is earlier) would make a request already admitted miss its TTFT.
+deadline is earlier) would make a request already admitted miss its TTFT. An arrival that
+already waited (admitted after the step under way) has that much less TTFT.
+
+Why not the paper's PAB (measured in ``docs/admission.md``): PAB assumes every decode is
+deferred until its slack runs out, so it credits the prefill with time the decodes
+actually take, ignores the decodes that admitted prefills become, and subtracts queued
+prompts without their deadlines.
 
 The ``pab`` rule is the paper's Prefill Admission Budget (``sglang_ext.policy.pab``),
 evaluated with each class's SLO as the global one; kept to measure against.

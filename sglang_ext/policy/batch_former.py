@@ -105,6 +105,7 @@ def triage(
     anchored: bool = False,
     floor: ServiceFloor | None = None,
     hopeless: frozenset = frozenset(),
+    deadline_guard_s: float = 0.0,
 ) -> Triage | None:
     """Group active requests; ``None`` when there is nothing to run.
 
@@ -114,6 +115,8 @@ def triage(
     ``floor`` turns on the lateness guard (module docstring); ``None`` is the printed
     algorithm. ``hopeless`` (request ids; admission mode ``defer``) are treated as late
     too: served after every request in time, never setting the time budget.
+    ``deadline_guard_s`` plans every in-time token that much before its deadline
+    (``fb-margin``); lateness is still judged against the deadline itself.
     """
     if not requests:
         return None
@@ -137,6 +140,7 @@ def triage(
         ):
             (late_prefills if request.pending_prefill else late_decodes).append((slack, request))
             continue
+        slack -= deadline_guard_s
         if slack < min_slack:
             min_slack = slack
         if tpot < min_tpot:

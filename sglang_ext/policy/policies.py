@@ -160,7 +160,13 @@ class _LatenessGuarded(BatchPolicy):
                 requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
                 self.admission.headroom,
             ).hopeless
-        return triage(requests, now, anchored=anchored, floor=floor, hopeless=hopeless)
+        return triage(
+            requests, now, anchored=anchored, floor=floor, hopeless=hopeless,
+            deadline_guard_s=self._deadline_guard_s(),
+        )
+
+    def _deadline_guard_s(self) -> float:
+        return 0.0
 
     def _expired(self, requests: Sequence[RequestState], now: float) -> tuple[Hashable, ...]:
         """Under ``defer``: requests still without a first token ``max_defer_s`` after

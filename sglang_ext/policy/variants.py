@@ -8,7 +8,9 @@ None is mixed into ``fb``; the report measures each against it.
   violation.
 - ``fb-margin``: the time budget shrinks by a safety margin learned from the step
   model's observed error (the p95 of recent relative errors, capped at 50%), so a
-  step predicted to fit its budget still fits when the prediction runs long.
+  step predicted to fit its budget still fits when the prediction runs long; and every
+  token is planned two margins of a TPOT before its deadline (a deferred decode must
+  survive the running step's error and its own).
 - ``fb-kairos``: inside the prefill group, Kairos's urgency order (Kairos §3.1,
   Algorithm 1): predict each queued prefill's finish time under FCFS from a running
   prefill-throughput estimate, score ``(ttft - (finish - arrival)) / ttft / input
@@ -28,6 +30,7 @@ from sglang_ext.policy.policies import (
 from sglang_ext.policy.view import RequestState
 
 MAX_MARGIN = 0.5
+DEADLINE_GUARD_STEPS = 2
 MARGIN_WARMUP_STEPS = 20
 THROUGHPUT_EWMA = 0.1
 
@@ -61,6 +64,13 @@ class FairBatchingWithMargin(FairBatching):
 
     def _time_budget(self, init_time_budget_s: float) -> float:
         return init_time_budget_s / (1.0 + self.margin)
+
+    def _deadline_guard_s(self) -> float:
+        """Plan each token ``DEADLINE_GUARD_STEPS`` x margin x TPOT before its deadline: a
+        decode deferred now rides a later step, so its token survives two steps' prediction
+        errors (the one running and its own), not one; without the guard FairBatching lands
+        tokens on their deadlines and any overrun is a max-TPOT violation."""
+        return DEADLINE_GUARD_STEPS * self.margin * self.context.global_slo.tpot_s
 
 
 @POLICIES.register("fb-kairos")

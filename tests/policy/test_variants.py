@@ -15,6 +15,7 @@ from sglang_ext.policy.policies import POLICIES, BatchPolicy, FairBatching, Poli
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
 from sglang_ext.policy.variants import (
+    DEADLINE_GUARD_STEPS,
     MARGIN_WARMUP_STEPS,
     MAX_MARGIN,
     THROUGHPUT_EWMA,
@@ -202,14 +203,17 @@ def test_margin_shrinks_the_time_budget_and_the_prefill() -> None:
     state = margin_state()
     init = triage(state, NOW).init_time_budget_s  # max(min slack 0.6, tpot 0.05) = 0.6
     assert init == pytest.approx(0.6)
+    # every token planned 2 x margin x TPOT = 0.05 s early: min slack 0.55
+    guarded = triage(state, NOW, deadline_guard_s=DEADLINE_GUARD_STEPS * 0.5 * 0.05)
+    assert guarded.init_time_budget_s == pytest.approx(0.55)
     ours, theirs = margin.form_batch(state, NOW), fb.form_batch(state, NOW)
-    assert ours.time_budget_s == init / 1.5 == pytest.approx(0.4)  # 0.6 / (1 + 0.5)
+    assert ours.time_budget_s == pytest.approx(0.55 / 1.5)  # and shrunk by (1 + 0.5)
     assert theirs.time_budget_s == init
     # d (0.6 < 0.65) is urgent in both; prefill chunk = floor((budget - a - d's cost) / b)
     a, b, c = coef.a_s, coef.b_s_per_token, coef.c_s_per_context_token
     urgent = b + c * 2_000
     assert ours.decode_ids == theirs.decode_ids == ("d",)
-    ours_chunk = min(9_000, math.floor((0.4 - a - urgent) / b))
+    ours_chunk = min(9_000, math.floor((ours.time_budget_s - a - urgent) / b))
     theirs_chunk = min(9_000, math.floor((0.6 - a - urgent) / b))
     assert ours.prefill_chunks == (("p", ours_chunk),)
     assert theirs.prefill_chunks[0][0] == "p"
@@ -231,7 +235,8 @@ def test_margin_with_uncapped_error() -> None:
     state = margin_state()
     ours, theirs = margin.form_batch(state, NOW), fb.form_batch(state, NOW)
     # 0.6 / (1 + 1/6) = 0.514285...
-    assert ours.time_budget_s == pytest.approx(0.6 / (1 + 1 / 6))
+    guard = DEADLINE_GUARD_STEPS * (1 / 6) * 0.05  # tokens planned this much early
+    assert ours.time_budget_s == pytest.approx((0.6 - guard) / (1 + 1 / 6))
     assert ours.new_tokens < theirs.new_tokens
 
 
@@ -381,7 +386,8 @@ def test_anchor_margin_applies_both() -> None:
     paper_init = triage(state, NOW).init_time_budget_s  # 0.9
     ours = both.form_batch(state, NOW)
     assert ours.time_budget_s == anchored_init / 1.5 == pytest.approx(0.05 / 1.5)
-    assert margin.form_batch(state, NOW).time_budget_s == pytest.approx(paper_init / 1.5)  # 0.6
+    guard = DEADLINE_GUARD_STEPS * 0.5 * 0.05  # the anchored decode's min TPOT floors it
+    assert margin.form_batch(state, NOW).time_budget_s == pytest.approx((paper_init - guard) / 1.5)
     assert anchor.form_batch(state, NOW).time_budget_s == pytest.approx(0.05)
     # the same packing under the smaller budget: chunk = floor((0.0333 - a - d's cost) / b)
     coef = both.step_model.coefficients
@@ -436,7 +442,8 @@ def check_decision(policy: BatchPolicy, state: list[RequestView], decision: Batc
         return
     coef = policy.step_model.coefficients
     floor = ServiceFloor.of(coef, policy.context.global_slo.tpot_s)
-    groups = triage(state, NOW, anchored=getattr(policy, "anchored", False), floor=floor)
+    groups = triage(state, NOW, anchored=getattr(policy, "anchored", False), floor=floor,
+                    deadline_guard_s=policy._deadline_guard_s())
     a, b, c = coef.a_s, coef.b_s_per_token, coef.c_s_per_context_token
     always = groups.urgent_decodes + groups.late_decodes
     urgent = [r.req_id for _, r in always]
