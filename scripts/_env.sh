@@ -19,8 +19,9 @@ python_bin="${PYTHON:-python3}"
 }
 
 # The environment is keyed by the interpreter version and the dependency pins of the
-# selected extras, so it is rebuilt only when those change. With the `sglang` extra the
-# key also covers the patches, since they modify the installed SGLang.
+# selected extras, so it is rebuilt only when those change. Not by the patches:
+# scripts/patches.sh apply brings the installed SGLang to the current patches in place
+# (it reverts an older applied version first).
 env_key="$("$python_bin" - "$repo_root" "$extras" <<'PY'
 import hashlib, json, pathlib, sys, tomllib
 repo = pathlib.Path(sys.argv[1])
@@ -28,11 +29,6 @@ project = tomllib.load(open(repo / "pyproject.toml", "rb"))["project"]
 extras = sorted(e for e in sys.argv[2].split(",") if e)
 pins = {"base": project.get("dependencies", []),
         "extras": {e: project.get("optional-dependencies", {}).get(e, []) for e in extras}}
-if "sglang" in extras:
-    patches = hashlib.sha256()
-    for path in sorted((repo / "patches").glob("*.patch")):
-        patches.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    pins["patches"] = patches.hexdigest()
 digest = hashlib.sha256(json.dumps(pins, sort_keys=True).encode()).hexdigest()[:12]
 print(f"py{sys.version_info.major}{sys.version_info.minor}-{'-'.join(extras) or 'base'}-{digest}")
 PY

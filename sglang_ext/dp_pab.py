@@ -6,7 +6,9 @@ and the controller's two hook points). What the hooks do:
 - Scheduler side: ``Scheduler.init_load_inquirer`` is followed by swapping the load
   inquirer for a subclass whose ``get_loads()`` fills ``fairbatching_pab_tokens`` and
   ``fairbatching_dispatch_seq`` from ``scheduler.fairbatching`` (an object with
-  ``pab_tokens`` and ``highest_dispatch_seq``; absent: the fields stay None / 0).
+  ``pab_tokens`` and ``highest_dispatch_seq``; absent: the fields stay None / 0), and
+  ``fairbatching_admission`` from its ``admission_budgets`` (per SLO class; read by
+  :mod:`sglang_ext.admission_gate`; empty or absent: None).
 - Controller side: ``init_pab_dispatch`` creates the PAB ledger, waits for every rank's
   first load snapshot and fails start-up if a rank reports no PAB (FairBatching off
   there): a user who asked for pab gets pab or an error, never a silent round robin.
@@ -118,6 +120,9 @@ def fill_snapshot(snapshot: Any, fairbatching: Any) -> None:
         pab = math.floor(pab)
     snapshot.fairbatching_pab_tokens = int(pab)
     snapshot.fairbatching_dispatch_seq = int(fairbatching.highest_dispatch_seq)
+    budgets = getattr(fairbatching, "admission_budgets", None)
+    if budgets and "fairbatching_admission" in type(snapshot).__struct_fields__:
+        snapshot.fairbatching_admission = dict(budgets)
 
 
 @functools.cache

@@ -62,6 +62,7 @@ def install_scheduler_hooks(config: ExtensionConfig) -> None:
         "run_batch": (_run_batch, HookType.AROUND),
         "process_batch_result": (_process_batch_result, HookType.AROUND),
         "on_idle": (_on_idle, HookType.BEFORE),
+        "_poll_timeout_aborts": (_poll_timeout_aborts, HookType.AFTER),
     }
     for method, (hook, hook_type) in hooks.items():
         HookRegistry.register(f"{SCHEDULER}.{method}", hook, hook_type)
@@ -170,6 +171,8 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     state.update_pab(views, now)
     decision = state.policy.form_batch(views, now)
     state.last_decision = decision
+    state.observe_prefills(views[len(views) - len(self.waiting_queue) - (chunked is not None):],
+                           now, decision.abort_ids)
     state.counters.decisions += 1
     running_batch = _realise_decodes(self, state, running_batch, decision)
 
@@ -318,6 +321,26 @@ def _process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: Any,
             copy_done.synchronize()
         self.fairbatching.observe_completion(launch, time.perf_counter())
     return orig(self, batch, result, *args, **kwargs)
+
+
+def _poll_timeout_aborts(result: list[Any], self: Scheduler) -> list[Any]:
+    """End the requests the policy gave up on (admission mode defer: no first token
+    ``max_defer_s`` after arrival) the way SGLang ends those past its waiting timeout:
+    an ``AbortReq`` joins the requests it polls, so the abort frees their cache state
+    and the client gets a final answer with this status."""
+    state: FairBatchingState = self.fairbatching
+    if not state.pending_aborts:
+        return result
+    from http import HTTPStatus
+
+    from sglang.srt.managers.io_struct import AbortReq
+
+    message = (f"FairBatching: no first token within max_defer_s="
+               f"{state.admission.max_defer_s:g} s of arrival (admission mode defer)")
+    reason = {"type": "abort", "status_code": HTTPStatus.SERVICE_UNAVAILABLE, "message": message}
+    aborts = [AbortReq(rid=rid, abort_message=message, finished_reason=reason)
+              for rid in state.take_aborts()]
+    return [*result, *aborts]
 
 
 def _on_idle(self: Scheduler, *args: Any, **kwargs: Any) -> None:

@@ -6,7 +6,12 @@ runs with ``--enable-metrics`` (SGLang's multiprocess registry; one series per D
 ``fairbatching:deferred_decodes_total``, ``fairbatching:decisions_total``,
 ``fairbatching:fallbacks_total``, ``fairbatching:gc_pause_seconds`` and
 ``fairbatching:handled_errors_total{site}`` (errors a hook caught instead of raising;
-see :class:`sglang_ext.scheduler.state.HandledErrors`).
+see :class:`sglang_ext.scheduler.state.HandledErrors`); with admission control,
+``fairbatching:admission_budget_tokens{slo_class}`` (mode reject: the budget the rank
+publishes per SLO class), ``fairbatching:late_prefills_total`` (mode defer: prefills
+the forecast called hopeless, summed over decisions) and
+``fairbatching:deferred_expired_total`` (mode defer: requests ended after
+``max_defer_s`` without a first token).
 """
 
 from __future__ import annotations
@@ -38,7 +43,15 @@ class FairBatchingMetrics:
         self.handled_errors = Counter("fairbatching:handled_errors",
                                       "Errors FairBatching's scheduler hooks caught instead of raising",
                                       [*names, "site"])
-        self._last_counts = (0, 0, 0)
+        self.admission_budget = gauge("admission_budget_tokens",
+                                      "Admission budget per SLO class, prompt tokens", ("slo_class",))
+        self.late_prefills = Counter("fairbatching:late_prefills",
+                                     "Prefills the admission forecast called hopeless, per decision",
+                                     names)
+        self.deferred_expired = Counter("fairbatching:deferred_expired",
+                                        "Requests ended after max_defer_s without a first token",
+                                        names)
+        self._last_counts = (0, 0, 0, 0, 0)
 
     def publish(self, state: Any) -> None:
         labels = self._labels
@@ -51,10 +64,14 @@ class FairBatchingMetrics:
         self.error.labels(**labels, stat="p95").set(error.p95_abs_relative)
         self.pab.labels(**labels).set(state.pab_tokens)
         self.parked.labels(**labels).set(len(state.parked_reqs))
+        for slo_class, tokens in state.admission_budgets.items():
+            self.admission_budget.labels(**labels, slo_class=slo_class).set(tokens)
         counters = state.counters
-        counts = (counters.deferred_decodes, counters.decisions, counters.fallbacks)
-        for counter, now, before in zip((self.deferred, self.decisions, self.fallbacks), counts,
-                                        self._last_counts, strict=True):
+        counts = (counters.deferred_decodes, counters.decisions, counters.fallbacks,
+                  counters.late_prefills, counters.deferred_expired)
+        counter_metrics = (self.deferred, self.decisions, self.fallbacks, self.late_prefills,
+                           self.deferred_expired)
+        for counter, now, before in zip(counter_metrics, counts, self._last_counts, strict=True):
             if now > before:
                 counter.labels(**labels).inc(now - before)
         self._last_counts = counts

@@ -25,7 +25,8 @@ class LiveRequestView:
     """Implements ``sglang_ext.policy.view.RequestState`` for one SGLang request."""
 
     __slots__ = ("req_id", "arrival", "slo", "arrival_seq", "dispatch_seq", "prompt_tokens",
-                 "next_output_index", "pending_prefill", "context", "first_token_time")
+                 "next_output_index", "pending_prefill", "context", "first_token_time",
+                 "late", "expired")
 
     def __init__(self, req_id: Any, arrival: float, slo: Slo, arrival_seq: int,
                  dispatch_seq: int | None, prompt_tokens: int) -> None:
@@ -39,6 +40,8 @@ class LiveRequestView:
         self.pending_prefill = prompt_tokens
         self.context = 0
         self.first_token_time: float | None = None
+        self.late = False  # counted once: past its TTFT deadline without a first token
+        self.expired = False  # counted once: ended under admission mode defer
 
 
 class RequestRecords:

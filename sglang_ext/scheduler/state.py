@@ -18,6 +18,7 @@ from typing import Any
 
 from controlplane.ratelimited_log import RateLimitedLog
 from sglang_ext.config import ExtensionConfig
+from sglang_ext.policy.admission import AdmissionMode, AdmissionSettings
 from sglang_ext.policy.gc import should_collect
 from sglang_ext.policy.view import BatchDecision, RequestState
 from sglang_ext.scheduler.requests import RequestRecords
@@ -26,6 +27,8 @@ from sglang_ext.sim.gpu import StepShape
 logger = logging.getLogger("sglang_ext.fairbatching")
 
 LAUNCH_ATTR = "_fairbatching_launch"
+#: Published budgets are clamped to a signed 32-bit range (the PAB rule may say inf).
+BUDGET_LIMIT = 2**31 - 1
 #: A handled error's site is logged the first time, then at most once per this many
 #: seconds with the number left out since (every occurrence is counted).
 ERROR_LOG_INTERVAL_S = 60.0
@@ -82,6 +85,8 @@ class Counters:
     planned_prefill_tokens: int = 0
     fallbacks: int = 0  # plans SGLang could not realise (memory); everything decoded
     overruns: int = 0  # steps that took longer than the time budget they were formed under
+    late_prefills: int = 0  # requests past their TTFT deadline without a first token (once each)
+    deferred_expired: int = 0  # admission mode defer: ended after max_defer_s without a token
 
 
 class FairBatchingState:
@@ -90,10 +95,18 @@ class FairBatchingState:
         self.metrics = metrics  # FairBatchingMetrics, or None without --enable-metrics
         self._last_publish = 0.0
         self.policy = config.build_policy()
+        self.admission: AdmissionSettings = getattr(self.policy, "admission", AdmissionSettings())
         self.records = RequestRecords(config.catalog)
         self.parked: Any = None  # ScheduleBatch of deferred decodes, or None
         self.pab_tokens = 0
+        # Per SLO class, prompt tokens a new request may bring (published in the load
+        # snapshot for the HTTP process's admission gate); empty unless mode is reject.
+        self.admission_budgets: dict[str, int] = {}
+        self.publishes_budgets = self.admission.mode is AdmissionMode.REJECT
         self.last_decision: BatchDecision | None = None
+        # rids the policy ended (defer), aborted at the scheduler's next request poll;
+        # at most one entry per live request (each is ended once)
+        self.pending_aborts: list[Any] = []
         self.counters = Counters()
         self.errors = HandledErrors(on_error=metrics.observe_error if metrics is not None else None)
         self.gc_pauses: deque[GcPause] = deque(maxlen=256)
@@ -125,6 +138,32 @@ class FairBatchingState:
     def update_pab(self, views: Sequence[RequestState], now: float) -> None:
         budget = self.policy.prefill_admission_budget(views, now)
         self.pab_tokens = int(budget) if math.isfinite(budget) else 0
+        if self.publishes_budgets:
+            budgets = self.policy.admission_budgets(views, now, self.config.catalog.classes)
+            self.admission_budgets = {name: budget_tokens(b) for name, b in budgets.items()}
+
+    def observe_prefills(self, prefills: Sequence[Any], now: float, abort_ids: Sequence[Any]) -> None:
+        """Count the waiting ``prefills`` (live views) that passed their TTFT deadline
+        without a first token, each once, and queue the requests the policy ended
+        (``BatchDecision.abort_ids``, admission mode defer) for :meth:`take_aborts`."""
+        late = 0
+        for view in prefills:
+            if not view.late and view.next_output_index == 0 and now > view.arrival + view.slo.ttft_s:
+                view.late = True
+                late += 1
+        self.counters.late_prefills += late
+        if not abort_ids:
+            return
+        ended = set(abort_ids)
+        for view in prefills:
+            if view.req_id in ended and not view.expired:
+                view.expired = True
+                self.counters.deferred_expired += 1
+                self.pending_aborts.append(view.req_id)
+
+    def take_aborts(self) -> list[Any]:
+        aborts, self.pending_aborts = self.pending_aborts, []
+        return aborts
 
     def observe_completion(self, launch: StepLaunch, done_at: float) -> None:
         """A step's result reached the host at ``done_at``: it ran from its launch, or from
@@ -191,13 +230,13 @@ class FairBatchingState:
             "FairBatching step model: a=%.3f ms b=%.3f us/token c=%.4f us/ctx-token; "
             "error mean=%.1f%% p95=%.1f%% over %d steps; PAB=%d tokens; "
             "deferred %d decode slots in %d of %d decisions; fallbacks=%d; budget overruns=%d; "
-            "decision time p50/p99 %s us",
+            "late prefills=%d; ended after max_defer_s=%d; decision time p50/p99 %s us",
             coefficients.a_s * 1e3, coefficients.b_s_per_token * 1e6,
             coefficients.c_s_per_context_token * 1e6,
             error.mean_abs_relative * 100, error.p95_abs_relative * 100, counters.steps,
             self.pab_tokens, counters.deferred_decodes, counters.steps_with_deferral,
-            counters.decisions, counters.fallbacks, counters.overruns,
-            "/".join(str(v) for v in _percentiles_us(self.decision_s).values()),
+            counters.decisions, counters.fallbacks, counters.overruns, counters.late_prefills,
+            counters.deferred_expired, "/".join(str(v) for v in _percentiles_us(self.decision_s).values()),
         )
 
     def snapshot(self) -> dict[str, Any]:
@@ -207,6 +246,8 @@ class FairBatchingState:
         return {
             "policy": self.config.policy,
             "pab_tokens": self.pab_tokens,
+            "admission": self.admission.label,
+            "admission_budgets": dict(self.admission_budgets),
             "highest_dispatch_seq": self.highest_dispatch_seq,
             "parked": len(self.parked_reqs),
             "step_model": {
@@ -221,6 +262,14 @@ class FairBatchingState:
             "gc_pauses_ms": [round(p.pause_s * 1e3, 3) for p in self.gc_pauses],
             "decision_us": _percentiles_us(self.decision_s),
         }
+
+
+def budget_tokens(budget: float) -> int:
+    """A budget as whole tokens: floored, clamped to +-BUDGET_LIMIT, NaN as 0."""
+    if math.isnan(budget):
+        return 0
+    return int(max(-BUDGET_LIMIT, min(BUDGET_LIMIT, math.floor(budget) if math.isfinite(budget)
+                                      else budget)))
 
 
 def _percentiles_us(samples: deque[float]) -> dict[str, int]:

@@ -122,3 +122,57 @@ def test_server_args_parse_load_balance_method_pab() -> None:
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(["--model-path", "dummy", "--load-balance-method", "pab"])
     assert ServerArgs.from_cli_args(args).load_balance_method == "pab"
+
+
+def test_patches_sh_upgrades_an_older_applied_version_in_place(tmp_path: Path) -> None:
+    """A patch edited after it was applied: ``apply`` reverts the applied version (kept
+    when it was applied) and applies the new one; ``revert`` restores the wheel's files."""
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    for patch in PATCHES:
+        for relpath in patched_files(patch):
+            (tmp_path / relpath).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(SITE_PACKAGES / relpath, tmp_path / relpath)
+        assert run_patch(patch, tmp_path, "--reverse").returncode == 0
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)}
+
+    def patches_sh(action: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(REPO / "scripts" / "patches.sh"), action],
+                              capture_output=True, text=True, env=env, cwd=tmp_path)
+
+    older = tmp_path / "older"
+    older.mkdir()
+    for patch in PATCHES:  # an "older version": the patch without its last added line
+        lines = patch.read_text().splitlines(keepends=True)
+        last = max(i for i, line in enumerate(lines) if line.startswith("+") and not line.startswith("+++"))
+        hunk = max(i for i in range(last) if lines[i].startswith("@@"))
+        old_start, old_len, new_start, new_len = map(int, re.match(
+            r"@@ -(\d+),(\d+) \+(\d+),(\d+) @@", lines[hunk]).groups())
+        lines[hunk] = f"@@ -{old_start},{old_len} +{new_start},{new_len - 1} @@\n"
+        del lines[last]
+        (older / patch.name).write_text("".join(lines))
+        assert run_patch(older / patch.name, tmp_path).returncode == 0
+        record = tmp_path / ".fairbatching-patches"
+        record.mkdir(exist_ok=True)
+        shutil.copy2(older / patch.name, record / patch.name)
+    assert patches_sh("check").returncode == 1
+    applied = patches_sh("apply")
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert applied.stdout.splitlines() == [f"upgraded {p.name}" for p in PATCHES]
+    assert patches_sh("check").returncode == 0
+    for patch in PATCHES:
+        for relpath in patched_files(patch):
+            assert (tmp_path / relpath).read_bytes() == (SITE_PACKAGES / relpath).read_bytes()
+    assert patches_sh("revert").returncode == 0
+    for patch in PATCHES:
+        for relpath in patched_files(patch):
+            assert sha256_record_form(tmp_path / relpath) == wheel_sha256(relpath), relpath
+
+
+def test_load_snapshot_carries_the_admission_budgets() -> None:
+    from sglang.srt.managers import load_snapshot as ls
+
+    assert ls.LoadSnapshot().fairbatching_admission is None
+    snapshot = ls.LoadSnapshot(dp_rank=0, fairbatching_admission={"interactive": -40, "standard": 900})
+    decoded = ls.snapshot_decoder.decode(ls.snapshot_encoder.encode(snapshot))
+    assert decoded.fairbatching_admission == {"interactive": -40, "standard": 900}
