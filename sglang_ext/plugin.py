@@ -38,12 +38,14 @@ def register() -> None:
         raise SystemExit(f"FairBatching: {exc}") from None
     if config is None:
         return
+    from sglang_ext.admission_http import install_admission_gate
     from sglang_ext.dp_pab import install_dp_pab_hooks
     from sglang_ext.request_validation import install_request_validation
     from sglang_ext.scheduler.hooks import install_scheduler_hooks
 
     install_scheduler_hooks(config)
     install_request_validation(config.catalog, config.initial_step_model)
+    install_admission_gate(config)
     install_dp_pab_hooks()
     if controlplane is not None:
         from sglang_ext.controlplane_agent import install_controlplane_ingress

@@ -1,0 +1,131 @@
+"""The admission gate's decision (admission mode ``reject``), pure: which rank's published
+budget a request is checked against, the debit between publications, staleness.
+
+Each scheduler publishes, in its load snapshot, the prompt tokens a new request of each
+SLO class may bring (``sglang_ext.policy.admission``; ``fairbatching_admission``). The
+HTTP process reads those snapshots (:mod:`sglang_ext.admission_http`) and asks
+:meth:`BudgetGate.check`:
+
+- the budget of the request's class; a request whose SLO is no class's (explicit
+  ``ttft_ms``) gets ``admission.budget_for`` over the classes' TTFTs, with the
+  largest prefill rate the initial step model allows (``1 / b``: the most
+  conservative extrapolation below the smallest class TTFT);
+- less a local debit: the prompt tokens admitted to that rank since the snapshot it
+  read (reset when a newer snapshot arrives), so a burst between two publications is
+  not all admitted on one value;
+- a request pinned to a DP rank is checked against that rank; otherwise against the
+  rank with the most budget left (the DP controller routes it on its own; the debit
+  lands on the rank checked).
+
+A rank publishes at every prefill step, every 15th decode step
+(``--load-snapshot-publish-interval``), every 50 ms while it stalls with work queued,
+and once when it goes idle; an idle rank then sleeps and publishes nothing until a
+request arrives. So the snapshot of an idle rank (nothing running or waiting) stays
+valid however old it is: nothing reaches the rank but through this gate, which debits
+it. A busy rank's snapshot older than ``max_budget_age_s``, or one without budgets (a
+rank that has not published yet, or runs without admission), is not trusted: the
+request is admitted unchecked (fail open) and the verdict says why, for the caller to
+count. Refusing on an
+unknown load would turn a slow publisher (a long prefill step, a paused rank) into an
+outage; admitting costs at most one stale interval of excess, which the scheduler's
+deadline order absorbs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sglang_ext.policy.admission import AdmissionSettings, budget_for
+from sglang_ext.policy.slo import Slo, SloCatalog
+
+#: ``Verdict.unchecked`` values
+STALE = "stale"
+UNPUBLISHED = "unpublished"
+#: the metric label of a request whose SLO is no class's
+CUSTOM_CLASS = "custom"
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedBudgets:
+    """One rank's budgets as its last load snapshot carries them."""
+
+    rank: int
+    timestamp: float  # wall clock (time.time()) of the snapshot
+    budgets: Mapping[str, int] | None  # SLO class -> prompt tokens; None: none published
+    idle: bool = False  # nothing running or waiting there when it published
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    admitted: bool
+    slo_class: str
+    rank: int | None = None  # the rank checked against (None: unchecked)
+    budget: float | None = None  # tokens that rank had left for the class, before this prompt
+    unchecked: str | None = None  # STALE or UNPUBLISHED: admitted without a trusted budget
+
+
+class BudgetGate:
+    """Not thread-safe: one per TokenizerManager, called from its event loop."""
+
+    def __init__(self, catalog: SloCatalog, settings: AdmissionSettings,
+                 max_rate_tokens_per_s: float) -> None:
+        if not (math.isfinite(max_rate_tokens_per_s) and max_rate_tokens_per_s > 0):
+            raise ValueError(f"max_rate_tokens_per_s must be > 0, got {max_rate_tokens_per_s!r}")
+        self.catalog = catalog
+        self.settings = settings
+        self.max_rate = max_rate_tokens_per_s
+        self._class_of = {slo: name for name, slo in catalog.classes.items()}
+        self._debits: dict[int, tuple[float, int]] = {}  # rank -> (snapshot time, tokens)
+
+    def class_of(self, slo: Slo) -> str:
+        return self._class_of.get(slo, CUSTOM_CLASS)
+
+    def budget(self, budgets: Mapping[str, int], slo: Slo) -> float:
+        """The budget a request with ``slo`` gets from one rank's published ``budgets``."""
+        name = self._class_of.get(slo)
+        if name is not None and name in budgets:
+            return budgets[name]
+        by_ttft: dict[float, float] = {}
+        for class_name, tokens in budgets.items():
+            class_slo = self.catalog.classes.get(class_name)
+            if class_slo is not None:
+                ttft = class_slo.ttft_s
+                by_ttft[ttft] = min(by_ttft.get(ttft, math.inf), tokens)
+        if not by_ttft:
+            return math.inf
+        return budget_for(by_ttft, slo.ttft_s, self.max_rate)
+
+    def debit_of(self, rank: int, timestamp: float) -> int:
+        debit = self._debits.get(rank)
+        return debit[1] if debit is not None and debit[0] == timestamp else 0
+
+    def check(self, published: Sequence[PublishedBudgets], now: float, slo: Slo,
+              prompt_tokens: int, pinned_rank: int | None = None) -> Verdict:
+        slo_class = self.class_of(slo)
+        fresh: list[tuple[float, PublishedBudgets]] = []
+        unchecked = None
+        for rank in published:
+            if pinned_rank is not None and rank.rank != pinned_rank:
+                continue
+            if rank.budgets is None:
+                unchecked = unchecked or UNPUBLISHED
+                continue
+            if not rank.idle and now - rank.timestamp > self.settings.max_budget_age_s:
+                unchecked = STALE
+                continue
+            left = self.budget(rank.budgets, slo) - self.debit_of(rank.rank, rank.timestamp)
+            fresh.append((left, rank))
+        if not fresh and unchecked is None:
+            unchecked = UNPUBLISHED
+        best = max(fresh, key=lambda item: item[0], default=None)
+        if best is not None and prompt_tokens <= best[0]:
+            left, rank = best
+            self._debits[rank.rank] = (rank.timestamp,
+                                       self.debit_of(rank.rank, rank.timestamp) + prompt_tokens)
+            return Verdict(True, slo_class, rank.rank, left)
+        if unchecked is not None:
+            return Verdict(True, slo_class, unchecked=unchecked)
+        left, rank = best
+        return Verdict(False, slo_class, rank.rank, left)
