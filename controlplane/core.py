@@ -504,6 +504,9 @@ class DispatcherCore:
         if message.invalid:  # it never reached the scheduler: release its debit
             return self._close(request_id, self._reject(request_id, RejectReason.INVALID, message.error),
                                release=True)
+        if message.no_budget:  # the rank's own admission refused it: nothing to release there
+            return self._close(request_id, self._reject(request_id, RejectReason.NO_BUDGET, message.error),
+                               release=True)
         self.counters[f"finished_{message.reason}"] += 1
         text = "" if pending.submit.stream else "".join(pending.text) + message.text
         token_ids = [] if pending.submit.stream else pending.token_ids + message.token_ids

@@ -284,6 +284,7 @@ class Done(Struct, frozen=True, tag="done", forbid_unknown_fields=True, omit_def
     token_ids: list[int] = []
     error: Annotated[str, Meta(max_length=4096)] = ""
     invalid: bool = False  # the rank refused the request as malformed (client error)
+    no_budget: bool = False  # the rank's admission control refused it before it cost anything
     dispatch_seq: NonNegInt = 0  # the Dispatch this answers (0: not given)
 
 

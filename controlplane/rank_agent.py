@@ -65,6 +65,11 @@ class InvalidRequest(ValueError):
     """Raised by an engine that refuses a request as malformed (``Done(invalid=True)``)."""
 
 
+class NoBudget(Exception):
+    """Raised by an engine whose admission control refuses a request before it costs
+    anything (``Done(no_budget=True)``; the daemon answers ``no_budget``)."""
+
+
 class OutputSink:
     """Where an engine streams one request's output; the agent sends it in order."""
 
@@ -105,6 +110,7 @@ class OutputSink:
         latency_s: float | None = None,
         error: str = "",
         invalid: bool = False,
+        no_budget: bool = False,
     ) -> None:
         """Send the request's ``Done``; later calls do nothing."""
         if self.finished or self._silent:
@@ -113,7 +119,7 @@ class OutputSink:
             rank=self.rank, epoch=self.epoch, request_id=self.request_id, reason=reason,
             prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
             ttft_s=ttft_s, latency_s=latency_s, error=error[:MAX_ERROR_CHARS], invalid=invalid,
-            dispatch_seq=self.dispatch_seq,
+            no_budget=no_budget, dispatch_seq=self.dispatch_seq,
         ))
         self.finished = True  # NOTE: only once queued: a put cancelled midway sends nothing
 
@@ -517,6 +523,8 @@ class RankAgent:
             raise
         except InvalidRequest as error:
             await sink.finish(FinishReason.ERROR, error=str(error), invalid=True)
+        except NoBudget as error:
+            await sink.finish(FinishReason.ERROR, error=str(error), no_budget=True)
         except Exception as error:
             logger.exception("agent %s: request %s failed", self.agent_id, dispatch.request_id)
             await sink.finish(FinishReason.ERROR, error=f"{type(error).__name__}: {error}")

@@ -20,7 +20,10 @@ computes, and without one the daemon's ``pab`` policy could never route here.
   finish with their ``Done``, then ``Goodbye``. Its engine,
   :class:`SGLangRankEngine`, turns each ``Dispatch`` into a streamed
   ``GenerateReqInput`` (pinned with ``routed_dp_rank`` when ``dp_size > 1``) and feeds
-  ``TokenizerManager.generate_request``.
+  ``TokenizerManager.generate_request``. A request the admission gate refuses
+  (:mod:`sglang_ext.admission_http`, checked against the rank it is pinned to) ends with
+  ``Done(no_budget=True)``: the daemon answers the client ``no_budget`` (retryable,
+  with its ``retry_after_s``) and releases the debit; it does not re-dispatch it.
 - **Reports** come from each scheduler process (:mod:`sglang_ext.scheduler.controlplane_reports`).
 - **Epoch**: one per server incarnation, shared by the ingress (``Hello``) and every
   scheduler (``Report``). The server's first process (the launcher, which SGLang makes
@@ -307,7 +310,9 @@ class SGLangRankEngine:
 
     async def serve(self, dispatch: Any, sink: Any) -> None:
         from controlplane.protocol import FinishReason
-        from controlplane.rank_agent import InvalidRequest
+        from controlplane.rank_agent import InvalidRequest, NoBudget
+
+        from sglang_ext.admission_http import AdmissionRefused
 
         tm = self.tokenizer_manager
         received = time.monotonic()
@@ -329,6 +334,8 @@ class SGLangRankEngine:
                 outcome = finish_outcome(meta_info) or outcome
         except ValueError as error:  # SGLang's "bad request" (HTTP 400)
             raise InvalidRequest(str(error)) from None
+        except AdmissionRefused as error:  # the admission gate (HTTP 429)
+            raise NoBudget(error.detail) from None
         except asyncio.CancelledError:
             tm.abort_request(dispatch.request_id)  # idempotent; generate_request aborts too
             raise

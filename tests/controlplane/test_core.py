@@ -162,6 +162,16 @@ def test_rank_refusing_a_request_as_invalid_becomes_a_non_retryable_reject():
     assert (reject.reason, reject.retryable, reject.detail) == (RejectReason.INVALID, False, "unknown SLO class 'gold'")
 
 
+def test_rank_admission_refusal_becomes_a_retryable_no_budget_reject():
+    core = make_core()
+    join(core, "r0")
+    submit(core, "a")
+    done = Done("r0", 1, "a", FinishReason.ERROR, error="admission refused", no_budget=True)
+    (reject,) = replies(core.on_agent(b"agent-r0", done, 0.1), Reject)
+    assert (reject.reason, reject.retryable, reject.detail) == (RejectReason.NO_BUDGET, True, "admission refused")
+    assert reject.retry_after_s is not None and core.idle
+
+
 def test_cancel_aborts_at_the_rank_and_only_the_owner_may_cancel():
     core = make_core()
     join(core, "r0")
