@@ -29,8 +29,8 @@ FAIRBATCHING = (
 )
 CLASS_MIX = "interactive:0.2,standard:0.5,relaxed:0.3"
 PROFILES = {  # name -> offered loads, req/s (from below the knee to deep overload)
-    "llama3.1-8b-h100": (16, 24, 32, 44, 56, 72),
-    "qwen3-14b-h20": (1.5, 2, 3, 4, 6, 8),
+    "llama3.1-8b-h100": (8, 16, 24, 32, 44, 56, 72),
+    "qwen3-14b-h20": (0.5, 1, 1.5, 2, 3, 4, 6, 8),
 }
 QUICK_PROFILES = {"llama3.1-8b-h100": (24, 44), "qwen3-14b-h20": (2, 4)}
 

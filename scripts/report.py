@@ -47,11 +47,13 @@ from sglang_ext.sim.workloads import Workload, bundled_sample, load_workload
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
 PAPER_POLICIES = ("fb-fb", "fb-tb", "fb", "fb-pab")
-BEYOND = ("fb-anchor", "fb-margin", "fb-kairos", "fb-anchor-margin", "fb-anchor-margin-pab")
+BEYOND = ("fb-anchor", "fb-margin", "fb-kairos", "fb-anchor-margin", "fb-anchor-margin-pab",
+          "fb-anchor-margin+reject")
 BREAKDOWN = ("sarathi", "sglang-default", "fb-fb", "fb-tb", "fb", "fb-pab")
 ADMISSION = ("sarathi-queue-cap", "sarathi-queue-timeout")
 NO_ADMISSION = tuple(name for name in BASELINES if name not in ADMISSION)
-GRID_POLICIES = (*BASELINES, "fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab")
+ADMISSION = ("fb-anchor-margin-pab", "fb-anchor-margin+reject")
+GRID_POLICIES = (*BASELINES, "fb", "fb-pab", "fb-anchor-margin", *ADMISSION)
 GRID_TTFT_MS = (500, 1000, 1500, 2000)
 GRID_TPOT_MS = (50, 100, 150, 200)
 MAIN_SLO_MS = (2000, 50)  # the paper's Azure setting (Table 2)
@@ -163,7 +165,7 @@ def table3(document: dict) -> list[str]:
     lines.append(
         f"Best baseline: **{label(base_name, base)}**. "
         + ", ".join(f"`{n}` / best baseline = **{ratio_text(policies[n], base)}**"
-                    for n in ("fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab"))
+                    for n in ("fb", "fb-pab", "fb-anchor-margin", *ADMISSION))
         + ". Among the baselines without admission control the best is "
         f"**{label(*_best_without_admission(policies))}**: "
         + ", ".join(f"`{n}` / it = **{ratio_text(policies[n], _best_without_admission(policies)[1])}**"
@@ -231,7 +233,7 @@ def table5(grid: dict[tuple[int, int], dict]) -> list[str]:
     ttfts = sorted({ttft for ttft, _ in grid})
     tpots = sorted({tpot for _, tpot in grid})
     lines = []
-    for name in ("fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab"):
+    for name in ("fb", "fb-pab", "fb-anchor-margin", *ADMISSION):
         lines += [f"**{name}** peak effective RPS vs the best baseline (max of "
                   + ", ".join(BASELINES) + ", each tuned):", "",
                   "| TTFT \\ TPOT | " + " | ".join(f"{t} ms" for t in tpots) + " |",

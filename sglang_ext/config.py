@@ -16,7 +16,7 @@
     [admission]                             # sglang_ext.policy.admission; all optional
     mode = "reject"                         # "off" (default), "reject" or "defer"
     rule = "edf"                            # "edf" (default) or "pab"
-    max_defer_s = 30                        # defer: end a request still without a first token
+    max_defer_s = 2                         # defer: end one with no first token this long past its TTFT
     retry_after_s = 1                       # reject: the 429's Retry-After
     max_budget_age_s = 0.5                  # reject: an older published budget is not trusted
     headroom = 0.1                          # fraction of the prefill rate held back

@@ -7,7 +7,8 @@ the HTTP process that refuses with 429) and both modes:
 - ``defer``: nothing is refused; a queued prefill the forecast cannot finish before its
   TTFT deadline is *hopeless* and joins the late requests of the lateness guard
   (``sglang_ext.policy.batch_former``): served after every request still in time, never
-  setting the time budget, and ended after ``max_defer_s`` without a first token.
+  setting the time budget, and ended if it still has no first token ``max_defer_s``
+  after its TTFT deadline.
 
 The forecast (the ``edf`` rule). FairBatching serves queued prefills in deadline order;
 model that queue as one earliest-deadline-first server of rate ``R`` prompt tokens per
@@ -53,7 +54,7 @@ from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
 from sglang_ext.policy.view import RequestState
 
-DEFAULT_MAX_DEFER_S = 30.0
+DEFAULT_MAX_DEFER_S = 2.0
 DEFAULT_RETRY_AFTER_S = 1.0
 DEFAULT_MAX_BUDGET_AGE_S = 0.5
 DEFAULT_HEADROOM = 0.1

@@ -170,12 +170,13 @@ class _LatenessGuarded(BatchPolicy):
 
     def _expired(self, requests: Sequence[RequestState], now: float) -> tuple[Hashable, ...]:
         """Under ``defer``: requests still without a first token ``max_defer_s`` after
-        they arrived, which the engine ends (aborts) before the step."""
+        their TTFT deadline, which the engine ends (aborts) before the step."""
         if self.admission.mode is not AdmissionMode.DEFER:
             return ()
         limit = self.admission.max_defer_s
         return tuple(
-            r.req_id for r in requests if r.next_output_index == 0 and now - r.arrival > limit
+            r.req_id for r in requests
+            if r.next_output_index == 0 and now - r.arrival - r.slo.ttft_s > limit
         )
 
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:

@@ -154,12 +154,13 @@ def test_defer_serves_hopeless_prefills_after_the_feasible_ones():
     assert first(deferring) == "small"
 
 
-def test_defer_ends_requests_without_a_first_token_after_max_defer_s():
-    stale = request("stale", -10.0, prefill=100)  # arrived 11 s ago (TTFT 1 s)
+def test_defer_ends_requests_without_a_first_token_max_defer_s_past_their_ttft():
+    stale = request("stale", -5.5, prefill=100)  # 5.5 s past its TTFT deadline
+    late = request("late", -4.5, prefill=100)  # 4.5 s past it: still deferred
     fresh = request("fresh", 0.5, prefill=100)
     decoding = request("decoding", -10.0, context=100)  # late, but has its first token
     policy = make("fb", mode=AdmissionMode.DEFER, max_defer_s=5.0)
-    decision = policy.form_batch([stale, fresh, decoding], NOW)
+    decision = policy.form_batch([stale, late, fresh, decoding], NOW)
     assert decision.abort_ids == ("stale",)
     assert "stale" not in {req_id for req_id, _ in decision.prefill_chunks}
     assert make("fb", mode=AdmissionMode.REJECT, max_defer_s=5.0).form_batch(
