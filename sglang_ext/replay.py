@@ -9,6 +9,9 @@ numbers include HTTP and detokenizer overheads, as a user would see them::
     python -m sglang_ext.replay --url http://127.0.0.1:30000 --rate 4 --head 60 \\
         --slo-mix interactive:0.5,standard:0.5 --out results.json
 
+A response other than 200 (a 429 of admission control, a 503) counts as a rejection, a
+miss in the attainment, as in the simulator.
+
 Needs ``aiohttp`` (installed with SGLang).
 """
 
@@ -150,7 +153,7 @@ def _load(args: argparse.Namespace) -> Workload:
         workload = bundled_sample() if args.trace is None else load_workload(args.trace, args.format)
         if args.head is not None:
             workload = workload.head(args.head)
-        return workload.scaled_to_rate(args.rate)
+        return workload.with_arrivals(args.arrivals, args.rate, args.seed)
     except WorkloadError as exc:
         raise ReplayError(str(exc)) from None
 
@@ -162,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--format", default="azure", choices=["azure", "burstgpt", "mooncake", "jsonl"])
     parser.add_argument("--rate", type=float, required=True, help="mean requests per second after rescaling")
     parser.add_argument("--head", type=float, help="keep the first N seconds of the trace (before rescaling)")
+    parser.add_argument("--arrivals", default="trace",
+                        help="trace (timestamps rescaled to --rate), poisson, or gamma:CV (bursty), "
+                        "drawn with --seed as the simulator does")
     parser.add_argument("--slo-file", default=str(REPO_CONFIGS / "slo.toml"))
     parser.add_argument("--slo-mix", default="standard:1", help="CLASS:WEIGHT,... for requests the trace leaves unclassed")
     parser.add_argument("--max-prompt-tokens", type=int, help="cap prompt lengths (server context limit)")
