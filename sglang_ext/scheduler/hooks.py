@@ -352,3 +352,4 @@ def _on_idle(self: Scheduler, *args: Any, **kwargs: Any) -> None:
     state.update_pab(views, now)
     if not self.running_batch.reqs and self.chunked_req is None:
         state.maybe_collect_garbage(views, now, "idle")
+        state.maybe_publish(now, force=not views)

@@ -94,6 +94,7 @@ class FairBatchingState:
         self.config = config
         self.metrics = metrics  # FairBatchingMetrics, or None without --enable-metrics
         self._last_publish = 0.0
+        self._published_counts: tuple[int, ...] = ()
         self.policy = config.build_policy()
         self.admission: AdmissionSettings = getattr(self.policy, "admission", AdmissionSettings())
         self.records = RequestRecords(config.catalog)
@@ -187,8 +188,18 @@ class FairBatchingState:
             features.new_tokens, features.total_context, measured, features.prefill_tokens
         )
         self.maybe_log(done_at)
-        if self.metrics is not None and done_at - self._last_publish >= 0.5:
-            self._last_publish = done_at
+        self.maybe_publish(done_at)
+
+    def maybe_publish(self, now: float, force: bool = False) -> None:
+        """Metrics at most every 0.5 s of steps, and (``force``, when the rank goes idle)
+        once more if the counters moved since, so what the last steps counted is not left
+        unpublished."""
+        if self.metrics is None:
+            return
+        counts = tuple(vars(self.counters).values())
+        if now - self._last_publish >= 0.5 or (force and counts != self._published_counts):
+            self._last_publish = now
+            self._published_counts = counts
             self.metrics.publish(self)
 
     def maybe_collect_garbage(self, views: Sequence[RequestState], now: float, reason: str) -> float:
