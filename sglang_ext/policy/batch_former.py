@@ -116,7 +116,9 @@ def triage(
     algorithm. ``hopeless`` (request ids; admission mode ``defer``) are treated as late
     too: served after every request in time, never setting the time budget.
     ``deadline_guard_s`` plans every in-time token that much before its deadline
-    (``fb-margin``); lateness is still judged against the deadline itself.
+    (``fb-margin``), the time budget's ``min TPOT`` floor included (a just-prefilled
+    request's first decode is due one TPOT after its first token, and a floor of a full
+    TPOT would let that step end past it); lateness is still judged against the deadline.
     """
     if not requests:
         return None
@@ -149,7 +151,7 @@ def triage(
     if min_tpot == math.inf:
         init_time_budget = math.inf if floor is None else floor.fallback_budget_s
     else:
-        init_time_budget = max(min_slack, min_tpot)
+        init_time_budget = max(min_slack, min_tpot - deadline_guard_s)
     decodes.sort(key=_by_slack)
     split = bisect_left(decodes, init_time_budget + min_tpot, key=_by_slack)
     prefills.sort(key=_by_slack)

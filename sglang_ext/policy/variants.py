@@ -31,6 +31,7 @@ from sglang_ext.policy.view import RequestState
 
 MAX_MARGIN = 0.5
 DEADLINE_GUARD_STEPS = 2
+MAX_GUARD_SHARE = 0.5  # of a TPOT: the time budget's floor keeps at least half a TPOT
 MARGIN_WARMUP_STEPS = 20
 THROUGHPUT_EWMA = 0.1
 
@@ -70,7 +71,8 @@ class FairBatchingWithMargin(FairBatching):
         decode deferred now rides a later step, so its token survives two steps' prediction
         errors (the one running and its own), not one; without the guard FairBatching lands
         tokens on their deadlines and any overrun is a max-TPOT violation."""
-        return DEADLINE_GUARD_STEPS * self.margin * self.context.global_slo.tpot_s
+        share = min(DEADLINE_GUARD_STEPS * self.margin, MAX_GUARD_SHARE)
+        return share * self.context.global_slo.tpot_s
 
 
 @POLICIES.register("fb-kairos")

@@ -16,6 +16,7 @@ from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
 from sglang_ext.policy.variants import (
     DEADLINE_GUARD_STEPS,
+    MAX_GUARD_SHARE,
     MARGIN_WARMUP_STEPS,
     MAX_MARGIN,
     THROUGHPUT_EWMA,
@@ -203,11 +204,12 @@ def test_margin_shrinks_the_time_budget_and_the_prefill() -> None:
     state = margin_state()
     init = triage(state, NOW).init_time_budget_s  # max(min slack 0.6, tpot 0.05) = 0.6
     assert init == pytest.approx(0.6)
-    # every token planned 2 x margin x TPOT = 0.05 s early: min slack 0.55
-    guarded = triage(state, NOW, deadline_guard_s=DEADLINE_GUARD_STEPS * 0.5 * 0.05)
-    assert guarded.init_time_budget_s == pytest.approx(0.55)
+    # every token planned min(2 x margin, 1/2) x TPOT = 0.025 s early: min slack 0.575
+    guard = min(DEADLINE_GUARD_STEPS * 0.5, MAX_GUARD_SHARE) * 0.05
+    guarded = triage(state, NOW, deadline_guard_s=guard)
+    assert guarded.init_time_budget_s == pytest.approx(0.575)
     ours, theirs = margin.form_batch(state, NOW), fb.form_batch(state, NOW)
-    assert ours.time_budget_s == pytest.approx(0.55 / 1.5)  # and shrunk by (1 + 0.5)
+    assert ours.time_budget_s == pytest.approx(0.575 / 1.5)  # and shrunk by (1 + 0.5)
     assert theirs.time_budget_s == init
     # d (0.6 < 0.65) is urgent in both; prefill chunk = floor((budget - a - d's cost) / b)
     a, b, c = coef.a_s, coef.b_s_per_token, coef.c_s_per_context_token
@@ -385,14 +387,15 @@ def test_anchor_margin_applies_both() -> None:
     anchored_init = triage(state, NOW, anchored=True).init_time_budget_s  # 0.05
     paper_init = triage(state, NOW).init_time_budget_s  # 0.9
     ours = both.form_batch(state, NOW)
-    assert ours.time_budget_s == anchored_init / 1.5 == pytest.approx(0.05 / 1.5)
-    guard = DEADLINE_GUARD_STEPS * 0.5 * 0.05  # the anchored decode's min TPOT floors it
+    guard = min(DEADLINE_GUARD_STEPS * 0.5, MAX_GUARD_SHARE) * 0.05  # 0.025 s
+    # the anchored decode is due now: the budget is the floor, min TPOT less the guard
+    assert ours.time_budget_s == pytest.approx((anchored_init - guard) / 1.5)
     assert margin.form_batch(state, NOW).time_budget_s == pytest.approx((paper_init - guard) / 1.5)
     assert anchor.form_batch(state, NOW).time_budget_s == pytest.approx(0.05)
-    # the same packing under the smaller budget: chunk = floor((0.0333 - a - d's cost) / b)
+    # the same packing under the smaller budget: chunk = floor((budget - a - d's cost) / b)
     coef = both.step_model.coefficients
     a, b, c = coef.a_s, coef.b_s_per_token, coef.c_s_per_context_token
-    left = 0.05 / 1.5 - a - (b + c * 1550)
+    left = ours.time_budget_s - a - (b + c * 1550)
     expected = math.floor(left / b)
     if expected >= 1:
         assert ours.prefill_chunks == (("P", expected),)
