@@ -1,0 +1,279 @@
+"""Benchmark: admission control in the real server (emulated GPU), FairBatching's
+``reject`` and ``defer`` against the best stock configuration with the admission
+controls stock SGLang has.
+
+Configurations, each one ``python -m sglang.launch_server`` (SGLang 0.5.23, emulated GPU
+``llama3.1-8b-h100`` at time scale 2, the same KV size and ``--max-prefill-tokens``):
+
+* ``mixed-256``, ``mixed-512``, ``mixed-1024``: ``--enable-mixed-chunk
+  --chunked-prefill-size N``, stock's best tuning for this workload (Sarathi-style);
+* ``mixed-best-queue-Q``: the best of those (by mean effective RPS over the rates) with
+  ``--max-queued-requests Q`` (SGLang refuses an arrival while Q requests wait);
+* ``mixed-best-timeout``: the best with ``SGLANG_REQ_WAITING_TIMEOUT`` = the TTFT target
+  (SGLang ends a request still waiting that long);
+* ``fb-reject``, ``fb-defer``: ``FAIRBATCHING_CONFIG`` = the shipped config (step model x
+  time scale) with ``[admission] mode = "reject"`` / ``"defer"``.
+
+Workload: ``python -m sglang_ext.replay`` of the bundled Azure conversation sample, exact
+prompt and output lengths, ``gamma:4`` arrivals (bursty, seeded) at each rate, every
+request in the ``standard`` class (TTFT 2 s, TPOT 50 ms). Effective RPS = rate x
+attainment; a refused (429), ended (503) or unfinished request is a miss for every
+configuration.
+
+Every finished point is appended to ``out/bench_sglang_admission/points.jsonl`` at once;
+``--resume`` skips the points already there, ``--configs`` runs a subset, and the table
+(``docs/bench/sglang_admission.md``) is always rendered from the saved points::
+
+    python scripts/bench_sglang_admission.py [--resume] [--rates 10,16] [--configs ...]
+    python scripts/bench_sglang_admission.py --render-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sglang import (  # noqa: E402
+    COMMON_ARGS, PROFILE, TIME_SCALE, REPLAY_MAX_PROMPT_TOKENS, Watch, flush_cache,
+    replay_head_seconds, run_command, wait_quiet, write_fb_config,
+)
+
+from sglang_ext.server_launch import launch  # noqa: E402
+
+ARRIVALS = "gamma:4"
+SLO_CLASS = "standard"
+TTFT_S = 2.0
+CHUNKS = (256, 512, 1024)
+QUEUE_LIMITS = (8, 32)
+DEFAULT_RATES = (10.0, 16.0)
+SECONDS = 60.0
+RAW = REPO / "out" / "bench_sglang_admission"
+POINTS = RAW / "points.jsonl"
+DOC = REPO / "docs" / "bench" / "sglang_admission.md"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    admission: str | None = None  # FairBatching's [admission] mode; None: stock
+
+
+def mixed(chunk: int) -> tuple[str, ...]:
+    return (*COMMON_ARGS, "--enable-mixed-chunk", "--chunked-prefill-size", str(chunk))
+
+
+def stock_configs() -> list[Config]:
+    return [Config(f"mixed-{chunk}", mixed(chunk)) for chunk in CHUNKS]
+
+
+def admission_configs(best_chunk: int) -> list[Config]:
+    best = mixed(best_chunk)
+    return [
+        *(Config(f"mixed-{best_chunk}-queue-{q}", (*best, "--max-queued-requests", str(q)))
+          for q in QUEUE_LIMITS),
+        Config(f"mixed-{best_chunk}-timeout", best, (("SGLANG_REQ_WAITING_TIMEOUT", f"{TTFT_S:g}"),)),
+        Config("fb-reject", COMMON_ARGS, admission="reject"),
+        Config("fb-defer", COMMON_ARGS, admission="defer"),
+    ]
+
+
+def load_points() -> list[dict]:
+    if not POINTS.exists():
+        return []
+    return [json.loads(line) for line in POINTS.read_text().splitlines() if line.strip()]
+
+
+def best_chunk(points: list[dict], rates: tuple[float, ...]) -> int | None:
+    """The stock chunk size with the highest mean effective RPS over ``rates`` (None until
+    every chunk has every rate)."""
+    scores = {}
+    for chunk in CHUNKS:
+        values = [p["effective_rps"] for p in points
+                  if p["config"] == f"mixed-{chunk}" and p["rate"] in rates and "effective_rps" in p]
+        if len(values) < len(rates):
+            return None
+        scores[chunk] = sum(values) / len(values)
+    return max(scores, key=scores.get)
+
+
+def write_admission_config(directory: Path, mode: str) -> Path:
+    base = write_fb_config(directory)
+    text = base.read_text()
+    if "\n[admission]" not in text:
+        raise SystemExit("configs/fairbatching.toml has no [admission] table; update this script")
+    head, _, tail = text.partition("\n[admission]")
+    lines = tail.splitlines()
+    for index, line in enumerate(lines):
+        if line.startswith("mode = "):
+            lines[index] = f'mode = "{mode}"'
+            break
+    else:
+        raise SystemExit("the [admission] table of configs/fairbatching.toml has no mode line")
+    path = directory / f"fairbatching-{mode}.toml"
+    path.write_text(head + "\n[admission]" + "\n".join(lines) + "\n")
+    return path
+
+
+def run_point(url: str, config: Config, rate: float, seed: int, raw: Path, quiet_wait_s: float,
+              pid: int) -> dict:
+    stem = f"{config.name}-r{rate:g}-s{seed}"
+    waited = wait_quiet(pid, quiet_wait_s)
+    flush_cache(url)
+    head = replay_head_seconds(rate, SECONDS)
+    output = raw / f"{stem}.json"
+    output.unlink(missing_ok=True)
+    command = [
+        sys.executable, "-m", "sglang_ext.replay", "--url", url, "--rate", f"{rate:g}",
+        "--head", f"{head:g}", "--arrivals", ARRIVALS, "--seed", str(seed),
+        "--slo-mix", f"{SLO_CLASS}:1", "--max-prompt-tokens", str(REPLAY_MAX_PROMPT_TOKENS),
+        "--out", str(output),
+    ]
+    print(f"  {stem} ...", file=sys.stderr, flush=True)
+    with Watch(pid) as watch:
+        code, wall = run_command(command, raw / f"{stem}.log", timeout_s=1200)
+    point = {"config": config.name, "rate": rate, "seed": seed, "head_s": head,
+             "command": shlex.join(["python", *command[1:]]), "exit_code": code,
+             "wall_s": round(wall, 1), "waited_for_quiet_s": round(waited, 1),
+             "machine_during_run": watch.record()}
+    if code != 0 or not output.exists():
+        point["error"] = f"exit code {code}; see {raw / (stem + '.log')}"
+        return point
+    result = json.loads(output.read_text())
+    point.update({key: result[key] for key in (
+        "effective_rps", "attainment", "ttft_attainment", "tpot_attainment", "rejected",
+        "aborted", "unfinished", "requests", "ttft_ms", "tpot_ms")})
+    return point
+
+
+def run_config(config: Config, rates: tuple[float, ...], seeds: tuple[int, ...], done: set,
+               model_dir: Path, raw: Path, quiet_wait_s: float) -> None:
+    todo = [(rate, seed) for rate in rates for seed in seeds if (config.name, rate, seed) not in done]
+    if not todo:
+        return
+    env = {"FAIRBATCHING_EMULATED_GPU": PROFILE,
+           "FAIRBATCHING_EMULATED_GPU_TIME_SCALE": f"{TIME_SCALE:g}", **dict(config.env)}
+    if config.admission is not None:
+        env["FAIRBATCHING_CONFIG"] = str(write_admission_config(raw, config.admission))
+    wait_quiet(None, quiet_wait_s)
+    print(f"[{config.name}] starting server", file=sys.stderr, flush=True)
+    server = launch(model_dir, config.args, env, raw / f"server-{config.name}.log", python=sys.executable)
+    try:
+        for rate, seed in todo:
+            point = run_point(server.url, config, rate, seed, raw, quiet_wait_s, server.process.pid)
+            point["launch_args"] = list(config.args)
+            point["env"] = {k: v for k, v in env.items() if not k.startswith("FAIRBATCHING_EMULATED")}
+            point["date_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
+            with POINTS.open("a") as sink:
+                sink.write(json.dumps(point) + "\n")
+            done.add((config.name, rate, seed))
+    finally:
+        server.stop()
+
+
+def render(points: list[dict]) -> str:
+    rates = sorted({p["rate"] for p in points})
+    configs = list(dict.fromkeys(p["config"] for p in points))
+    cell = {}
+    for p in points:
+        cell.setdefault((p["config"], p["rate"]), []).append(p)
+    stock = [c for c in configs if c.startswith("mixed-")]
+    best_stock = {
+        rate: max((c for c in stock if (c, rate) in cell), default=None,
+                  key=lambda c: _mean(cell[(c, rate)], "effective_rps"))
+        for rate in rates
+    }
+    lines = [
+        "# Admission control in the real server (emulated GPU)", "",
+        f"Generated by `python scripts/bench_sglang_admission.py` from {len(points)} saved points "
+        f"(`{POINTS.relative_to(REPO)}`). Stock SGLang 0.5.23 servers on the emulated GPU "
+        f"(`{PROFILE}`, step times x{TIME_SCALE:g}); `sglang_ext.replay` of the bundled Azure "
+        f"conversation sample, {ARRIVALS} arrivals, every request in the `{SLO_CLASS}` class "
+        f"(TTFT {TTFT_S:g} s, TPOT 50 ms, max-TPOT as in the simulator), {SECONDS:g} s of "
+        "arrivals per point. Effective RPS = rate x attainment; a refused (429), ended or "
+        "unfinished request is a miss. Ratio: against the best stock configuration at that "
+        "rate (any chunk size, with or without a queue limit or timeout). Cells are means over "
+        "seeds (n in brackets when > 1).", "",
+        "| config | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
+        "|---|" + "---|" * len(rates),
+    ]
+    for config in configs:
+        cells = []
+        for rate in rates:
+            runs = [p for p in cell.get((config, rate), []) if "effective_rps" in p]
+            if not runs:
+                cells.append("-")
+                continue
+            value = _mean(runs, "effective_rps")
+            text = f"{value:.2f}"
+            top = best_stock[rate]
+            if not config.startswith("mixed-") and top is not None:
+                text += f" ({value / _mean(cell[(top, rate)], 'effective_rps'):.2f}x)"
+            refused = _mean(runs, "rejected") + _mean(runs, "aborted")
+            text += f" <sub>TTFT {_mean(runs, 'ttft_attainment'):.0%}, TPOT {_mean(runs, 'tpot_attainment'):.0%}, refused/ended {refused:.0f}"
+            text += f", n={len(runs)}</sub>" if len(runs) > 1 else "</sub>"
+            cells.append(text)
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    lines += ["", "Best stock per rate: " + ", ".join(
+        f"{r:g} req/s: `{best_stock[r]}`" for r in rates if best_stock[r]) + "."]
+    failed = [p for p in points if "error" in p]
+    if failed:
+        lines += ["", "Failed points: " + "; ".join(f"{p['config']} @ {p['rate']:g} ({p['error']})" for p in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def _mean(runs: list[dict], key: str) -> float:
+    values = [r[key] for r in runs if key in r]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES))
+    parser.add_argument("--seeds", default="0", help="replay seeds (arrival draws), e.g. 0,1,2")
+    parser.add_argument("--configs", help="comma-separated subset of configuration names")
+    parser.add_argument("--resume", action="store_true", help="keep the saved points, run the rest")
+    parser.add_argument("--render-only", action="store_true", help="run nothing; render the table")
+    parser.add_argument("--quiet-wait", type=float, default=600.0)
+    args = parser.parse_args()
+    os.chdir(REPO)
+    rates = tuple(float(x) for x in args.rates.split(","))
+    seeds = tuple(int(x) for x in args.seeds.split(","))
+    RAW.mkdir(parents=True, exist_ok=True)
+    if not args.render_only:
+        if not args.resume:
+            POINTS.unlink(missing_ok=True)
+        from sglang_ext.emulated_gpu.tiny_model import write_tiny_model
+
+        model_dir = write_tiny_model(RAW / "tiny-model").relative_to(REPO)
+        done = {(p["config"], p["rate"], p["seed"]) for p in load_points() if "error" not in p}
+        wanted = None if args.configs is None else set(args.configs.split(","))
+        for config in stock_configs():
+            if wanted is None or config.name in wanted:
+                run_config(config, rates, seeds, done, model_dir, RAW, args.quiet_wait)
+        chunk = best_chunk(load_points(), rates)
+        if chunk is None:
+            print("not every stock chunk size has every rate yet; the admission configurations "
+                  "need the best of them", file=sys.stderr)
+        else:
+            for config in admission_configs(chunk):
+                if wanted is None or config.name in wanted or config.name.split("-queue")[0] in wanted:
+                    run_config(config, rates, seeds, done, model_dir, RAW, args.quiet_wait)
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(render(load_points()))
+    print(DOC.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
