@@ -6,13 +6,17 @@ as :class:`RankView` values built from the last reports plus its own dispatches 
 a seeded RNG) but does no I/O. ``choose`` returns a rank name, or None when the policy
 declines: no rank given, or (``pab`` and ``pab_least_loaded`` only) no rank's budget
 covers the prompt.
+
+``slo_class`` names the SLO class whose budget a request is judged by (the ``pab``
+policies; :func:`routing_class` maps a request's SLO onto one); None, or a class a
+rank did not report, means that rank's default-class budget.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 BALANCERS: tuple[str, ...] = (
@@ -28,29 +32,58 @@ class RankView:
     waiting: int  # last reported waiting + dispatches the last report does not include yet
     total_tokens: int  # last reported total_tokens + prompt tokens of those dispatches
     in_flight: int  # the daemon's own count of dispatched, unfinished requests
+    class_pab_tokens: Mapping[str, float] = field(default_factory=dict)  # effective, per SLO class
+
+    def budget(self, slo_class: str | None = None) -> float | None:
+        """The effective budget of ``slo_class`` (None or unreported: the default class's)."""
+        if slo_class is None:
+            return self.pab_tokens
+        return self.class_pab_tokens.get(slo_class, self.pab_tokens)
+
+
+def routing_class(class_ttfts: Mapping[str, float], slo_class: str | None,
+                  ttft_s: float | None) -> str | None:
+    """The SLO class whose budget routes a request: its own ``slo_class``; with an
+    explicit TTFT target, the class with the largest TTFT not above it (below every
+    class: the one with the smallest TTFT; ties: its own class, else the first name);
+    None (the default class) when it names neither or no class is known."""
+    if ttft_s is None:
+        return slo_class
+    if not class_ttfts:
+        return None
+    if slo_class in class_ttfts and class_ttfts[slo_class] == ttft_s:
+        return slo_class
+    below = [name for name, ttft in class_ttfts.items() if ttft <= ttft_s]
+    if below:
+        return min(below, key=lambda name: (-class_ttfts[name], name))
+    return min(class_ttfts, key=lambda name: (class_ttfts[name], name))
 
 
 class Balancer(Protocol):
     name: str
 
-    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None: ...
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
+               slo_class: str | None = None) -> str | None: ...
 
 
 class PabBalancer:
-    """The rank whose effective PAB covers the prompt with the most to spare (ties: the
-    first given); None when no rank's budget covers it (the caller queues or rejects)."""
+    """The rank whose effective PAB (of the request's class) covers the prompt with the
+    most to spare (ties: the first given); None when no rank's budget covers it (the
+    caller queues or rejects)."""
 
     name = "pab"
 
-    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None:
-        best: RankView | None = None
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
+               slo_class: str | None = None) -> str | None:
+        best: str | None = None
+        best_budget = 0.0
         for view in ranks:
-            budget = view.pab_tokens
+            budget = view.budget(slo_class)
             if budget is None or budget < prompt_tokens:
                 continue
-            if best is None or budget > best.pab_tokens:
-                best = view
-        return None if best is None else best.rank
+            if best is None or budget > best_budget:
+                best, best_budget = view.rank, budget
+        return best
 
 
 class RoundRobinBalancer:
@@ -62,7 +95,8 @@ class RoundRobinBalancer:
     def __init__(self) -> None:
         self._last: str | None = None
 
-    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None:
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
+               slo_class: str | None = None) -> str | None:
         if not ranks:
             return None
         names = sorted(view.rank for view in ranks)
@@ -81,14 +115,15 @@ class LowestScoreBalancer:
         self,
         name: str,
         score: Callable[[RankView], float],
-        eligible: Callable[[RankView, int], bool] = lambda view, prompt_tokens: True,
+        eligible: Callable[[RankView, int, str | None], bool] = lambda view, tokens, slo_class: True,
     ) -> None:
         self.name = name
         self._score = score
         self._eligible = eligible
         self._start = 0
 
-    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None:
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
+               slo_class: str | None = None) -> str | None:
         count = len(ranks)
         if count == 0:
             return None
@@ -98,7 +133,7 @@ class LowestScoreBalancer:
         best_score = 0.0
         for offset in range(count):
             view = ranks[(start + offset) % count]
-            if not self._eligible(view, prompt_tokens):
+            if not self._eligible(view, prompt_tokens, slo_class):
                 continue
             score = self._score(view)
             if best is None or score < best_score:
@@ -106,8 +141,9 @@ class LowestScoreBalancer:
         return None if best is None else best.rank
 
 
-def budget_covers(view: RankView, prompt_tokens: int) -> bool:
-    return view.pab_tokens is not None and view.pab_tokens >= prompt_tokens
+def budget_covers(view: RankView, prompt_tokens: int, slo_class: str | None = None) -> bool:
+    budget = view.budget(slo_class)
+    return budget is not None and budget >= prompt_tokens
 
 
 def request_count_score(view: RankView) -> float:
@@ -129,7 +165,8 @@ class PowerOfTwoBalancer:
     def __init__(self, seed: int = 0) -> None:
         self._random = random.Random(seed)
 
-    def choose(self, ranks: Sequence[RankView], prompt_tokens: int) -> str | None:
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
+               slo_class: str | None = None) -> str | None:
         if not ranks:
             return None
         if len(ranks) == 1:

@@ -24,14 +24,14 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controlplane.balancer import RankView, least_in_flight, make_balancer
+from controlplane.balancer import RankView, least_in_flight, make_balancer, routing_class
 from controlplane.config import DaemonConfig
 from controlplane.ledger import DispatchLedger
 from controlplane.protocol import (
     Abort, AgentMessage, Cancel, Chunk, ClientReply, ClientRequest, DaemonToAgent, Dispatch,
     Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish, FinishReason, Goodbye,
     Heartbeat, Hello, Output, Ping, Pong, RankStatus, Reject, RejectReason, Report, StatusReply, StatusRequest, Submit, Welcome,
-    retryable,
+    protocol_refusal, retryable,
 )
 from controlplane.ratelimited_log import RateLimitedLog
 from controlplane.registry import Departure, HelloOutcome, RankRegistry, RankState, ReportOutcome
@@ -128,6 +128,7 @@ class DispatcherCore:
                 in_flight=len(state.in_flight), report_age_s=state.report_age(now),
                 stale=not state.fresh(now, self.config.stale_after_s), reports=state.reports,
                 seq_gaps=state.seq_gaps, dispatched=state.dispatched, draining=state.draining,
+                class_pab_tokens=self.ledger.effective_class_budgets(state.rank),
             ))
         return StatusReply(self.daemon_id, self.config.policy, now - self.started_at, self.draining,
                            self.in_flight, self.queued, ranks, dict(self.counters))
@@ -217,14 +218,33 @@ class DispatcherCore:
                 waiting=(report.waiting if report else 0) + self.ledger.outstanding_dispatches(state.rank),
                 total_tokens=(report.total_tokens if report else 0) + self.ledger.outstanding_tokens(state.rank),
                 in_flight=len(state.in_flight),
+                class_pab_tokens=self.ledger.effective_class_budgets(state.rank),
             ))
         return views, bool(fresh)
+
+    def _class_ttfts(self) -> dict[str, float]:
+        """Each SLO class's TTFT target as the ranks' last reports state it."""
+        ttfts: dict[str, float] = {}
+        for state in self.registry.ranks():
+            if state.report is not None:
+                for name, budget in state.report.class_budgets.items():
+                    ttfts.setdefault(name, budget.ttft_s)
+        return ttfts
+
+    @staticmethod
+    def _routing_class(submit: Submit, class_ttfts: dict[str, float]) -> str | None:
+        slo = submit.slo
+        if slo is None:
+            return None
+        ttft_s = None if slo.ttft_ms is None else slo.ttft_ms / 1e3
+        return routing_class(class_ttfts, slo.slo_class, ttft_s)
 
     def _place(self, request_id: str, pending: Pending, now: float) -> list[Send]:
         views, fresh = self._views(now)
         views = [v for v in views if v.rank not in pending.tried]
+        slo_class = self._routing_class(pending.submit, self._class_ttfts())
         if fresh:
-            rank = self.balancer.choose(views, pending.prompt_tokens)
+            rank = self.balancer.choose(views, pending.prompt_tokens, slo_class)
         else:
             rank = least_in_flight(views, self.config.local_inflight_cap)
             if rank is not None:
@@ -234,7 +254,9 @@ class DispatcherCore:
         if not views:
             reason, detail = RejectReason.NO_RANKS, "no reachable rank that is not draining"
         elif fresh and self.config.policy.startswith("pab"):  # pab, pab_least_loaded
-            reason, detail = RejectReason.NO_BUDGET, f"no rank's budget covers {pending.prompt_tokens} prompt tokens"
+            of_class = "" if slo_class is None else f" of SLO class {slo_class}"
+            reason, detail = (RejectReason.NO_BUDGET,
+                              f"no rank's budget{of_class} covers {pending.prompt_tokens} prompt tokens")
         else:
             reason, detail = RejectReason.OVERLOADED, "every rank is at its in-flight cap"
         if self.config.on_no_budget == "queue" and reason is RejectReason.NO_BUDGET:
@@ -269,6 +291,7 @@ class DispatcherCore:
         sends: list[Send] = []
         views: list[RankView] | None = None  # rebuilt only after a dispatch changes a budget
         fresh = False
+        class_ttfts = self._class_ttfts()
         waiting, self._queue = self._queue, deque()
         for request_id in waiting:
             pending = self._requests.get(request_id)
@@ -282,7 +305,8 @@ class DispatcherCore:
                 continue
             if views is None:
                 views, fresh = self._views(now)
-            rank = self.balancer.choose(views, pending.prompt_tokens) if fresh else None
+            slo_class = self._routing_class(pending.submit, class_ttfts)
+            rank = self.balancer.choose(views, pending.prompt_tokens, slo_class) if fresh else None
             if rank is None:
                 self._queue.append(request_id)
             else:
@@ -459,6 +483,12 @@ class DispatcherCore:
         if hello.agent.encode() != identity:
             self.counters["identity_mismatch"] += 1
             return []
+        refusal = protocol_refusal(hello.protocol)
+        if refusal is not None:
+            self.counters["protocol_refused"] += 1
+            self.log.warning("protocol_refused", "a rank agent's Hello was refused", agent=hello.agent,
+                             rank=hello.rank, detail=refusal)
+            return [ToAgent(identity, Fenced(hello.rank, hello.epoch, refusal))]
         outcome, departure = self.registry.hello(identity, hello.rank, hello.epoch, now)
         if outcome is HelloOutcome.FENCED:
             self.counters["fenced_messages"] += 1
@@ -540,7 +570,8 @@ class DispatcherCore:
             self.counters["report_seq_gaps"] += gaps
         if outcome is not ReportOutcome.APPLIED:
             return []
-        self.ledger.apply_report(report.rank, report.pab_tokens, report.echoed_dispatch_seq)
+        class_budgets = {name: budget.tokens for name, budget in report.class_budgets.items()}
+        self.ledger.apply_report(report.rank, report.pab_tokens, report.echoed_dispatch_seq, class_budgets)
         return self._pump_queue(now)
 
     # ------------------------------------------------------------------ time and failures

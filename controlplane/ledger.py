@@ -9,13 +9,18 @@ reports the dispatcher debits every prompt it sends from its view of that rank::
 
 A report therefore never wipes out debits it does not include yet (a snapshot taken
 before a dispatch but read after it), and debits it does include are dropped; a debit
-once dropped never comes back, whatever a later report echoes. Sequence numbers are
+once dropped never comes back, whatever a later report echoes.
+
+A report may also carry a budget per SLO class (``class_budgets``). A dispatched prompt
+is debited from every class alike: once prefilled it delays the first token of every
+request behind it, whatever its class. A class the last report did not name has the
+default budget (``pab_tokens``). Sequence numbers are
 per rank, start at 1, and follow the order in which the rank ingests its requests; an
 echo of 0 means "nothing ingested yet".
 
 Rank keys are any hashable value (``str`` in the daemon, ``int`` in SGLang's DP
 controller). Stdlib only, no I/O: the daemon and SGLang's controller both use it, and
-every field of a :class:`RankBudget` is a JSON scalar (``dataclasses.asdict`` /
+every field of a :class:`RankBudget` is a JSON value (``dataclasses.asdict`` /
 ``RankBudget(**d)`` round-trip it).
 """
 
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -35,6 +40,7 @@ class RankBudget:
     pab_tokens: float
     echoed_dispatch_seq: int
     timestamp: float
+    class_budgets: dict[str, float] | None = None  # SLO class -> tokens; None: none reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class _RankState:
     debits: deque[_Debit] = field(default_factory=deque)
     outstanding_tokens: int = 0
     reported_pab_tokens: float | None = None
+    reported_class_budgets: dict[str, float] = field(default_factory=dict)
     echoed_dispatch_seq: int = 0
     report_timestamp: float = -math.inf
 
@@ -125,22 +132,26 @@ class DispatchLedger:
             report.echoed_dispatch_seq, report.timestamp
         ) < (state.echoed_dispatch_seq, state.report_timestamp):
             return False
-        self._store(state, report.pab_tokens, report.echoed_dispatch_seq)
+        self._store(state, report.pab_tokens, report.echoed_dispatch_seq, report.class_budgets)
         state.report_timestamp = report.timestamp
         return True
 
-    def apply_report(self, rank: Hashable, pab_tokens: float, echoed_dispatch_seq: int) -> None:
-        """Store ``rank``'s reported PAB and drop the debits with seq <= the echo.
+    def apply_report(self, rank: Hashable, pab_tokens: float, echoed_dispatch_seq: int,
+                     class_budgets: Mapping[str, float] | None = None) -> None:
+        """Store ``rank``'s reported PAB (and its classes') and drop the debits with
+        seq <= the echo.
 
         No ordering check: the caller applies a rank's reports in the order the rank
         sent them. An echo lower than an earlier one brings no dropped debit back."""
         state = self._state(rank)
-        self._store(state, pab_tokens, echoed_dispatch_seq)
+        self._store(state, pab_tokens, echoed_dispatch_seq, class_budgets)
         state.report_timestamp = -math.inf
 
     @staticmethod
-    def _store(state: _RankState, pab_tokens: float, echoed_dispatch_seq: int) -> None:
+    def _store(state: _RankState, pab_tokens: float, echoed_dispatch_seq: int,
+               class_budgets: Mapping[str, float] | None) -> None:
         state.reported_pab_tokens = pab_tokens
+        state.reported_class_budgets = dict(class_budgets or {})
         state.echoed_dispatch_seq = echoed_dispatch_seq
         state.drop_debits_through(echoed_dispatch_seq)
 
@@ -162,12 +173,26 @@ class DispatchLedger:
         state = self._ranks.get(rank)
         return 0 if state is None else state.echoed_dispatch_seq
 
-    def effective_budget(self, rank: Hashable) -> float | None:
-        """The reported budget minus outstanding debits; None if ``rank`` never reported."""
+    def effective_budget(self, rank: Hashable, slo_class: str | None = None) -> float | None:
+        """The reported budget of ``slo_class`` (None, or a class the report did not name:
+        the default) minus outstanding debits; None if ``rank`` never reported."""
         state = self._ranks.get(rank)
         if state is None or state.reported_pab_tokens is None:
             return None
-        return state.reported_pab_tokens - state.outstanding_tokens
+        reported = state.reported_class_budgets.get(slo_class, state.reported_pab_tokens)
+        return reported - state.outstanding_tokens
+
+    def effective_class_budgets(self, rank: Hashable) -> dict[str, float]:
+        """Each class's reported budget minus outstanding debits (empty: none reported)."""
+        state = self._ranks.get(rank)
+        if state is None:
+            return {}
+        debit = state.outstanding_tokens
+        return {name: tokens - debit for name, tokens in state.reported_class_budgets.items()}
+
+    def reported_class_budgets(self, rank: Hashable) -> dict[str, float]:
+        state = self._ranks.get(rank)
+        return {} if state is None else dict(state.reported_class_budgets)
 
     def outstanding_tokens(self, rank: Hashable) -> int:
         state = self._ranks.get(rank)
@@ -177,11 +202,12 @@ class DispatchLedger:
         state = self._ranks.get(rank)
         return 0 if state is None else len(state.debits)
 
-    def budgets(self, ranks: Iterable[Hashable]) -> dict[Hashable, float]:
-        """Effective budgets of those ``ranks`` that have reported."""
+    def budgets(self, ranks: Iterable[Hashable], slo_class: str | None = None) -> dict[Hashable, float]:
+        """Effective budgets (of ``slo_class``, as :meth:`effective_budget`) of those
+        ``ranks`` that have reported."""
         out = {}
         for rank in ranks:
-            budget = self.effective_budget(rank)
+            budget = self.effective_budget(rank, slo_class)
             if budget is not None:
                 out[rank] = budget
         return out

@@ -23,11 +23,23 @@ Schema version 1 grows by additions only (new messages, new fields with defaults
 enum values); ``SCHEMA_VERSION`` changes only for a change an older peer would misread.
 A peer drops, counts and logs a frame it cannot decode, so an older one receiving an
 addition is no worse off than before it existed.
+
+An addition that changes what the daemon does with a rank raises ``PROTOCOL_VERSION``,
+which an agent states in every :class:`Hello`; the daemon fences a ``Hello`` of any
+other version with a detail naming both (:func:`protocol_refusal`), so a rank it would
+misread never joins. A ``Hello`` without the field is version 1.
+
+- 1: the first release.
+- 2: :attr:`Report.class_budgets`, the PAB of each SLO class; the daemon routes a
+  request on its class's budget. A version-1 rank reports none, and routing its
+  requests on the default class's budget would silently ignore their classes.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Mapping
 from typing import Annotated, Final, Generic, TypeVar
 
 import msgspec
@@ -36,12 +48,20 @@ from msgspec import Meta, Struct
 MAGIC: Final = b"\xfb"
 SCHEMA_VERSION: Final = 1
 HEADER: Final = MAGIC + bytes([SCHEMA_VERSION])
+PROTOCOL_VERSION: Final = 2
+LEGACY_PROTOCOL_VERSION: Final = 1  # a Hello without ``protocol``
+UNSUPPORTED_PROTOCOL: Final = "unsupported protocol"  # Fenced.detail prefix
+MAX_SLO_CLASSES: Final = 64
+MAX_SLO_CLASS_NAME: Final = 64
+BUDGET_LIMIT: Final = float(2**31 - 1)  # reported budgets are clamped to +-this
 DEFAULT_MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 RankId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
+SloClassName = Annotated[str, Meta(min_length=1, max_length=MAX_SLO_CLASS_NAME)]
+BudgetTokens = Annotated[float, Meta(ge=-BUDGET_LIMIT, le=BUDGET_LIMIT)]
 Epoch = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 
@@ -203,6 +223,7 @@ class RankStatus(Struct, frozen=True):
     seq_gaps: int
     dispatched: int
     draining: bool = False  # no new dispatches; its in-flight requests run on
+    class_pab_tokens: dict[str, float] = {}  # effective, per SLO class (protocol version 2)
 
 
 class StatusReply(Struct, frozen=True, tag="status"):
@@ -236,6 +257,17 @@ class Hello(Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
     agent: RankId
     rank: RankId
     epoch: Epoch
+    protocol: Annotated[int, Meta(ge=1, le=2**31 - 1)] = LEGACY_PROTOCOL_VERSION
+
+
+def protocol_refusal(version: int) -> str | None:
+    """Why the daemon fences a ``Hello`` of protocol ``version``; None when it speaks it."""
+    if version == PROTOCOL_VERSION:
+        return None
+    upgrade = "the rank agent" if version < PROTOCOL_VERSION else "the daemon"
+    return (f"{UNSUPPORTED_PROTOCOL}: the rank speaks protocol version {version}, the daemon "
+            f"speaks version {PROTOCOL_VERSION} (per-SLO-class budgets in Report since 2); "
+            f"upgrade {upgrade}")
 
 
 class Goodbye(Struct, frozen=True, tag="goodbye", forbid_unknown_fields=True):
@@ -328,9 +360,20 @@ DaemonToAgent = Welcome | Dispatch | Abort | Fenced
 
 
 # ------------------------------------------------------------------ rank -> daemon reports
+class ClassBudget(Struct, frozen=True, forbid_unknown_fields=True):
+    """One SLO class's admission budget at a rank: prompt tokens a new request of the
+    class may bring and still meet its TTFT (``ttft_s``, the class's target, lets the
+    daemon map a request with an explicit TTFT onto a class)."""
+
+    ttft_s: Annotated[float, Meta(gt=0.0)]
+    tokens: BudgetTokens
+
+
 class Report(Struct, frozen=True, tag="report", forbid_unknown_fields=True):
     """One rank's load. ``seq`` counts reports per (rank, epoch) from 1;
-    ``echoed_dispatch_seq`` is the highest dispatch sequence this report accounts for."""
+    ``echoed_dispatch_seq`` is the highest dispatch sequence this report accounts for.
+    ``pab_tokens`` is the default SLO class's budget; ``class_budgets`` (protocol
+    version 2) each class's, by class name."""
 
     rank: RankId
     epoch: Epoch
@@ -343,6 +386,27 @@ class Report(Struct, frozen=True, tag="report", forbid_unknown_fields=True):
     echoed_dispatch_seq: NonNegInt
     step_time_s: NonNegFloat
     sent_at: float  # the reporter's monotonic clock (ordering/age diagnostics only)
+    class_budgets: Annotated[dict[SloClassName, ClassBudget], Meta(max_length=MAX_SLO_CLASSES)] = {}
+
+
+def budget_tokens(tokens: float) -> float:
+    """A budget as a report carries it: clamped to +-``BUDGET_LIMIT``, NaN as 0."""
+    if math.isnan(tokens):
+        return 0.0
+    return max(-BUDGET_LIMIT, min(BUDGET_LIMIT, float(tokens)))
+
+
+def class_budgets(budgets: Mapping[str, float], ttfts: Mapping[str, float]) -> dict[str, ClassBudget]:
+    """A report's ``class_budgets`` from each SLO class's budget and TTFT target (seconds).
+    Raises ValueError for more classes, or longer names, than a report may carry."""
+    if len(budgets) > MAX_SLO_CLASSES:
+        raise ValueError(f"{len(budgets)} SLO classes; a report carries at most {MAX_SLO_CLASSES}")
+    out = {}
+    for name, tokens in budgets.items():
+        if not 1 <= len(name) <= MAX_SLO_CLASS_NAME:
+            raise ValueError(f"SLO class name {name[:80]!r} must be 1-64 characters to be reported")
+        out[name] = ClassBudget(ttft_s=ttfts[name], tokens=budget_tokens(tokens))
+    return out
 
 
 # ------------------------------------------------------------------ framing

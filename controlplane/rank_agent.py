@@ -34,6 +34,7 @@ import zmq.asyncio
 from controlplane.curve import CurvePeer
 from controlplane.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
     Abort,
     AgentMessage,
     Dispatch,
@@ -170,10 +171,10 @@ class RankAgent:
         if not ranks or len(set(ranks)) != len(ranks):
             raise ValueError(f"an agent needs distinct rank names, got {list(ranks)!r}")
         self.epoch = time.time_ns() if epoch is None else epoch
-        for rank in ranks:
-            _check_hello(Hello(agent=agent_id, rank=rank, epoch=self.epoch))
-        self.rank_address = rank_address
         self.agent_id = agent_id
+        for rank in ranks:
+            _check_hello(self._hello(rank))
+        self.rank_address = rank_address
         self.ranks = tuple(ranks)
         self.daemon_id: str | None = None
         self.heartbeat_interval_s: float | None = None
@@ -353,7 +354,7 @@ class RankAgent:
             if now >= next_hello:
                 for rank in self._served():
                     if rank not in self._welcomed:
-                        self._enqueue(Hello(agent=self.agent_id, rank=rank, epoch=self.epoch))
+                        self._enqueue(self._hello(rank))
                 next_hello = now + self._hello_retry_s
             if self.heartbeat_interval_s is not None and now >= next_beat:
                 self._enqueue(Heartbeat(agent=self.agent_id))
@@ -424,10 +425,7 @@ class RankAgent:
             self.counters["daemon_restarts"] += 1
             self._forget(lambda rank: True)
             self._welcomed.clear()
-            replies = [
-                Hello(agent=self.agent_id, rank=rank, epoch=self.epoch)
-                for rank in self._served() if rank != welcome.rank
-            ]
+            replies = [self._hello(rank) for rank in self._served() if rank != welcome.rank]
         self.daemon_id = welcome.daemon_id
         self.heartbeat_interval_s = welcome.heartbeat_interval_s
         self._welcomed.add(welcome.rank)
@@ -503,7 +501,10 @@ class RankAgent:
         self.counters["rejoins"] += 1
         self._forget(on_rank)
         self._welcomed.difference_update(ranks)
-        return [Hello(agent=self.agent_id, rank=rank, epoch=self.epoch) for rank in ranks]
+        return [self._hello(rank) for rank in ranks]
+
+    def _hello(self, rank: str) -> Hello:
+        return Hello(agent=self.agent_id, rank=rank, epoch=self.epoch, protocol=PROTOCOL_VERSION)
 
     def _served(self) -> list[str]:
         return [rank for rank in self.ranks if rank in self._serving]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 
 import zmq
 
 from controlplane.curve import CurvePeer
-from controlplane.protocol import Report, encode
+from controlplane.protocol import ClassBudget, Report, encode
 from controlplane.ratelimited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -64,8 +64,10 @@ class ReportPublisher:
         free_kv_tokens: int,
         echoed_dispatch_seq: int,
         step_time_s: float,
+        class_budgets: Mapping[str, ClassBudget] | None = None,
     ) -> bool:
-        """Queue one report without blocking; False when it was dropped."""
+        """Queue one report without blocking; False when it was dropped.
+        ``class_budgets``: see :func:`controlplane.protocol.class_budgets`."""
         self.seq += 1
         report = Report(
             rank=self.rank,
@@ -79,6 +81,7 @@ class ReportPublisher:
             echoed_dispatch_seq=echoed_dispatch_seq,
             step_time_s=max(0.0, step_time_s),
             sent_at=time.monotonic(),
+            class_budgets=dict(class_budgets or {}),
         )
         try:
             self._socket.send(encode(report), zmq.NOBLOCK)

@@ -14,7 +14,9 @@ sleeper), for rank ``<prefix>/<dp_rank>`` and the server's epoch
   for a request. A scheduler stuck in a step sends nothing, so report age stays the
   daemon's liveness signal for the scheduler itself.
 
-What a report says: the PAB FairBatching computed for the latest decision; the highest
+What a report says: the PAB FairBatching computed for the latest decision, and each SLO
+class's budget from the same state (``FairBatchingState.admission_budgets``, which a
+scheduler that reports computes whatever its admission mode); the highest
 dispatch sequence the scheduler has ingested (``FairBatchingState.highest_dispatch_seq``,
 the same tracking the DP controller's ``pab`` method uses: it moves when the policy
 first sees a request, in the pass that computes that PAB, so a report never echoes a
@@ -32,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.protocol import class_budgets
 from sglang_ext.scheduler.state import LAUNCH_ATTR, HandledErrors
 
 logger = logging.getLogger("sglang_ext.fairbatching")
@@ -53,11 +56,13 @@ class RankLoad:
     total_tokens: int
     free_kv_tokens: int
     echoed_dispatch_seq: int
+    class_budgets: tuple[tuple[str, int], ...] = ()  # (SLO class, tokens)
 
     @property
-    def key(self) -> tuple[int, int, int, int]:
+    def key(self) -> tuple[object, ...]:
         """What counts as a change worth an early report."""
-        return (self.pab_tokens, self.running, self.waiting, self.echoed_dispatch_seq)
+        return (self.pab_tokens, self.running, self.waiting, self.echoed_dispatch_seq,
+                self.class_budgets)
 
 
 def load_of(scheduler: Any) -> RankLoad:
@@ -83,6 +88,7 @@ def load_of(scheduler: Any) -> RankLoad:
         total_tokens=used + sum(req.seqlen for req in waiting_queue),
         free_kv_tokens=max(0, int(scheduler.max_total_num_tokens) - used),
         echoed_dispatch_seq=int(state.highest_dispatch_seq),
+        class_budgets=tuple(state.admission_budgets.items()),
     )
 
 
@@ -116,8 +122,11 @@ class SchedulerReports:
             now = time.monotonic()
             if not self.throttle.due(now, load.key):
                 return
+            classes = scheduler.fairbatching.config.catalog.classes
+            budgets = class_budgets(dict(load.class_budgets), {n: slo.ttft_s for n, slo in classes.items()})
             self.publisher.publish(load.pab_tokens, load.running, load.waiting, load.total_tokens,
-                                   load.free_kv_tokens, load.echoed_dispatch_seq, self.step_time_s)
+                                   load.free_kv_tokens, load.echoed_dispatch_seq, self.step_time_s,
+                                   budgets)
             self.throttle.published(now, load.key)
         except Exception:  # a report is never worth a scheduler; counted and logged
             self.errors.record(REPORT_FAILED_SITE, "control plane: load report failed")
@@ -162,6 +171,7 @@ def attach_reports(scheduler: Any, settings: Any) -> SchedulerReports | None:
 
     if getattr(scheduler, "fairbatching", None) is None:
         return None
+    scheduler.fairbatching.publishes_budgets = True  # the daemon routes on each class's budget
     parallel = get_parallel()
     if parallel.pp_rank != 0 or parallel.attn_tp_rank != 0 or parallel.attn_cp_rank != 0:
         return None

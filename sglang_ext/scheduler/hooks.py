@@ -87,6 +87,8 @@ def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
 
         metrics = FairBatchingMetrics(get_parallel().dp_rank)
     state = FairBatchingState(config, metrics)
+    if getattr(getattr(scheduler, "server_args", None), "load_balance_method", None) == "pab":
+        state.publishes_budgets = True  # the DP controller routes on each class's budget
     scheduler.fairbatching = state
     # FairBatching's batches are hybrid: chosen decodes ride along with prefill chunks.
     scheduler.is_mixed_chunk = True

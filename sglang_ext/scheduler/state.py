@@ -101,7 +101,9 @@ class FairBatchingState:
         self.parked: Any = None  # ScheduleBatch of deferred decodes, or None
         self.pab_tokens = 0
         # Per SLO class, prompt tokens a new request may bring (published in the load
-        # snapshot for the HTTP process's admission gate); empty unless mode is reject.
+        # snapshot for the HTTP process's admission gate and the DP pab method, and in
+        # control-plane reports); computed under mode reject, or when one of those
+        # routes on them (they set publishes_budgets), else empty.
         self.admission_budgets: dict[str, int] = {}
         self.publishes_budgets = self.admission.mode is AdmissionMode.REJECT
         self.last_decision: BatchDecision | None = None

@@ -10,10 +10,14 @@ sequence it accounts for reconciles the debits.
   as a single-rank run builds it, seeded ``seed + rank index`` (rank 0 is the
   single-rank run's engine). A dispatched request reaches its rank at once.
 - **Reports.** After each of its steps (and when it ingests a request it does not keep
-  busy, e.g. one its own admission refused) a rank reports its PAB, running and waiting
-  counts, tokens held, requests over so far and the highest dispatch sequence it has
-  ingested; the dispatcher gets the report ``report_delay_s`` later. Every rank reports
+  busy, e.g. one its own admission refused) a rank reports its PAB, under the ``pab``
+  balancers each SLO class's budget too (the policy's ``admission_budgets``), running
+  and waiting counts, tokens held, requests over so far and the highest dispatch
+  sequence it has ingested; the dispatcher gets the report ``report_delay_s`` later. Every rank reports
   once at time 0, before traffic, as ranks register before a daemon takes requests.
+- **Classes.** The ``pab`` balancers judge a request by the budget of its SLO class
+  (a trace's own or ``--class-mix``); a request without a class by the default class's
+  PAB, as the daemon does.
 - **No covering budget** (``pab`` and ``pab_least_loaded``: the balancer returns None):
   the daemon's ``on_no_budget = "queue"``. The request waits in a FIFO admission queue
   (the head blocks those behind it), retried on every report; past ``queue_ttl_s`` from
@@ -30,7 +34,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from controlplane.balancer import BALANCERS, RankView, make_balancer
 from controlplane.config import DaemonConfig
@@ -86,6 +91,7 @@ class RankReport:
     total_tokens: int
     finished: int  # requests over at the rank (finished, refused or aborted) so far
     echoed_dispatch_seq: int
+    class_budgets: dict[str, float] = field(default_factory=dict)  # SLO class -> tokens
 
 
 @dataclass(frozen=True)
@@ -103,13 +109,14 @@ class _Queued:
 
 
 class _Rank:
-    __slots__ = ("index", "name", "engine", "last_report", "dispatched", "ingested_seq",
-                 "step_scheduled")
+    __slots__ = ("index", "name", "engine", "classes", "last_report", "dispatched",
+                 "ingested_seq", "step_scheduled")
 
-    def __init__(self, index: int, engine: SimEngine) -> None:
+    def __init__(self, index: int, engine: SimEngine, classes: Mapping[str, Slo]) -> None:
         self.index = index
         self.name = str(index)
         self.engine = engine
+        self.classes = classes  # whose budgets it reports (empty: none)
         self.last_report: RankReport | None = None
         self.dispatched = 0
         self.ingested_seq = 0
@@ -134,6 +141,8 @@ class _Rank:
             total_tokens=total_tokens,
             finished=len(engine.records) - len(active),
             echoed_dispatch_seq=self.ingested_seq,
+            class_budgets=engine.policy.admission_budgets(active, engine.now, self.classes)
+            if self.classes else {},
         )
 
 
@@ -145,10 +154,11 @@ class ClusterSimulation:
         self.scenario = scenario
         self.spec = spec
         self.cluster = cluster
+        classes = scenario.catalog.classes if cluster.balancer.startswith("pab") else {}
         self.ranks = [
             _Rank(i, SimEngine(
                 scenario.profile, build_policy(scenario, spec), seed=scenario.seed + i
-            ))
+            ), classes)
             for i in range(cluster.ranks)
         ]
         self.ledger = DispatchLedger()
@@ -217,7 +227,8 @@ class ClusterSimulation:
     # ---------------------------------------------------------------- dispatcher
     def _apply_report(self, report: RankReport) -> None:
         rank = self.ranks[report.rank]
-        self.ledger.apply_report(rank.name, report.pab_tokens, report.echoed_dispatch_seq)
+        self.ledger.apply_report(rank.name, report.pab_tokens, report.echoed_dispatch_seq,
+                                 report.class_budgets)
         rank.last_report = report
         self.counters["reports"] += 1
 
@@ -233,6 +244,7 @@ class ClusterSimulation:
                 waiting=report.waiting + ledger.outstanding_dispatches(rank.name),
                 total_tokens=report.total_tokens + ledger.outstanding_tokens(rank.name),
                 in_flight=rank.dispatched - report.finished,
+                class_pab_tokens=ledger.effective_class_budgets(rank.name),
             ))
         return views
 
@@ -241,7 +253,8 @@ class ClusterSimulation:
             self._enqueue(queued)
             self._drain_queue(now)
             return
-        chosen = self.balancer.choose(self._views(), queued.request.prompt_tokens)
+        chosen = self.balancer.choose(self._views(), queued.request.prompt_tokens,
+                                      queued.request.slo_class or None)
         if chosen is None:
             self._enqueue(queued)
         else:
@@ -264,7 +277,8 @@ class ClusterSimulation:
                 queue.popleft()
                 self._reject(head, "queue_timeout")
                 continue
-            chosen = self.balancer.choose(self._views(), head.request.prompt_tokens)
+            chosen = self.balancer.choose(self._views(), head.request.prompt_tokens,
+                                          head.request.slo_class or None)
             if chosen is None:
                 return
             queue.popleft()

@@ -10,11 +10,12 @@ Each rank is one :class:`SimEngine` whose virtual clock follows the wall clock
 sleeps until the step's virtual end is reached in real time and only then emits its
 tokens, so the engine is never more than one step ahead of real time. Outputs are
 fake (``" tok"`` per token, deterministic token ids); timings, batching, KV use and
-the reported PAB are the simulator's.
+the reported budgets (the default class's PAB and each SLO class's, from the policy's
+``admission_budgets``) are the simulator's.
 
 A dispatch that cannot fit this rank's KV cache even alone is refused as invalid (it
-can never be served); one the policy's admission refuses (the ``*-pab`` policies)
-ends with reason=error, since the protocol has no retryable refusal.
+can never be served); one the policy's admission refuses (``+reject`` or the ``*-pab``
+policies) is refused for lack of budget (the daemon answers ``no_budget``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from pathlib import Path
 import zmq
 
 from controlplane.curve import CurvePeer
-from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome
-from controlplane.rank_agent import InvalidRequest, OutputSink, RankAgent
+from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome, class_budgets
+from controlplane.rank_agent import InvalidRequest, NoBudget, OutputSink, RankAgent
 from controlplane.reporter import ReportPublisher, ReportThrottle
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
@@ -150,6 +151,9 @@ class SimRank:
             slo = self.catalog.resolve(dispatch.slo.as_custom_params() if dispatch.slo else None)
         except SloError as error:
             raise InvalidRequest(str(error)) from None
+        refusal = self.engine.policy.refusal(slo)
+        if refusal is not None:
+            raise InvalidRequest(f"unserviceable SLO: {refusal}")
         if prompt + output > self.engine.kv_capacity:
             raise InvalidRequest(
                 f"prompt ({prompt} tokens) + max_new_tokens ({output}) exceeds the rank's KV "
@@ -161,12 +165,8 @@ class SimRank:
             self.engine.advance_to(now)  # an idle engine's clock jumps to the present
         if not self.engine.submit(engine_id, min(now, self.engine.now), prompt, output, slo):
             del self.engine.records[engine_id]
-            await sink.finish(
-                FinishReason.ERROR, prompt_tokens=prompt,
-                error=f"rank refused admission: a prompt of {prompt} tokens exceeds its prefill "
-                      f"admission budget ({self.engine.prefill_admission_budget():.0f} tokens)",
-            )
-            return
+            raise NoBudget(f"rank refused admission: a prompt of {prompt} tokens exceeds its "
+                           "admission budget for the request's SLO")
         live = self._live[engine_id] = _Live(received_s)
         try:
             sent = 0
@@ -255,8 +255,15 @@ class SimRank:
             free_kv_tokens=self.engine.kv_capacity - self.engine.kv_used,
             echoed_dispatch_seq=self.echoed_dispatch_seq,
             step_time_s=self.last_step_s,
+            class_budgets=self.class_budgets(active),
         )
         self._throttle.published(now_s, key)
+
+    def class_budgets(self, active: Sequence[object]) -> dict:
+        """Each SLO class's budget from the engine's state, as a report carries it."""
+        classes = self.catalog.classes
+        budgets = self.engine.policy.admission_budgets(active, self.engine.now, classes)
+        return class_budgets(budgets, {name: slo.ttft_s for name, slo in classes.items()})
 
 
 class SimRanks:

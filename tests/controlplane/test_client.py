@@ -17,6 +17,7 @@ from controlplane import errors
 from controlplane.client import AsyncClient, Client, Result, StreamChunk
 from controlplane.config import DaemonConfig
 from controlplane.protocol import (
+    PROTOCOL_VERSION,
     Cancel, Chunk, Dispatch, Dispatched, Done, Fenced, Finish, FinishReason, Heartbeat, Hello,
     Output, Ping, Pong, Reject, RejectReason, Report, SamplingParams, StatusReply, StatusRequest,
     Submit, Welcome, client_request_channel, daemon_to_agent_channel, encode,
@@ -662,7 +663,7 @@ class FakeAgent:
 
     async def _run(self) -> None:
         channel, seq = daemon_to_agent_channel(), 0
-        self._send(Hello(self.agent, self.rank, self.epoch))
+        self._send(Hello(self.agent, self.rank, self.epoch, protocol=PROTOCOL_VERSION))
         while True:
             try:
                 message = channel.decode(await asyncio.wait_for(self._socket.recv(), 0.1))
@@ -675,7 +676,7 @@ class FakeAgent:
                 self._reports.send(encode(Report(self.rank, self.epoch, seq, 1e6, 0, 0, 0, 1_000_000, 0,
                                                  0.01, time.monotonic())), zmq.NOBLOCK)
             elif isinstance(message, Fenced):
-                self._send(Hello(self.agent, self.rank, self.epoch))
+                self._send(Hello(self.agent, self.rank, self.epoch, protocol=PROTOCOL_VERSION))
             elif isinstance(message, Dispatch):
                 self.dispatched.append(message)
                 if not self.hold:

@@ -89,7 +89,7 @@ def test_status_and_ranks_of_a_served_daemon(tmp_path, capsys: pytest.CaptureFix
         for sock, address in ((agent, config.rank_address), (reports, config.report_address)):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
-        agent.send(p.encode(p.Hello("agent-x", "rank-x", 4)))
+        agent.send(p.encode(p.Hello("agent-x", "rank-x", 4, protocol=p.PROTOCOL_VERSION)))
         assert agent.poll(5000) and isinstance(p.daemon_to_agent_channel().decode(agent.recv()), p.Welcome)
         reports.send(p.encode(p.Report("rank-x", 4, 1, 1234.0, 2, 3, 0, 100, 0, 0.01, 0.0)))
         reports.send(p.encode(p.Report("rank-x", 4, 3, 1500.0, 2, 3, 0, 100, 0, 0.01, 0.0)))  # one lost
@@ -139,7 +139,7 @@ def test_drain_wait_resume_and_an_unknown_rank(tmp_path, capsys: pytest.CaptureF
                               (client, config.client_address)):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
-        agent.send(p.encode(p.Hello("agent-d", "rank-d", 4)))
+        agent.send(p.encode(p.Hello("agent-d", "rank-d", 4, protocol=p.PROTOCOL_VERSION)))
         assert agent.poll(5000) and isinstance(p.daemon_to_agent_channel().decode(agent.recv()), p.Welcome)
         reports.send(p.encode(p.Report("rank-d", 4, 1, 50_000.0, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
         time.sleep(0.2)

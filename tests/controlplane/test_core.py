@@ -7,6 +7,7 @@ import pytest
 from controlplane.config import DaemonConfig
 from controlplane.core import UNKNOWN_AGENT, UNKNOWN_RANK, DispatcherCore, ToAgent, ToClient
 from controlplane.protocol import (
+    PROTOCOL_VERSION,
     Abort, Cancel, Chunk, Dispatch, Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish,
     FinishReason, Goodbye,
     Heartbeat, Hello, Output, Ping, Pong, Prompt, Reject, RejectReason, Report, SamplingParams,
@@ -38,7 +39,7 @@ def make_core(**overrides) -> DispatcherCore:
 def join(core: DispatcherCore, rank: str, *, agent: str | None = None, epoch: int = 1,
          pab: float = 10_000.0, now: float = 0.0, echo: int = 0, seq: int = 1) -> None:
     agent = agent or f"agent-{rank}"
-    sends = core.on_agent(agent.encode(), Hello(agent, rank, epoch), now)
+    sends = core.on_agent(agent.encode(), Hello(agent, rank, epoch, protocol=PROTOCOL_VERSION), now)
     assert any(isinstance(s.message, Welcome) for s in sends)
     report(core, rank, pab, epoch=epoch, seq=seq, echo=echo, now=now)
 
@@ -204,11 +205,11 @@ def test_restarted_rank_fences_its_old_epoch():
     core = make_core()
     join(core, "r0", epoch=5)
     submit(core, "a")
-    sends = core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 6), 1.0)
+    sends = core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 6, protocol=PROTOCOL_VERSION), 1.0)
     assert replies(sends, Reject)[0].reason == RejectReason.RANK_LOST
     late = core.on_agent(b"agent-r0", Output("r0", 5, "a", [1], "x", 1), 1.1)
     assert isinstance(late[0].message, Fenced)
-    old_hello = core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 4), 1.2)
+    old_hello = core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 4, protocol=PROTOCOL_VERSION), 1.2)
     assert isinstance(old_hello[0].message, Fenced)
     report(core, "r0", 99_999, epoch=5, seq=9)
     assert core.counters["reports_fenced"] == 1
@@ -225,7 +226,7 @@ def test_unknown_agent_and_rank_are_told_so_after_a_daemon_restart():
 
 def test_identity_must_match_the_agent_named_in_the_message():
     core = make_core()
-    assert core.on_agent(b"mallory", Hello("agent-r0", "r0", 1), 0.0) == []
+    assert core.on_agent(b"mallory", Hello("agent-r0", "r0", 1, protocol=PROTOCOL_VERSION), 0.0) == []
     join(core, "r0")
     submit(core, "a")
     assert isinstance(core.on_agent(b"mallory", Done("r0", 1, "a", FinishReason.LENGTH), 0.1)[0].message, Fenced)
@@ -403,9 +404,9 @@ def test_a_drain_survives_a_same_epoch_rejoin_but_not_a_new_epoch():
     core = make_core()
     join(core, "r0", epoch=1)
     core.on_agent(b"agent-r0", Draining("r0", 1), 0.0)
-    core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 1), 0.1)
+    core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 1, protocol=PROTOCOL_VERSION), 0.1)
     assert core.registry.get("r0").draining
-    core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 2), 0.2)
+    core.on_agent(b"agent-r0", Hello("agent-r0", "r0", 2, protocol=PROTOCOL_VERSION), 0.2)
     assert not core.registry.get("r0").draining
 
 

@@ -61,7 +61,7 @@ def test_request_flows_client_to_rank_and_back(daemon):
     client = Peer(config.client_address)
     reports = pusher(config.report_address)
     try:
-        agent.send(p.Hello("agent-flow", "flow-0", 11))
+        agent.send(p.Hello("agent-flow", "flow-0", 11, protocol=p.PROTOCOL_VERSION))
         welcome = agent.receive(AGENT_INBOX)
         assert welcome == p.Welcome("flow-0", 11, daemon.daemon.daemon_id, config.report_address, 0.5)
         reports.send(p.encode(p.Report("flow-0", 11, 1, 50_000.0, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
@@ -94,7 +94,7 @@ def test_client_gone_mid_stream_aborts_at_the_rank(daemon):
     agent = Peer(config.rank_address, b"agent-gone")
     reports = pusher(config.report_address)
     try:
-        agent.send(p.Hello("agent-gone", "gone-0", 5))
+        agent.send(p.Hello("agent-gone", "gone-0", 5, protocol=p.PROTOCOL_VERSION))
         agent.receive(AGENT_INBOX)
         reports.send(p.encode(p.Report("gone-0", 5, 1, 1e9, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
         time.sleep(0.2)
@@ -164,7 +164,7 @@ def test_drain_on_request_rejects_new_work_and_stops():
         client = Peer(config.client_address)
         reports = pusher(config.report_address)
         try:
-            agent.send(p.Hello("agent-drain", "drain-0", 1))
+            agent.send(p.Hello("agent-drain", "drain-0", 1, protocol=p.PROTOCOL_VERSION))
             agent.receive(AGENT_INBOX)
             reports.send(p.encode(p.Report("drain-0", 1, 1, 1e9, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
             time.sleep(0.2)
@@ -214,7 +214,7 @@ def test_a_handler_failure_gets_one_internal_reject_and_the_daemon_serves_on(mon
         client = Peer(config.client_address)
         reports = pusher(config.report_address)
         try:
-            agent.send(p.Hello("agent-bug", "bug-0", 3))
+            agent.send(p.Hello("agent-bug", "bug-0", 3, protocol=p.PROTOCOL_VERSION))
             agent.receive(AGENT_INBOX)
             reports.send(p.encode(p.Report("bug-0", 3, 1, 50_000.0, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
             time.sleep(0.2)

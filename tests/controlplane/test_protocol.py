@@ -35,7 +35,7 @@ SAMPLES_BY_CHANNEL = {
         p.DrainReply("nope", False),
     ],
     p.agent_message_channel: [
-        p.Hello("agent-0", "rank-0", 123456789),
+        p.Hello("agent-0", "rank-0", 123456789, protocol=p.PROTOCOL_VERSION),
         p.Goodbye("rank-0", 123456789),
         p.Draining("rank-0", 123456789),
         p.Heartbeat("agent-0"),

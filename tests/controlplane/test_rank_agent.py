@@ -316,7 +316,7 @@ def test_an_unknown_rank_fence_rejoins_that_rank_with_the_same_epoch():
             await until(lambda: len(agent.running) == 2)
             await daemon.send(identity, p.Fenced("r0", EPOCH, "unknown rank"))
             _, hello = await daemon.receive(p.Hello)
-            assert hello == p.Hello(agent.agent_id, "r0", EPOCH)
+            assert hello == p.Hello(agent.agent_id, "r0", EPOCH, protocol=p.PROTOCOL_VERSION)
             assert agent.running == frozenset({("r1", "hang-b")}) and agent.welcomed == {"r1"}
             await daemon.welcome(identity, "r0")
             await until(lambda: agent.welcomed == {"r0", "r1"})

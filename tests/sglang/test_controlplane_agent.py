@@ -345,10 +345,15 @@ def test_abort_reaches_the_tokenizer_manager_and_ends_cancelled(engine_scenario)
 def _fake_scheduler(pab: int = 777, seq: int = 9) -> Any:
     from types import SimpleNamespace as NS
 
+    from sglang_ext.policy.slo import Slo
+
     a, b, c, d, e = (NS(seqlen=0) for _ in range(5))
     stats = NS(get_kv_token_stats=lambda: (100, 0.1))
+    classes = {"interactive": Slo(0.5, 0.03), "standard": Slo(2.0, 0.05)}
     return NS(
-        fairbatching=NS(pab_tokens=pab, highest_dispatch_seq=seq, parked=NS(reqs=[c])),
+        fairbatching=NS(pab_tokens=pab, highest_dispatch_seq=seq, parked=NS(reqs=[c]),
+                        admission_budgets={"interactive": -40, "standard": 700},
+                        config=NS(catalog=NS(classes=classes))),
         running_batch=NS(reqs=[a, b]),
         cur_batch_for_debug=NS(reqs=[b, d]),  # a mixed batch: b decodes, d's prefill was admitted
         chunked_req=e,
@@ -363,7 +368,8 @@ def test_a_schedulers_load_counts_parked_admitted_and_chunked_requests_as_runnin
 
     assert load_of(_fake_scheduler()) == RankLoad(pab_tokens=777, running=5, waiting=2,
                                                   total_tokens=115, free_kv_tokens=900,
-                                                  echoed_dispatch_seq=9)
+                                                  echoed_dispatch_seq=9,
+                                                  class_budgets=(("interactive", -40), ("standard", 700)))
 
 
 def test_reports_are_numbered_throttled_and_carry_the_step_time() -> None:
@@ -402,6 +408,8 @@ def test_reports_are_numbered_throttled_and_carry_the_step_time() -> None:
         first = received[0]
         assert (first.rank, first.epoch, first.pab_tokens, first.running, first.waiting,
                 first.total_tokens, first.free_kv_tokens) == ("srv:1/0", 42, 777.0, 5, 2, 115, 900)
+        assert first.class_budgets == {"interactive": p.ClassBudget(0.5, -40.0),
+                                       "standard": p.ClassBudget(2.0, 700.0)}
         assert first.step_time_s == pytest.approx(0.020)
         reports.close()
     finally:

@@ -97,10 +97,10 @@ def test_pab_never_dispatches_a_prompt_the_effective_budget_cannot_cover() -> No
     choose = simulation.balancer.choose
     chosen_budgets: list[tuple[float, int]] = []
 
-    def recording_choose(views, prompt_tokens):
-        rank = choose(views, prompt_tokens)
+    def recording_choose(views, prompt_tokens, slo_class=None):
+        rank = choose(views, prompt_tokens, slo_class)
         if rank is not None:
-            budget = next(view.pab_tokens for view in views if view.rank == rank)
+            budget = next(view.budget(slo_class) for view in views if view.rank == rank)
             chosen_budgets.append((budget, prompt_tokens))
         return rank
 
