@@ -8,14 +8,23 @@ and the controller's two hook points). What the hooks do:
   ``fairbatching_dispatch_seq`` from ``scheduler.fairbatching`` (an object with
   ``pab_tokens`` and ``highest_dispatch_seq``; absent: the fields stay None / 0), and
   ``fairbatching_admission`` from its ``admission_budgets`` (per SLO class; read by
-  :mod:`sglang_ext.admission_gate`; empty or absent: None).
+  :mod:`sglang_ext.admission_gate` and by this method; empty or absent: None). A
+  scheduler of a server run with ``--load-balance-method pab`` computes them whatever
+  its admission mode (``sglang_ext.scheduler.hooks.attach``).
 - Controller side: ``init_pab_dispatch`` creates the PAB ledger, waits for every rank's
   first load snapshot and fails start-up if a rank reports no PAB (FairBatching off
   there): a user who asked for pab gets pab or an error, never a silent round robin.
   ``DPBudget.update_budget`` also feeds each fresh snapshot to the ledger, and
-  ``pab_scheduler`` routes with ``choose_rank`` on the ledger's effective budgets,
-  debits the prompt and stamps the dispatch sequence number into the request's
-  ``sampling_params.custom_params`` (read back with ``dispatch_seq_of``).
+  ``pab_scheduler`` routes with ``choose_rank`` on the ledger's effective budgets of
+  the request's SLO class, debits the prompt (from every class alike) and stamps the
+  dispatch sequence number into the request's ``sampling_params.custom_params`` (read
+  back with ``dispatch_seq_of``).
+- The request's class is its ``custom_params["slo"]``, as the control-plane daemon
+  reads a ``Submit``'s SLO (``controlplane.balancer.routing_class``): the class it
+  names; with an explicit ``ttft_ms``, the class of the config's catalog with the
+  largest TTFT not above it (below every class, the smallest); neither, or an SLO the
+  catalog refuses: the default class's PAB (``fairbatching_pab_tokens``). So is a rank
+  that publishes no budget for the class.
 - A rank that has not reported yet (start-up timed out, or an elastic rank that just
   joined) makes that request go round robin, with one warning per rank.
 - Requests pinned with ``routed_dp_rank`` go where they are pinned, undebited and
@@ -31,7 +40,9 @@ import math
 import time
 from typing import Any
 
+from controlplane.balancer import routing_class
 from sglang_ext.dp_balance import PabLedger, RankBudget, choose_rank
+from sglang_ext.policy.slo import SloCatalog, SloError, slo_spec_of
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +55,20 @@ _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _installed = False
 
 
-def install_dp_pab_hooks() -> None:
-    """Register the hooks (idempotent); ``load_plugins()`` applies them afterwards."""
+def install_dp_pab_hooks(catalog: SloCatalog | None = None) -> None:
+    """Register the hooks (idempotent); ``load_plugins()`` applies them afterwards.
+    ``catalog``: the SLO classes requests name (None: every request routes on the
+    default class's PAB)."""
     global _installed
     if _installed:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    def init_dispatch(controller: Any) -> None:
+        init_pab_dispatch(controller, catalog)
+
     HookRegistry.register(
-        f"{_DPC}.DataParallelController.init_pab_dispatch", init_pab_dispatch, HookType.REPLACE
+        f"{_DPC}.DataParallelController.init_pab_dispatch", init_dispatch, HookType.REPLACE
     )
     HookRegistry.register(
         f"{_DPC}.DataParallelController.pab_scheduler", pab_scheduler, HookType.REPLACE
@@ -91,6 +107,23 @@ def stamp_dispatch_seq(req: Any, seq: int | None) -> None:
     else:
         custom_params[DISPATCH_SEQ_KEY] = seq
     sampling_params.custom_params = custom_params or None
+
+
+def request_class(catalog: SloCatalog | None, req: Any) -> str | None:
+    """The SLO class whose budget routes ``req`` (None: the default class's PAB)."""
+    if catalog is None:
+        return None
+    custom_params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    try:
+        spec = slo_spec_of(custom_params)
+        catalog.resolve(spec)
+    except SloError:
+        return None  # the front door refuses it; routing is no place to fail it
+    if not spec:
+        return None
+    ttft_ms = spec.get("ttft_ms")
+    ttfts = {name: slo.ttft_s for name, slo in catalog.classes.items()}
+    return routing_class(ttfts, spec.get("class"), None if ttft_ms is None else ttft_ms / 1e3)
 
 
 def prompt_tokens_of(req: Any) -> int:
@@ -168,6 +201,7 @@ class ControllerPab:
 
     ledger: PabLedger = dataclasses.field(default_factory=PabLedger)
     warned_ranks: set[int] = dataclasses.field(default_factory=set)
+    catalog: SloCatalog | None = None
 
     def warn_once(self, rank: int, message: str) -> None:
         if rank not in self.warned_ranks:
@@ -180,11 +214,13 @@ def rank_budget_of(snapshot: Any) -> RankBudget | None:
     pab = getattr(snapshot, "fairbatching_pab_tokens", None)
     if pab is None:
         return None
+    classes = getattr(snapshot, "fairbatching_admission", None)
     return RankBudget(
         rank=snapshot.dp_rank,
         pab_tokens=pab,
         echoed_dispatch_seq=snapshot.fairbatching_dispatch_seq,
         timestamp=snapshot.timestamp,
+        class_budgets=dict(classes) if classes else None,
     )
 
 
@@ -196,12 +232,12 @@ def _routable_ranks(controller: Any) -> list[int]:
     ]
 
 
-def init_pab_dispatch(controller: Any) -> None:
+def init_pab_dispatch(controller: Any, catalog: SloCatalog | None = None) -> None:
     from sglang.srt.runtime_context import get_parallel
 
     if get_parallel().node_rank != 0:
         return  # only node 0 dispatches
-    state = ControllerPab()
+    state = ControllerPab(catalog=catalog)
     controller.fairbatching_pab = state
     controller.dp_budget.fairbatching_pab_ledger = state.ledger
 
@@ -258,7 +294,7 @@ def pab_scheduler(controller: Any, req: Any) -> None:
     ranks = _routable_ranks(controller)
     if not ranks:
         raise RuntimeError("No active DP workers are available for routing.")
-    budgets = state.ledger.budgets(ranks)
+    budgets = state.ledger.budgets(ranks, request_class(state.catalog, req))
     unreported = [rank for rank in ranks if rank not in budgets]
     if unreported:
         for rank in unreported:

@@ -46,7 +46,7 @@ def register() -> None:
     install_scheduler_hooks(config)
     install_request_validation(config.catalog, config.initial_step_model)
     install_admission_gate(config)
-    install_dp_pab_hooks()
+    install_dp_pab_hooks(config.catalog)
     if controlplane is not None:
         from sglang_ext.controlplane_agent import install_controlplane_ingress
         from sglang_ext.scheduler.controlplane_reports import install_controlplane_reports

@@ -19,6 +19,10 @@ if importlib.util.find_spec("sglang") is None:
 pytestmark = pytest.mark.sglang
 
 from sglang_ext import dp_pab  # noqa: E402
+from sglang_ext.policy.slo import Slo, SloCatalog  # noqa: E402
+
+CATALOG = SloCatalog("standard", {"interactive": Slo(0.5, 0.03), "standard": Slo(2.0, 0.05),
+                                  "relaxed": Slo(8.0, 0.1)})
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def hooks(sglang_modules):
     HookRegistry.reset()
     dp_pab._installed = False
     try:
-        dp_pab.install_dp_pab_hooks()
+        dp_pab.install_dp_pab_hooks(CATALOG)
         dp_pab.install_dp_pab_hooks()  # idempotent
         HookRegistry.apply_hooks()
         for cls, name in targets:
@@ -114,11 +118,13 @@ class Cluster:
         self.controller = controller
         self.clock = 1000.0
 
-    def publish(self, rank: int, pab: int | None, echoed: int) -> None:
+    def publish(self, rank: int, pab: int | None, echoed: int,
+                admission: dict[str, int] | None = None) -> None:
         self.clock += 1.0
         self.writers[rank].write(self.m.load_snapshot.LoadSnapshot(
             dp_rank=rank, timestamp=self.clock,
             fairbatching_pab_tokens=pab, fairbatching_dispatch_seq=echoed,
+            fairbatching_admission=admission,
         ))
 
     def request(self, rid: str, prompt_tokens: int, **fields):
@@ -184,6 +190,56 @@ def test_routing_and_debit_reconciliation_through_the_controller(cluster) -> Non
 
     ledger = cluster.controller.fairbatching_pab.ledger
     assert ledger.budgets([0, 1]) == {0: 500, 1: 400}
+
+
+def slo_request(cluster, rid: str, prompt_tokens: int, slo: dict | None):
+    custom_params = None if slo is None else {"slo": slo}
+    sp = cluster.m.sampling_params.SamplingParams(max_new_tokens=4, custom_params=custom_params)
+    return cluster.request(rid, prompt_tokens, sampling_params=sp)
+
+
+def test_a_request_routes_on_its_slo_class_budget(cluster) -> None:
+    cluster.publish(0, pab=5000, echoed=0,
+                    admission={"interactive": 100, "standard": 5000, "relaxed": 9000})
+    cluster.publish(1, pab=3000, echoed=0,
+                    admission={"interactive": 2000, "standard": 3000, "relaxed": 4000})
+    cluster.controller.init_pab_dispatch()
+
+    # more default-class budget on rank 0, but only rank 1 can start an interactive prompt in time
+    assert cluster.dispatch(slo_request(cluster, "tight", 1000, {"class": "interactive"}))[0] == 1
+    assert cluster.dispatch(slo_request(cluster, "plain", 1000, None))[0] == 0
+    assert cluster.dispatch(slo_request(cluster, "loose", 1000, {"class": "relaxed"}))[0] == 0
+    # explicit TTFT: the class with the largest TTFT not above it; below every class, the smallest
+    assert cluster.dispatch(slo_request(cluster, "ttft", 500, {"ttft_ms": 900, "tpot_ms": 50}))[0] == 1
+    assert cluster.dispatch(slo_request(cluster, "fast", 100, {"ttft_ms": 100}))[0] == 1
+
+    # each dispatch debits every class of its rank
+    ledger = cluster.controller.fairbatching_pab.ledger
+    assert ledger.budgets([0, 1], "interactive") == {0: -1900, 1: 400}
+    assert ledger.budgets([0, 1], "relaxed") == {0: 7000, 1: 2400}
+    assert ledger.budgets([0, 1]) == {0: 3000, 1: 1400}
+
+
+def test_a_rank_without_class_budgets_is_judged_by_its_default_pab(cluster) -> None:
+    cluster.publish(0, pab=5000, echoed=0, admission={"interactive": 100, "standard": 5000})
+    cluster.publish(1, pab=3000, echoed=0)
+    cluster.controller.init_pab_dispatch()
+    assert cluster.dispatch(slo_request(cluster, "tight", 1000, {"class": "interactive"}))[0] == 1
+    assert cluster.dispatch(slo_request(cluster, "named", 1000, {"class": "standard"}))[0] == 0
+
+
+def test_request_class_resolution() -> None:
+    carrier = lambda slo: SimpleNamespace(sampling_params=SimpleNamespace(  # noqa: E731
+        custom_params=None if slo is None else {"slo": slo, "other": 1}))
+    assert dp_pab.request_class(CATALOG, carrier(None)) is None
+    assert dp_pab.request_class(CATALOG, carrier({})) is None
+    assert dp_pab.request_class(CATALOG, carrier({"tpot_ms": 20})) is None
+    assert dp_pab.request_class(CATALOG, carrier({"class": "relaxed", "tpot_ms": 20})) == "relaxed"
+    assert dp_pab.request_class(CATALOG, carrier({"ttft_ms": 2000})) == "standard"
+    assert dp_pab.request_class(CATALOG, carrier({"ttft_ms": 1999})) == "interactive"
+    assert dp_pab.request_class(CATALOG, carrier({"class": "relaxed", "ttft_ms": 50})) == "interactive"
+    assert dp_pab.request_class(CATALOG, carrier({"class": "nope"})) is None  # refused at the door
+    assert dp_pab.request_class(None, carrier({"class": "relaxed"})) is None
 
 
 def test_no_rank_covers_the_prompt_goes_to_the_largest_budget(cluster) -> None:
@@ -275,7 +331,14 @@ def test_scheduler_snapshots_carry_pab_and_dispatch_seq(sglang_modules, hooks, t
     )
     report = dp_pab.rank_budget_of(decoded)
     assert (report.pab_tokens, report.echoed_dispatch_seq) == (1234, 17)
-    assert report.timestamp > 0
+    assert report.timestamp > 0 and report.class_budgets is None
+
+    scheduler.fairbatching = SimpleNamespace(pab_tokens=900, highest_dispatch_seq=19,
+                                             admission_budgets={"interactive": -40, "standard": 900})
+    decoded = m.load_snapshot.snapshot_decoder.decode(
+        m.load_snapshot.snapshot_encoder.encode(scheduler.load_inquirer.get_loads())
+    )
+    assert dp_pab.rank_budget_of(decoded).class_budgets == {"interactive": -40, "standard": 900}
 
 
 def test_non_finite_pab_is_refused() -> None:
