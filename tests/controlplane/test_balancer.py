@@ -5,7 +5,7 @@ from typing import get_args
 
 import pytest
 
-from controlplane.balancer import BALANCERS, RankView, least_in_flight, make_balancer
+from controlplane.balancer import BALANCERS, RankView, least_in_flight, make_balancer, routing_class
 from controlplane.config import PolicyName
 
 
@@ -222,3 +222,37 @@ def test_least_in_flight_skips_ranks_at_the_cap() -> None:
 def test_least_in_flight_ignores_reports() -> None:
     ranks = [view("a", pab=10**6, in_flight=2), view("b", pab=None, waiting=50, in_flight=1)]
     assert least_in_flight(ranks, cap=64) == "b"
+
+
+def class_view(rank: str, pab: float, classes: dict[str, float], waiting: int = 0) -> RankView:
+    return RankView(rank, pab, 0, waiting, 0, 0, classes)
+
+
+@pytest.mark.parametrize("name", ["pab", "pab_least_loaded"])
+def test_a_tight_class_goes_where_its_own_budget_covers_it(name: str) -> None:
+    ranks = [class_view("big", 9000, {"interactive": 200, "relaxed": 20_000}),
+             class_view("fit", 3000, {"interactive": 1500, "relaxed": 6000}, waiting=5)]
+    balancer = make_balancer(name)
+    assert balancer.choose(ranks, 1000, "interactive") == "fit"
+    assert balancer.choose(ranks, 1000) == "big"
+    assert balancer.choose(ranks, 1000, "relaxed") == "big"
+    assert balancer.choose(ranks, 2000, "interactive") is None
+
+
+def test_a_class_a_rank_did_not_report_uses_its_default_budget() -> None:
+    ranks = [class_view("old", 4000, {}), class_view("new", 3000, {"interactive": 100})]
+    assert make_balancer("pab").choose(ranks, 1000, "interactive") == "old"
+    assert ranks[1].budget("unknown") == 3000 and ranks[1].budget(None) == 3000
+
+
+def test_routing_class_maps_explicit_targets_onto_classes() -> None:
+    ttfts = {"interactive": 0.5, "standard": 2.0, "relaxed": 8.0}
+    assert routing_class(ttfts, None, None) is None
+    assert routing_class(ttfts, "relaxed", None) == "relaxed"
+    assert routing_class(ttfts, None, 2.0) == "standard"
+    assert routing_class(ttfts, None, 7.9) == "standard"
+    assert routing_class(ttfts, None, 60.0) == "relaxed"
+    assert routing_class(ttfts, None, 0.1) == "interactive"  # below every class: the tightest
+    assert routing_class(ttfts, "relaxed", 1.0) == "interactive"
+    assert routing_class({"a": 1.0, "b": 1.0}, "b", 1.0) == "b"  # a tie keeps its own class
+    assert routing_class({}, "relaxed", 1.0) is None  # no class known: the default

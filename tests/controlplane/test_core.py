@@ -11,7 +11,7 @@ from controlplane.protocol import (
     Abort, Cancel, Chunk, Dispatch, Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish,
     FinishReason, Goodbye,
     Heartbeat, Hello, Output, Ping, Pong, Prompt, Reject, RejectReason, Report, SamplingParams,
-    StatusRequest, StatusReply, Submit, Welcome,
+    StatusRequest, StatusReply, Submit, Welcome, ClassBudget, SloSpec,
 )
 
 CLIENT = b"client-1"
@@ -562,3 +562,43 @@ def test_a_failure_in_the_recovery_itself_propagates_to_the_daemons_backstop(mon
     with pytest.raises(RuntimeError, match="1 orphaned requests"):
         core.check_integrity()
     CORES.remove(core)
+
+
+def class_report(core: DispatcherCore, rank: str, pab: float, classes: dict[str, tuple[float, float]], *,
+                 seq: int, echo: int = 0, now: float = 0.0, waiting: int = 0) -> list:
+    budgets = {name: ClassBudget(ttft_s, tokens) for name, (ttft_s, tokens) in classes.items()}
+    return core.on_report(Report(rank, 1, seq, pab, 0, waiting, 0, 100_000, echo, 0.01, now, budgets), now)
+
+
+@pytest.mark.parametrize("policy", ["pab", "pab_least_loaded"])
+def test_a_request_is_routed_and_refused_on_its_slo_class_budget(policy):
+    core = make_core(policy=policy)
+    join(core, "roomy", pab=20_000)
+    join(core, "fit", pab=4_000)
+    class_report(core, "roomy", 20_000, {"interactive": (0.5, 200.0), "relaxed": (8.0, 40_000.0)}, seq=2)
+    class_report(core, "fit", 4_000, {"interactive": (0.5, 1_500.0), "relaxed": (8.0, 9_000.0)}, seq=2,
+                 waiting=3)
+    (tight,) = dispatches(submit(core, "tight", tokens=1_000, slo=SloSpec(slo_class="interactive")))
+    assert tight.rank == "fit"  # though "roomy" has five times its default-class budget
+    assert core.ledger.effective_budget("fit", "relaxed") == 8_000  # every class is debited
+    (plain,) = dispatches(submit(core, "plain", tokens=1_000))
+    assert plain.rank == "roomy"
+    (explicit,) = dispatches(submit(core, "explicit", tokens=400, slo=SloSpec(ttft_ms=900, tpot_ms=50)))
+    assert explicit.rank == "fit"  # 900 ms: the interactive class (500 ms) is the largest not above it
+    (reject,) = replies(submit(core, "late", tokens=200, slo=SloSpec(slo_class="interactive")), Reject)
+    assert reject.reason is RejectReason.NO_BUDGET and "of SLO class interactive" in reject.detail
+    ranks = {rank.rank: rank for rank in core.status(0.0).ranks}
+    assert ranks["fit"].class_pab_tokens == {"interactive": 100.0, "relaxed": 7_600.0}
+
+
+def test_a_version_1_agent_is_fenced_at_hello_naming_both_versions():
+    core = make_core()
+    (fence,) = core.on_agent(b"old", Hello("old", "r0", 3), 0.0)  # no protocol field: version 1
+    assert isinstance(fence.message, Fenced) and (fence.message.rank, fence.message.epoch) == ("r0", 3)
+    assert "protocol version 1" in fence.message.detail
+    assert f"version {PROTOCOL_VERSION}" in fence.message.detail
+    assert "r0" not in core.registry and core.counters["protocol_refused"] == 1
+    (newer,) = core.on_agent(b"new", Hello("new", "r0", 3, protocol=PROTOCOL_VERSION + 1), 0.0)
+    assert "upgrade the daemon" in newer.message.detail
+    welcome = core.on_agent(b"cur", Hello("cur", "r0", 3, protocol=PROTOCOL_VERSION), 0.0)
+    assert any(isinstance(s.message, Welcome) for s in welcome)

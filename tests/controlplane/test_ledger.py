@@ -245,3 +245,26 @@ def test_controlplane_core_modules_are_stdlib_only() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_a_dispatch_debits_every_class_and_a_report_replaces_them() -> None:
+    ledger = DispatchLedger()
+    ledger.apply_report("r", 5000, 0, {"interactive": 800, "relaxed": 12_000})
+    seq = ledger.record_dispatch("r", 300)
+    assert ledger.effective_class_budgets("r") == {"interactive": 500, "relaxed": 11_700}
+    assert ledger.effective_budget("r") == 4700
+    assert ledger.effective_budget("r", "interactive") == 500
+    assert ledger.effective_budget("r", "unreported") == 4700  # the default class's
+    assert ledger.budgets(["r"], "relaxed") == {"r": 11_700}
+    ledger.apply_report("r", 4000, seq, {"interactive": 100})
+    assert ledger.effective_class_budgets("r") == {"interactive": 100}
+    assert ledger.effective_budget("r", "relaxed") == 4000
+    ledger.apply_report("r", 4000, seq)  # a report without classes clears them
+    assert ledger.effective_class_budgets("r") == {} and ledger.reported_class_budgets("r") == {}
+
+
+def test_ordered_updates_carry_class_budgets() -> None:
+    ledger = DispatchLedger()
+    assert ledger.update(RankBudget(0, 5000, 0, 1.0, {"interactive": 700}))
+    assert not ledger.update(RankBudget(0, 9000, 0, 0.5, {"interactive": 9000}))
+    assert ledger.effective_budget(0, "interactive") == 700

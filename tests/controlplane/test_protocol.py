@@ -50,7 +50,11 @@ SAMPLES_BY_CHANNEL = {
         p.Abort("rank-0", 3, "req-1"),
         p.Fenced("rank-0", 2, "older epoch"),
     ],
-    p.report_channel: [p.Report("rank-0", 3, 1, 1234.5, 2, 3, 4096, 80_000, 11, 0.02, 5.5)],
+    p.report_channel: [
+        p.Report("rank-0", 3, 1, 1234.5, 2, 3, 4096, 80_000, 11, 0.02, 5.5),
+        p.Report("rank-0", 3, 2, 1234.5, 2, 3, 4096, 80_000, 11, 0.02, 5.6,
+                 {"interactive": p.ClassBudget(0.5, -300.0), "relaxed": p.ClassBudget(8.0, 9000.0)}),
+    ],
 }
 ALL_SAMPLES = [(factory, message) for factory, messages in SAMPLES_BY_CHANNEL.items() for message in messages]
 
@@ -173,3 +177,70 @@ def test_random_msgpack_documents_are_refused_cleanly(payload):
             channel().decode(frame)
         except p.FrameError:
             pass
+
+
+class HelloV1(msgspec.Struct, frozen=True, tag="hello"):
+    """A Hello as a protocol-version-1 agent encodes it."""
+
+    agent: str
+    rank: str
+    epoch: int
+
+
+class ReportV1(msgspec.Struct, frozen=True, tag="report"):
+    rank: str
+    epoch: int
+    seq: int
+    pab_tokens: float
+    running: int
+    waiting: int
+    total_tokens: int
+    free_kv_tokens: int
+    echoed_dispatch_seq: int
+    step_time_s: float
+    sent_at: float
+
+
+def test_a_version_1_hello_reads_as_version_1_and_is_refused_naming_both_versions():
+    hello = p.agent_message_channel().decode(p.encode(HelloV1("agent-0", "rank-0", 5)))
+    assert hello.protocol == p.LEGACY_PROTOCOL_VERSION == 1
+    refusal = p.protocol_refusal(hello.protocol)
+    assert refusal.startswith(p.UNSUPPORTED_PROTOCOL)
+    assert "protocol version 1" in refusal and f"version {p.PROTOCOL_VERSION}" in refusal
+    assert "upgrade the rank agent" in refusal
+    assert "upgrade the daemon" in p.protocol_refusal(p.PROTOCOL_VERSION + 1)
+    assert p.protocol_refusal(p.PROTOCOL_VERSION) is None
+
+
+def test_a_version_1_report_decodes_without_class_budgets():
+    report = p.report_channel().decode(p.encode(ReportV1("r", 1, 1, 10.0, 0, 0, 0, 0, 0, 0.0, 1.0)))
+    assert report.class_budgets == {}
+
+
+@pytest.mark.parametrize("budget", [
+    {"": {"ttft_s": 1.0, "tokens": 1.0}},
+    {"x" * 65: {"ttft_s": 1.0, "tokens": 1.0}},
+    {"a": {"ttft_s": 0.0, "tokens": 1.0}},
+    {"a": {"ttft_s": 1.0, "tokens": float("nan")}},
+    {"a": {"ttft_s": 1.0, "tokens": float("inf")}},
+    {"a": {"ttft_s": 1.0}},
+    {f"c{i}": {"ttft_s": 1.0, "tokens": 1.0} for i in range(p.MAX_SLO_CLASSES + 1)},
+])
+def test_bad_class_budgets_are_refused_as_invalid(budget):
+    fields = dict(rank="r", epoch=1, seq=1, pab_tokens=1.0, running=0, waiting=0, total_tokens=0,
+                  free_kv_tokens=0, echoed_dispatch_seq=0, step_time_s=0.0, sent_at=0.0,
+                  class_budgets=budget, type="report")
+    with pytest.raises(p.FrameError) as error:
+        p.report_channel().decode(p.HEADER + msgspec.msgpack.encode(fields))
+    assert error.value.kind == "invalid"
+
+
+def test_class_budgets_are_clamped_and_bounded_for_a_report():
+    budgets = p.class_budgets({"a": float("inf"), "b": float("nan"), "c": -1e12, "d": 12.5},
+                              {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0})
+    assert budgets == {"a": p.ClassBudget(1.0, p.BUDGET_LIMIT), "b": p.ClassBudget(2.0, 0.0),
+                       "c": p.ClassBudget(3.0, -p.BUDGET_LIMIT), "d": p.ClassBudget(4.0, 12.5)}
+    with pytest.raises(ValueError, match="at most 64"):
+        p.class_budgets({f"c{i}": 1.0 for i in range(65)}, {f"c{i}": 1.0 for i in range(65)})
+    with pytest.raises(ValueError, match="1-64 characters"):
+        p.class_budgets({"x" * 65: 1.0}, {"x" * 65: 1.0})

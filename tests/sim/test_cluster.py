@@ -205,3 +205,57 @@ def test_cluster_command_reports_a_bad_policy_in_one_line(capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("error: policy 'fb' takes no token budget")
     assert "Traceback" not in err
+
+
+THREE_CLASSES = SloCatalog("standard", {
+    "interactive": Slo.from_ms(300, 50), "standard": Slo.from_ms(2000, 50),
+    "relaxed": Slo.from_ms(8000, 200),
+})
+
+
+@pytest.mark.parametrize("balancer", ["pab", "pab_least_loaded"])
+def test_pab_balancers_judge_each_request_by_its_own_class_budget(balancer: str) -> None:
+    names = ("interactive", "standard", "relaxed", None)
+    workload = Workload(tuple(
+        TraceRequest(i * 0.01, 2500, 20, names[i % 4]) for i in range(120)
+    ), "mixed")
+    simulation = ClusterSimulation(
+        scenario(workload, THREE_CLASSES), parse_policy("fb-anchor-margin"),
+        ClusterConfig(2, balancer),
+    )
+    choose = simulation.balancer.choose
+    calls: list[tuple[str | None, float, float, int]] = []
+
+    def recording_choose(views, prompt_tokens, slo_class=None):
+        assert all(set(view.class_pab_tokens) == set(THREE_CLASSES.classes) for view in views)
+        rank = choose(views, prompt_tokens, slo_class)
+        if rank is not None:
+            view = next(v for v in views if v.rank == rank)
+            calls.append((slo_class, view.budget(slo_class), view.pab_tokens, prompt_tokens))
+        return rank
+
+    simulation.balancer.choose = recording_choose
+    simulation.run(workload.mean_rate)
+    check_conservation(simulation, len(workload.requests))
+    assert {slo_class for slo_class, _, _, _ in calls} == set(names)
+    assert all(budget >= prompt for _, budget, _, prompt in calls)
+    tight = [(budget, default) for slo_class, budget, default, _ in calls if slo_class == "interactive"]
+    assert any(budget < default for budget, default in tight)  # judged by its own, smaller budget
+
+
+def test_non_pab_balancers_ask_for_no_class_budgets() -> None:
+    simulation = run(burst(4, 500), 2, "round_robin", catalog=THREE_CLASSES)
+    assert all(rank.last_report.class_budgets == {} for rank in simulation.ranks)
+
+
+def test_cluster_command_routes_a_class_mix(tmp_path: Path) -> None:
+    code = main([
+        "cluster", "--ranks", "2", "--balancer", "pab_least_loaded", "--policy", "fb-anchor-margin",
+        "--rate", "30", "--head-seconds", "20", "--out", str(tmp_path),
+        "--class-mix", "interactive:0.2,standard:0.5,relaxed:0.3",
+    ])
+    assert code == 0
+    document = json.loads((tmp_path / "results.json").read_text())
+    (load,) = document["policies"]["fb-anchor-margin + pab_least_loaded"]["loads"]
+    assert min(load["dispatched_per_rank"]) > 0
+    assert sum(load["dispatched_per_rank"]) + load["rejected_by_dispatcher"] == load["requests"]
