@@ -18,7 +18,7 @@ import zmq.asyncio
 from controlplane import protocol as p
 from controlplane.rank_agent import InvalidRequest, OutputSink, RankAgent
 from sglang_ext.policy.slo import SloCatalog
-from sglang_ext.sim.rank import build_sim_ranks, fake_token_ids, load_named_profile, serve
+from sglang_ext.sim.rank import build_sim_ranks, fake_token_ids, load_named_profile, make_policy, serve
 from sglang_ext.sim.rank import main as sim_rank_main
 
 from live import REPO, free_ports, loopback_config, start_thread_daemon
@@ -500,6 +500,8 @@ def test_the_sim_rank_serves_exactly_max_new_tokens_then_one_done_in_real_time(r
         assert reports[-1].echoed_dispatch_seq == 5 and reports[-1].running == reports[-1].waiting == 0
         busy = [r for r in reports if r.running]
         assert busy and all(r.free_kv_tokens < engine.kv_capacity and r.step_time_s > 0 for r in busy)
+        ttfts = {name: slo.ttft_s for name, slo in CATALOG.classes.items()}
+        assert all({n: b.ttft_s for n, b in r.class_budgets.items()} == ttfts for r in reports)
     run(scenario())
 
 
@@ -521,6 +523,21 @@ def test_the_sim_rank_estimates_text_prompts_and_refuses_bad_slos_and_oversized_
             _, done = await daemon.receive(p.Done)
             assert done.invalid and "KV capacity" in done.error
             assert sims.ranks["r0"].echoed_dispatch_seq == 3
+    run(scenario())
+
+
+def test_a_sim_rank_whose_admission_refuses_a_prompt_answers_no_budget():
+    async def scenario():
+        sims = sim_ranks()
+        sims.ranks["r0"].engine.policy = make_policy("fb-pab", load_named_profile("llama3.1-8b-h100"),
+                                                     CATALOG)
+        async with scripted() as daemon, sim_agent(daemon, sims) as agent:
+            identity = await daemon.join(agent)
+            await daemon.send(identity, dispatch("long", prompt=p.Prompt(text="x" * 200_000),
+                                                 slo=p.SloSpec(slo_class="interactive")))
+            _, done = await daemon.receive(p.Done)
+            assert done.no_budget and not done.invalid and "admission budget" in done.error
+            assert sims.ranks["r0"].engine.records == {}
     run(scenario())
 
 
