@@ -28,7 +28,7 @@ EXIT_CODES = """exit codes:
   4  no rank of that name (drain, resume)
   5  drain --wait: requests still in flight at --wait-timeout"""
 RANK_COLUMNS = ("rank", "agent", "epoch", "PAB", "reported PAB", "running", "waiting", "in flight",
-                "report age", "stale", "draining", "seq gaps")
+                "report age", "stale", "draining", "seq gaps", "class PAB")
 DRAIN_POLL_S = 0.2
 
 
@@ -310,7 +310,8 @@ def _rank_row(rank: RankStatus) -> tuple[str, ...]:
     age = "-" if rank.report_age_s is None else f"{rank.report_age_s:.2f} s"
     return (rank.rank, rank.agent, str(rank.epoch), tokens(rank.pab_tokens), tokens(rank.reported_pab_tokens),
             str(rank.running), str(rank.waiting), str(rank.in_flight), age, "yes" if rank.stale else "no",
-            "yes" if rank.draining else "no", str(rank.seq_gaps))
+            "yes" if rank.draining else "no", str(rank.seq_gaps),
+            ",".join(f"{name}={tokens(value)}" for name, value in sorted(rank.class_pab_tokens.items())) or "-")
 
 
 def _table(header: Sequence[str], rows: list[tuple[str, ...]]) -> str:

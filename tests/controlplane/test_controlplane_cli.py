@@ -92,7 +92,8 @@ def test_status_and_ranks_of_a_served_daemon(tmp_path, capsys: pytest.CaptureFix
         agent.send(p.encode(p.Hello("agent-x", "rank-x", 4, protocol=p.PROTOCOL_VERSION)))
         assert agent.poll(5000) and isinstance(p.daemon_to_agent_channel().decode(agent.recv()), p.Welcome)
         reports.send(p.encode(p.Report("rank-x", 4, 1, 1234.0, 2, 3, 0, 100, 0, 0.01, 0.0)))
-        reports.send(p.encode(p.Report("rank-x", 4, 3, 1500.0, 2, 3, 0, 100, 0, 0.01, 0.0)))  # one lost
+        classes = {"tight": p.ClassBudget(0.5, 300.0), "loose": p.ClassBudget(8.0, 9000.0)}
+        reports.send(p.encode(p.Report("rank-x", 4, 3, 1500.0, 2, 3, 0, 100, 0, 0.01, 0.0, classes)))  # one lost
 
         address = ["--address", config.client_address]
         deadline = time.monotonic() + 5
@@ -103,11 +104,13 @@ def test_status_and_ranks_of_a_served_daemon(tmp_path, capsys: pytest.CaptureFix
                 break
             time.sleep(0.05)
         assert (rank["rank"], rank["agent"], rank["epoch"], rank["seq_gaps"]) == ("rank-x", "agent-x", 4, 1)
+        assert rank["class_pab_tokens"] == {"tight": 300.0, "loose": 9000.0}
 
         assert main(["ranks", *address]) == 0
         header, row = capsys.readouterr().out.splitlines()
         assert header.split("  ")[0] == "rank" and "seq gaps" in header and "report age" in header
         assert row.split()[:6] == ["rank-x", "agent-x", "4", "1500", "1500", "2"]
+        assert header.endswith("class PAB") and row.endswith("loose=9000,tight=300")
 
         assert main(["status", *address]) == 0
         text = capsys.readouterr().out
