@@ -538,3 +538,20 @@ def test_the_sliced_wait_on_a_real_poller_waits_its_timeout_and_wakes_for_a_requ
         push.close(linger=0)
         pull.close(linger=0)
         context.term()
+
+
+def test_a_scheduler_that_routes_on_class_budgets_computes_them_whatever_its_admission_mode() -> None:
+    from types import SimpleNamespace as NS
+
+    from sglang_ext.config import ExtensionConfig
+    from sglang_ext.policy.admission import AdmissionMode
+    from sglang_ext.scheduler.hooks import attach
+
+    config = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml")
+    plain = attach(NS(server_args=NS(load_balance_method="round_robin")), config)
+    routed = attach(NS(server_args=NS(load_balance_method="pab")), config)
+    assert plain.admission.mode is AdmissionMode.OFF and not plain.publishes_budgets
+    assert routed.publishes_budgets
+    plain.update_pab([], 0.0)
+    routed.update_pab([], 0.0)
+    assert plain.admission_budgets == {} and set(routed.admission_budgets) == set(config.catalog.classes)
