@@ -115,7 +115,7 @@ class LowestScoreBalancer:
         self,
         name: str,
         score: Callable[[RankView], float],
-        eligible: Callable[[RankView, int, str | None], bool] = lambda view, tokens, slo_class: True,
+        eligible: Callable[[RankView, int, str | None], bool] = lambda *_: True,
     ) -> None:
         self.name = name
         self._score = score

@@ -202,7 +202,8 @@ class DispatchLedger:
         state = self._ranks.get(rank)
         return 0 if state is None else len(state.debits)
 
-    def budgets(self, ranks: Iterable[Hashable], slo_class: str | None = None) -> dict[Hashable, float]:
+    def budgets(self, ranks: Iterable[Hashable],
+                slo_class: str | None = None) -> dict[Hashable, float]:
         """Effective budgets (of ``slo_class``, as :meth:`effective_budget`) of those
         ``ranks`` that have reported."""
         out = {}

@@ -123,7 +123,8 @@ class SchedulerReports:
             if not self.throttle.due(now, load.key):
                 return
             classes = scheduler.fairbatching.config.catalog.classes
-            budgets = class_budgets(dict(load.class_budgets), {n: slo.ttft_s for n, slo in classes.items()})
+            ttfts = {name: slo.ttft_s for name, slo in classes.items()}
+            budgets = class_budgets(dict(load.class_budgets), ttfts)
             self.publisher.publish(load.pab_tokens, load.running, load.waiting, load.total_tokens,
                                    load.free_kv_tokens, load.echoed_dispatch_seq, self.step_time_s,
                                    budgets)

@@ -13,8 +13,9 @@ sequence it accounts for reconciles the debits.
   busy, e.g. one its own admission refused) a rank reports its PAB, under the ``pab``
   balancers each SLO class's budget too (the policy's ``admission_budgets``), running
   and waiting counts, tokens held, requests over so far and the highest dispatch
-  sequence it has ingested; the dispatcher gets the report ``report_delay_s`` later. Every rank reports
-  once at time 0, before traffic, as ranks register before a daemon takes requests.
+  sequence it has ingested; the dispatcher gets the report ``report_delay_s`` later.
+  Every rank reports once at time 0, before traffic, as ranks register before a daemon
+  takes requests.
 - **Classes.** The ``pab`` balancers judge a request by the budget of its SLO class
   (a trace's own or ``--class-mix``); a request without a class by the default class's
   PAB, as the daemon does.
