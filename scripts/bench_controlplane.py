@@ -150,7 +150,7 @@ async def report_ingest(config, duration_s: float) -> dict:
     agent.setsockopt(zmq.LINGER, 0)
     agent.connect(config.rank_address)
     for i in range(RANKS):
-        await agent.send(p.encode(p.Hello("bench-agent", f"r{i}", 1)))
+        await agent.send(p.encode(p.Hello("bench-agent", f"r{i}", 1, protocol=p.PROTOCOL_VERSION)))
         await asyncio.wait_for(agent.recv(), 10)
     client = context.socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)
