@@ -29,19 +29,28 @@ from test_fairbatching_e2e import BASE_ARGS, emulated_env, loads, metric, wait_f
 
 pytestmark = pytest.mark.e2e
 
+REPO = Path(__file__).resolve().parents[2]
+
 ROUTES = ("generate", "v1/completions", "v1/chat/completions")
 STANDARD = {"class": "standard"}  # TTFT 2 s
-#: no class has it; below every class TTFT, so even an idle rank's budget is negative
-IMPOSSIBLE = {"ttft_ms": 100, "tpot_ms": 50}
+#: a class of the reject server's SLO file whose TTFT (1 ms) no prompt of this test fits
+#: in, whatever the step model learns (a budget of R x 1 ms: ~20 tokens)
+IMPOSSIBLE = {"class": "instant"}
 BURST = 24
 BURST_PROMPT_TOKENS = 3000
 
 
-def admission_config(fb_config: Path, directory: Path, table: str) -> Path:
+def admission_config(fb_config: Path, directory: Path, table: str, extra_slo: str = "") -> Path:
     text = fb_config.read_text()
     start = text.index("[admission]")
+    text = text[:start] + table
+    if extra_slo:
+        shipped = REPO / "configs" / "slo.toml"
+        (directory / "slo.toml").write_text(shipped.read_text() + extra_slo)
+        text = text.replace(f'slo_file = "{shipped}"', 'slo_file = "slo.toml"')
+        assert 'slo_file = "slo.toml"' in text
     path = directory / "fairbatching.toml"
-    path.write_text(text[:start] + table)
+    path.write_text(text)
     (directory / "step_model.toml").write_text((fb_config.parent / "step_model.toml").read_text())
     return path
 
@@ -49,7 +58,8 @@ def admission_config(fb_config: Path, directory: Path, table: str) -> Path:
 @pytest.fixture(scope="module")
 def reject_server(sglang_server, fb_config, tmp_path_factory):
     config = admission_config(fb_config, tmp_path_factory.mktemp("reject"),
-                              '[admission]\nmode = "reject"\nretry_after_s = 1.5\n')
+                              '[admission]\nmode = "reject"\nretry_after_s = 1.5\n',
+                              "\n[classes.instant]\nttft_ms = 1\ntpot_ms = 50\n")
     return sglang_server(args=BASE_ARGS, env=emulated_env(config))
 
 
@@ -173,7 +183,7 @@ def test_refusal_storm_on_every_route_leaves_nothing_behind(reject_server) -> No
         assert reply.body["code"] == reply.body["error"]["code"] == 429
         assert reply.body["error"]["type"] == "rate_limit_error"
         assert reply.body["error"]["reason"] == "admission_budget"
-        assert "SLO class 'custom'" in reply.body["message"]
+        assert "SLO class 'instant'" in reply.body["message"]
     assert wait_for_metric_above(reject_server.url, "fairbatching:admission_refused_total",
                                  before + len(replies) - 1) == before + len(replies)
     rank = wait_idle(reject_server.url)
