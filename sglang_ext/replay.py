@@ -144,8 +144,11 @@ async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRe
     except (OSError, asyncio.TimeoutError):
         record.aborted = True
         return
-    if record.finish_s is None and record.tokens_emitted < record.output_tokens:
+    if record.tokens_emitted < record.output_tokens:
+        # ended by the server before its last token (an abort: a queue limit, a waiting
+        # timeout, admission's defer deadline), or the stream broke off
         record.aborted = True
+        record.finish_s = None
 
 
 def _load(args: argparse.Namespace) -> Workload:
