@@ -226,7 +226,8 @@ def render(points: list[dict]) -> str:
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     lines += ["", "Best stock per rate: " + ", ".join(
         f"{r:g} req/s: `{best_stock[r]}`" for r in rates if best_stock[r]) + "."]
-    failed = [p for p in points if "error" in p]
+    good = {(p["config"], p["rate"], p["seed"]) for p in points if "error" not in p}
+    failed = [p for p in points if "error" in p and (p["config"], p["rate"], p["seed"]) not in good]
     if failed:
         lines += ["", "Failed points: " + "; ".join(f"{p['config']} @ {p['rate']:g} ({p['error']})" for p in failed)]
     return "\n".join(lines) + "\n"
