@@ -31,6 +31,7 @@ SCHEMA_VERSION = 1
 DEFAULT_POLICIES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
     "fb-fb", "fb-tb", "fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab",
+    "fb-anchor-margin+reject", "fb-anchor-margin+defer",
 )
 #: the baselines users run today, admission controls included; ratios divide by their best
 BASELINES = (
