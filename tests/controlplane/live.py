@@ -151,6 +151,19 @@ def start_process_daemon(tmp_path: Path, config: DaemonConfig, name: str = "daem
     return running
 
 
+@contextmanager
+def process_daemon(tmp_path: Path, config: DaemonConfig):
+    """``start_process_daemon`` for a fixture: stopped (SIGTERM, then SIGKILL) on exit."""
+    running = start_process_daemon(tmp_path, config)
+    try:
+        yield running
+    finally:
+        try:
+            running.terminate()
+        finally:
+            running.kill()
+
+
 def wait_for_pong(address: str, timeout: float) -> bool:
     context = zmq.Context.instance()
     deadline = time.monotonic() + timeout

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "tests" / "controlplane"))
 
 from controlplane import protocol as p  # noqa: E402
 from controlplane_peers import RawClient  # noqa: E402
-from live import loopback_config, start_process_daemon  # noqa: E402
+from live import loopback_config, process_daemon  # noqa: E402
 from test_admission_e2e import admission_config  # noqa: E402
 from test_fairbatching_e2e import BASE_ARGS, emulated_env  # noqa: E402
 
@@ -38,14 +38,8 @@ RANK = "cp-admit/0"
 def daemon(tmp_path_factory):
     config = loopback_config(policy="round_robin", stale_after_s=1.0, heartbeat_interval_s=0.25,
                              lost_after_s=3.0)
-    running = start_process_daemon(tmp_path_factory.mktemp("cp-admission"), config)
-    try:
+    with process_daemon(tmp_path_factory.mktemp("cp-admission"), config) as running:
         yield running
-    finally:
-        try:
-            running.terminate()
-        finally:
-            running.kill()
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "tests" / "controlplane"))
 
 from controlplane import protocol as p  # noqa: E402
 from controlplane_peers import RawClient, ReportTap  # noqa: E402
-from live import loopback_config, start_process_daemon  # noqa: E402
+from live import loopback_config, process_daemon, start_process_daemon  # noqa: E402
 from servers import EMULATED_PROFILE as PROFILE  # noqa: E402
 from servers import EMULATED_TIME_SCALE as TIME_SCALE  # noqa: E402
 
@@ -45,14 +45,8 @@ def prompt(length: int, salt: int) -> list[int]:
 def daemon(tmp_path_factory):
     config = loopback_config(policy="pab", on_no_budget="queue", queue_ttl_s=60.0, stale_after_s=1.0,
                              heartbeat_interval_s=0.25, lost_after_s=1.5)
-    running = start_process_daemon(tmp_path_factory.mktemp("cp-daemon"), config)
-    try:
+    with process_daemon(tmp_path_factory.mktemp("cp-daemon"), config) as running:
         yield running
-    finally:
-        try:
-            running.terminate()
-        finally:
-            running.kill()
 
 
 @pytest.fixture(scope="module")
