@@ -35,7 +35,6 @@ import json
 import os
 import shlex
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
