@@ -66,6 +66,7 @@ class BatchPolicy:
     def __init__(self, context: PolicyContext) -> None:
         self.context = context
         self.step_model = OnlineStepModel(context.initial_step_model)
+        self.admission = context.admission  # what the policy applies (off for baselines)
 
     def admit(
         self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,
@@ -101,8 +102,8 @@ class BatchPolicy:
         """Each SLO class's admission budget in prompt tokens (what a rank publishes),
         under the policy's admission rule (``edf`` when admission is off)."""
         return class_budgets(
-            self.context.admission.rule, requests, now, self.step_model.coefficients, classes,
-            self.context.global_slo.tpot_s,
+            self.admission.rule, requests, now, self.step_model.coefficients, classes,
+            self.context.global_slo.tpot_s, self.admission.headroom,
         )
 
 
@@ -136,14 +137,6 @@ class _LatenessGuarded(BatchPolicy):
         )
         waited = 0.0 if arrival is None else max(0.0, now - arrival)
         return prompt_tokens <= queue.budget(slo.ttft_s - waited)
-
-    def admission_budgets(
-        self, requests: Sequence[RequestState], now: float, classes: Mapping[str, Slo]
-    ) -> dict[str, float]:
-        return class_budgets(
-            self.admission.rule, requests, now, self.step_model.coefficients, classes,
-            self.context.global_slo.tpot_s, self.admission.headroom,
-        )
 
     def refusal(self, slo: Slo) -> str | None:
         if not self.context.lateness_guard:

@@ -327,7 +327,7 @@ def _process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: Any,
 
 def _poll_timeout_aborts(result: list[Any], self: Scheduler) -> list[Any]:
     """End the requests the policy gave up on (admission mode defer: no first token
-    ``max_defer_s`` after arrival) the way SGLang ends those past its waiting timeout:
+    ``max_defer_s`` past the TTFT deadline) the way SGLang ends those past its waiting timeout:
     an ``AbortReq`` joins the requests it polls, so the abort frees their cache state
     and the client gets a final answer with this status."""
     state: FairBatchingState = self.fairbatching
@@ -338,7 +338,7 @@ def _poll_timeout_aborts(result: list[Any], self: Scheduler) -> list[Any]:
     from sglang.srt.managers.io_struct import AbortReq
 
     message = (f"FairBatching: no first token within max_defer_s="
-               f"{state.admission.max_defer_s:g} s of arrival (admission mode defer)")
+               f"{state.admission.max_defer_s:g} s past the TTFT deadline (admission mode defer)")
     reason = {"type": "abort", "status_code": HTTPStatus.SERVICE_UNAVAILABLE, "message": message}
     aborts = [AbortReq(rid=rid, abort_message=message, finished_reason=reason)
               for rid in state.take_aborts()]

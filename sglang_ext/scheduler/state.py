@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.protocol import budget_tokens
 from controlplane.ratelimited_log import RateLimitedLog
 from sglang_ext.config import ExtensionConfig
 from sglang_ext.policy.admission import AdmissionMode, AdmissionSettings
@@ -27,8 +28,6 @@ from sglang_ext.sim.gpu import StepShape
 logger = logging.getLogger("sglang_ext.fairbatching")
 
 LAUNCH_ATTR = "_fairbatching_launch"
-#: Published budgets are clamped to a signed 32-bit range (the PAB rule may say inf).
-BUDGET_LIMIT = 2**31 - 1
 #: A handled error's site is logged the first time, then at most once per this many
 #: seconds with the number left out since (every occurrence is counted).
 ERROR_LOG_INTERVAL_S = 60.0
@@ -96,7 +95,7 @@ class FairBatchingState:
         self._last_publish = 0.0
         self._published_counts: tuple[int, ...] = ()
         self.policy = config.build_policy()
-        self.admission: AdmissionSettings = getattr(self.policy, "admission", AdmissionSettings())
+        self.admission: AdmissionSettings = self.policy.admission
         self.records = RequestRecords(config.catalog)
         self.parked: Any = None  # ScheduleBatch of deferred decodes, or None
         self.pab_tokens = 0
@@ -143,7 +142,7 @@ class FairBatchingState:
         self.pab_tokens = int(budget) if math.isfinite(budget) else 0
         if self.publishes_budgets:
             budgets = self.policy.admission_budgets(views, now, self.config.catalog.classes)
-            self.admission_budgets = {name: budget_tokens(b) for name, b in budgets.items()}
+            self.admission_budgets = {name: whole_budget_tokens(b) for name, b in budgets.items()}
 
     def observe_prefills(self, prefills: Sequence[Any], now: float, abort_ids: Sequence[Any]) -> None:
         """Count the waiting ``prefills`` (live views) that passed their TTFT deadline
@@ -198,8 +197,11 @@ class FairBatchingState:
         unpublished."""
         if self.metrics is None:
             return
+        due = now - self._last_publish >= 0.5
+        if not (due or force):
+            return
         counts = tuple(vars(self.counters).values())
-        if now - self._last_publish >= 0.5 or (force and counts != self._published_counts):
+        if due or counts != self._published_counts:
             self._last_publish = now
             self._published_counts = counts
             self.metrics.publish(self)
@@ -277,12 +279,10 @@ class FairBatchingState:
         }
 
 
-def budget_tokens(budget: float) -> int:
-    """A budget as whole tokens: floored, clamped to +-BUDGET_LIMIT, NaN as 0."""
-    if math.isnan(budget):
-        return 0
-    return int(max(-BUDGET_LIMIT, min(BUDGET_LIMIT, math.floor(budget) if math.isfinite(budget)
-                                      else budget)))
+def whole_budget_tokens(budget: float) -> int:
+    """A budget as whole tokens: clamped as a report carries it (the PAB rule may say
+    inf), then floored."""
+    return math.floor(budget_tokens(budget))
 
 
 def _percentiles_us(samples: deque[float]) -> dict[str, int]:

@@ -56,12 +56,11 @@ def _number(value: float) -> str:
     return str(int(value)) if value == int(value) else f"{value:.6g}"
 
 
-def parse_admission(text: str, max_defer_s: float | None = None) -> AdmissionSettings:
+def parse_admission(text: str) -> AdmissionSettings:
     """``MODE`` or ``MODE:RULE`` (``reject``, ``defer``, ``reject:pab``)."""
     mode, _, rule = text.partition(":")
-    extra = {} if max_defer_s is None else {"max_defer_s": max_defer_s}
     try:
-        return AdmissionSettings.parse(mode, rule or "edf", **extra)
+        return AdmissionSettings.parse(mode, rule or "edf")
     except AdmissionError as exc:
         raise PolicySpecError(str(exc)) from None
 
