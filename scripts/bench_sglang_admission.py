@@ -45,6 +45,7 @@ from bench_sglang import (  # noqa: E402
     COMMON_ARGS, PROFILE, TIME_SCALE, REPLAY_MAX_PROMPT_TOKENS, Watch, flush_cache,
     replay_head_seconds, run_command, wait_quiet, write_fb_config,
 )
+from bench_points import append_point, done_keys, load_points as _load_points  # noqa: E402
 
 from sglang_ext.server_launch import launch  # noqa: E402
 
@@ -88,9 +89,7 @@ def admission_configs(best_chunk: int) -> list[Config]:
 
 
 def load_points() -> list[dict]:
-    if not POINTS.exists():
-        return []
-    return [json.loads(line) for line in POINTS.read_text().splitlines() if line.strip()]
+    return _load_points(POINTS)
 
 
 def best_chunk(points: list[dict], rates: tuple[float, ...]) -> int | None:
@@ -173,8 +172,7 @@ def run_config(config: Config, rates: tuple[float, ...], seeds: tuple[int, ...],
             point["launch_args"] = list(config.args)
             point["env"] = {k: v for k, v in env.items() if not k.startswith("FAIRBATCHING_EMULATED")}
             point["date_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
-            with POINTS.open("a") as sink:
-                sink.write(json.dumps(point) + "\n")
+            append_point(POINTS, point)
             done.add((config.name, rate, seed))
     finally:
         server.stop()
@@ -256,7 +254,7 @@ def main() -> int:
         from sglang_ext.emulated_gpu.tiny_model import write_tiny_model
 
         model_dir = write_tiny_model(RAW / "tiny-model").relative_to(REPO)
-        done = {(p["config"], p["rate"], p["seed"]) for p in load_points() if "error" not in p}
+        done = done_keys(load_points(), ("config", "rate", "seed"))
         wanted = None if args.configs is None else set(args.configs.split(","))
         for config in stock_configs():
             if wanted is None or config.name in wanted:
