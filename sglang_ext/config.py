@@ -21,6 +21,9 @@
     max_budget_age_s = 0.5                  # reject: an older published budget is not trusted
     headroom = 0.1                          # fraction of the prefill rate held back
 
+    [trace]                                 # sglang_ext.scheduler.step_trace; off by default
+    step_log = "steps.jsonl"                # one JSON line per step; relative to this file
+
 Pure: importing it needs neither sglang nor torch, so a bad file is reported before
 any SGLang process starts.
 """
@@ -49,7 +52,8 @@ TIME_BUDGET_POLICIES = ("fb", "fb-pab", "fb-anchor", "fb-margin", "fb-kairos",
                         "fb-anchor-margin", "fb-anchor-margin-pab")
 
 _TOP_KEYS = {"policy", "slo_file", "step_model", "max_token_budget", "log_interval_s", "gc",
-             "admission"}
+             "admission", "trace"}
+_TRACE_KEYS = {"step_log"}
 _GC_KEYS = {"enabled", "min_decode_slack_ms", "min_interval_s"}
 _ADMISSION_NUMBERS = ("max_defer_s", "retry_after_s", "max_budget_age_s", "headroom")
 _ADMISSION_KEYS = {"mode", "rule", *_ADMISSION_NUMBERS}
@@ -71,6 +75,8 @@ class ExtensionConfig:
     source: str = "<defaults>"
     #: as configured; the policy's ``admission`` is what applies (``-pab`` names imply one)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    #: where each scheduler writes its per-step record (``[trace] step_log``); None: off
+    step_log: Path | None = None
 
     def build_policy(self) -> BatchPolicy:
         context = PolicyContext(
@@ -137,8 +143,9 @@ class ExtensionConfig:
         except ValueError as exc:
             raise ConfigError(f"[gc]: {exc}") from None
         admission = _load_admission(data.get("admission", {}))
+        step_log = _load_trace(data.get("trace", {}), base_dir)
         config = cls(policy, catalog, step_model, max_token_budget, log_interval_s, enabled, gc,
-                     source, admission)
+                     source, admission, step_log)
         try:
             config.build_policy()  # refuses a policy name that contradicts [admission]
         except AdmissionError as exc:
@@ -216,6 +223,20 @@ def _load_admission(table: Any) -> AdmissionSettings:
         return AdmissionSettings.parse(words["mode"], words["rule"], **numbers)
     except AdmissionError as exc:
         raise ConfigError(f"[admission]: {exc}") from None
+
+
+def _load_trace(table: Any, base_dir: Path) -> Path | None:
+    if not isinstance(table, Mapping):
+        raise ConfigError("[trace] must be a table")
+    unknown = set(table) - _TRACE_KEYS
+    if unknown:
+        raise ConfigError(f"[trace]: unknown key(s) {sorted(unknown)}; expected {sorted(_TRACE_KEYS)}")
+    if "step_log" not in table:
+        return None
+    path = _resolve(table["step_log"], base_dir, "[trace] step_log")
+    if not path.parent.is_dir():
+        raise ConfigError(f"[trace] step_log: directory {path.parent} does not exist")
+    return path
 
 
 def _positive_int(table: Mapping[str, Any], key: str, default: int) -> int:

@@ -85,7 +85,10 @@ def parse_slo_mix(text: str, catalog: SloCatalog) -> list[tuple[str, float]]:
 async def replay(
     url: str, requests: Sequence[ReplayRequest], catalog: SloCatalog, *,
     max_prompt_tokens: int | None = None, timeout_s: float = 600.0,
+    token_times: dict[str, list[float]] | None = None,
 ) -> list[RequestRecord]:
+    """Send every request at its time; ``token_times``, when given, receives each
+    request's send time followed by its token arrival times (``time.perf_counter()``)."""
     import aiohttp
 
     records: list[RequestRecord] = []
@@ -103,13 +106,17 @@ async def replay(
                 request.prompt_tokens, request.output_tokens,
             )
             records.append(record)
-            tasks.append(asyncio.create_task(_one(session, url, request, record, origin, max_prompt_tokens)))
+            arrivals = None
+            if token_times is not None:
+                arrivals = token_times[request.rid] = [origin + record.arrival]
+            tasks.append(asyncio.create_task(
+                _one(session, url, request, record, origin, max_prompt_tokens, arrivals)))
         await asyncio.gather(*tasks)
     return records
 
 
 async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRecord,
-               origin: float, max_prompt_tokens: int | None) -> None:
+               origin: float, max_prompt_tokens: int | None, arrivals: list[float] | None) -> None:
     prompt = request.prompt_tokens if max_prompt_tokens is None else min(request.prompt_tokens, max_prompt_tokens)
     body = {
         "rid": request.rid,
@@ -139,6 +146,8 @@ async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRe
                 produced = chunk.get("meta_info", {}).get("completion_tokens", 0)
                 while record.tokens_emitted < produced:
                     record.on_token(record.tokens_emitted, now)
+                    if arrivals is not None:
+                        arrivals.append(origin + now)
                 if chunk.get("meta_info", {}).get("finish_reason") is not None:
                     record.finish_s = now
     except (OSError, asyncio.TimeoutError):
@@ -149,6 +158,16 @@ async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRe
         # timeout, admission's defer deadline), or the stream broke off
         record.aborted = True
         record.finish_s = None
+
+
+def write_token_times(path: Path, requests: Sequence[ReplayRequest],
+                      token_times: dict[str, list[float]]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for request in requests:
+            times = token_times.get(request.rid)
+            if times:
+                handle.write(json.dumps({"rid": request.rid, "slo_class": request.slo_class,
+                                         "sent_at": times[0], "tokens": times[1:]}) + "\n")
 
 
 def _load(args: argparse.Namespace) -> Workload:
@@ -176,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, help="cap prompt lengths (server context limit)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the summary JSON here")
+    parser.add_argument("--token-times", metavar="PATH",
+                        help="write each request's send and token arrival times (perf_counter "
+                        "seconds, one JSON line per request), to join with the server's "
+                        "[trace] step_log in scripts/step_trace_report.py")
     args = parser.parse_args(argv)
     try:
         catalog = SloCatalog.from_toml(args.slo_file)
@@ -185,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    records = asyncio.run(replay(args.url, requests, catalog, max_prompt_tokens=args.max_prompt_tokens))
+    token_times: dict[str, list[float]] | None = {} if args.token_times else None
+    records = asyncio.run(replay(args.url, requests, catalog, max_prompt_tokens=args.max_prompt_tokens,
+                                 token_times=token_times))
     duration = time.perf_counter() - started
     summary = summarize(records, args.rate, duration)
     summary["per_class"] = {
@@ -193,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, _ in mix
         if any(r.slo == catalog.classes[name] for r in records)
     }
+    if token_times is not None:
+        write_token_times(Path(args.token_times), requests, token_times)
     text = json.dumps(summary, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

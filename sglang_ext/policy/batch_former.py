@@ -98,6 +98,16 @@ class Triage:
     late_prefills: list[tuple[float, RequestState]] = field(default_factory=list)
 
 
+def token_deadline(request: RequestState, anchored: bool) -> float:
+    """When the request's next token is due: ``arrival + ttft + tpot * j`` (the paper's
+    envelope), or with ``anchored`` after the first token ``first_token_time + tpot * j``."""
+    slo = request.slo
+    index = request.next_output_index
+    if anchored and index and request.first_token_time is not None:
+        return request.first_token_time + slo.tpot_s * index
+    return request.arrival + slo.ttft_s + slo.tpot_s * index
+
+
 def triage(
     requests: Sequence[RequestState],
     now: float,
@@ -130,13 +140,8 @@ def triage(
     min_tpot = math.inf
     serviceable = 0.0 if floor is None else floor.min_serviceable_tpot_s
     for request in requests:
-        slo = request.slo
-        tpot = slo.tpot_s
-        index = request.next_output_index
-        if anchored and index and request.first_token_time is not None:
-            slack = request.first_token_time + tpot * index - now
-        else:
-            slack = request.arrival + slo.ttft_s + tpot * index - now
+        tpot = request.slo.tpot_s
+        slack = token_deadline(request, anchored) - now
         if (floor is not None and (slack < 0.0 or tpot < serviceable)) or (
             hopeless and request.req_id in hopeless
         ):

@@ -36,6 +36,7 @@ from sglang_ext.scheduler.prefill_plan import PrefillPlan, adder_factory, plan_f
 from sglang_ext.scheduler.requests import must_decode
 from sglang_ext.scheduler.state import LAUNCH_ATTR, FairBatchingState, StepLaunch
 from sglang_ext.scheduler.step_features import step_features
+from sglang_ext.scheduler.step_trace import StepTrace
 
 logger = logging.getLogger("sglang_ext.fairbatching")
 
@@ -86,7 +87,13 @@ def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
         from sglang_ext.scheduler.metrics import FairBatchingMetrics
 
         metrics = FairBatchingMetrics(get_parallel().dp_rank)
-    state = FairBatchingState(config, metrics)
+    trace = None
+    if config.step_log is not None:
+        from sglang.srt.runtime_context import get_parallel
+
+        dp_size = getattr(getattr(scheduler, "server_args", None), "dp_size", 1) or 1
+        trace = StepTrace.for_rank(config.step_log, get_parallel().dp_rank if dp_size > 1 else None)
+    state = FairBatchingState(config, metrics, trace)
     if getattr(getattr(scheduler, "server_args", None), "load_balance_method", None) == "pab":
         state.publishes_budgets = True  # the DP controller routes on each class's budget
     scheduler.fairbatching = state
@@ -178,7 +185,12 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     state.counters.decisions += 1
     running_batch = _realise_decodes(self, state, running_batch, decision)
 
-    state.decision_s.append(time.perf_counter() - started)
+    decided = time.perf_counter()
+    state.decision_s.append(decided - started)
+    if state.trace is not None:
+        state.trace.decided(started, decided - started, now, views, decision,
+                            getattr(state.policy, "anchored", False), len(self.waiting_queue),
+                            state.parked_reqs)
     if not decision.prefill_chunks:
         return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
 
@@ -291,7 +303,8 @@ def _run_batch(orig: Callable[..., Any], self: Scheduler, batch: Any, *args: Any
     decision = state.last_decision
     budget = decision.time_budget_s if decision is not None else None
     predicted = state.policy.step_model.predict(features.new_tokens, features.total_context)
-    setattr(result, LAUNCH_ATTR, StepLaunch(launched_at, features, predicted, budget))
+    traced = state.trace.take_decision() if state.trace is not None else None
+    setattr(result, LAUNCH_ATTR, StepLaunch(launched_at, features, predicted, budget, traced))
     state.launched(launched_at, predicted)  # only once its completion will be observed
     return result
 
@@ -317,12 +330,19 @@ def _takes_attributes(result: Any) -> bool:
 
 def _process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: Any, result: Any, *args: Any, **kwargs: Any) -> Any:
     launch = getattr(result, LAUNCH_ATTR, None)
-    if launch is not None:
-        copy_done = getattr(result, "copy_done", None)
-        if copy_done is not None:
-            copy_done.synchronize()
-        self.fairbatching.observe_completion(launch, time.perf_counter())
-    return orig(self, batch, result, *args, **kwargs)
+    if launch is None:
+        return orig(self, batch, result, *args, **kwargs)
+    state: FairBatchingState = self.fairbatching
+    copy_done = getattr(result, "copy_done", None)
+    if copy_done is not None:
+        copy_done.synchronize()
+    done_at = time.perf_counter()
+    measured = state.observe_completion(launch, done_at)
+    processed = orig(self, batch, result, *args, **kwargs)
+    if state.trace is not None:
+        state.trace.step_done(launch.traced, launch.features, launch.launched_at, launch.predicted_s,
+                              launch.time_budget_s, done_at, measured, batch.reqs)
+    return processed
 
 
 def _poll_timeout_aborts(result: list[Any], self: Scheduler) -> list[Any]:
@@ -353,5 +373,7 @@ def _on_idle(self: Scheduler, *args: Any, **kwargs: Any) -> None:
     views = [state.records.prefill_view(req) for req in self.waiting_queue]
     state.update_pab(views, now)
     if not self.running_batch.reqs and self.chunked_req is None:
+        if state.trace is not None:
+            state.trace.flush()
         state.maybe_collect_garbage(views, now, "idle")
         state.maybe_publish(now, force=not views)

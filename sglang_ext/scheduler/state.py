@@ -22,7 +22,9 @@ from sglang_ext.config import ExtensionConfig
 from sglang_ext.policy.admission import AdmissionMode, AdmissionSettings
 from sglang_ext.policy.gc import should_collect
 from sglang_ext.policy.view import BatchDecision, RequestState
+from sglang_ext.scheduler.device_clock import DeviceClock
 from sglang_ext.scheduler.requests import RequestRecords
+from sglang_ext.scheduler.step_trace import StepTrace, TracedDecision
 from sglang_ext.sim.gpu import StepShape
 
 logger = logging.getLogger("sglang_ext.fairbatching")
@@ -65,6 +67,7 @@ class StepLaunch:
     features: StepShape
     predicted_s: float
     time_budget_s: float | None = None
+    traced: TracedDecision | None = None  # with [trace] step_log: the decision behind it
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +92,11 @@ class Counters:
 
 
 class FairBatchingState:
-    def __init__(self, config: ExtensionConfig, metrics: Any = None) -> None:
+    def __init__(self, config: ExtensionConfig, metrics: Any = None,
+                 trace: StepTrace | None = None) -> None:
         self.config = config
         self.metrics = metrics  # FairBatchingMetrics, or None without --enable-metrics
+        self.trace = trace  # the step log ([trace] step_log), or None
         self._last_publish = 0.0
         self._published_counts: tuple[int, ...] = ()
         self.policy = config.build_policy()
@@ -114,20 +119,22 @@ class FairBatchingState:
         self.gc_pauses: deque[GcPause] = deque(maxlen=256)
         self.decision_s: deque[float] = deque(maxlen=4096)  # adapter + policy time per decision
         self._last_gc: float | None = None
-        self._last_done: float = 0.0
-        self.device_free_at: float = 0.0  # predicted end of the steps launched so far
-        self._in_flight = 0
+        self.device = DeviceClock()
         self._last_log = time.perf_counter()
 
     def launched(self, launched_at: float, predicted_s: float) -> None:
         """A step went to the device: it starts when the device is free (overlap loop)."""
-        self.device_free_at = max(launched_at, self.device_free_at) + predicted_s
-        self._in_flight += 1
+        self.device.launched(launched_at, predicted_s)
+
+    @property
+    def device_free_at(self) -> float:
+        """Predicted end of the steps launched so far."""
+        return self.device.free_at
 
     def decision_time(self, now: float) -> float:
         """When a step formed now will start: under SGLang's overlap loop the next batch is
         formed while the previous one still runs, so its tokens come after that one ends."""
-        return max(now, self.device_free_at)
+        return max(now, self.device.free_at)
 
     @property
     def highest_dispatch_seq(self) -> int:
@@ -167,18 +174,14 @@ class FairBatchingState:
         aborts, self.pending_aborts = self.pending_aborts, []
         return aborts
 
-    def observe_completion(self, launch: StepLaunch, done_at: float) -> None:
+    def observe_completion(self, launch: StepLaunch, done_at: float) -> float | None:
         """A step's result reached the host at ``done_at``: it ran from its launch, or from
-        the previous step's completion when the device was still busy with that."""
-        start = max(launch.launched_at, self._last_done)
-        self._last_done = done_at
-        self._in_flight = max(0, self._in_flight - 1)
-        if self._in_flight == 0:
-            self.device_free_at = done_at
-        measured = done_at - start
+        the previous step's completion when the device was still busy with that. Returns
+        that measured time (None: nothing to learn from)."""
+        measured = done_at - self.device.completed(done_at)
         features = launch.features
         if measured <= 0 or features.new_tokens <= 0:
-            return
+            return None
         self.counters.steps += 1
         if launch.time_budget_s is not None and measured > launch.time_budget_s:
             self.counters.overruns += 1
@@ -190,6 +193,7 @@ class FairBatchingState:
         )
         self.maybe_log(done_at)
         self.maybe_publish(done_at)
+        return measured
 
     def maybe_publish(self, now: float, force: bool = False) -> None:
         """Metrics at most every 0.5 s of steps, and (``force``, when the rank goes idle)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,22 @@ def test_bad_admission_is_refused_at_load(tmp_path: Path, text: str, message: st
         ExtensionConfig.load(path)
     assert str(path) in str(excinfo.value)
     assert message in str(excinfo.value)
+
+
+def test_trace_table_turns_the_step_log_on(tmp_path: Path) -> None:
+    (tmp_path / "fb.toml").write_text('[trace]\nstep_log = "steps.jsonl"\n')
+    assert ExtensionConfig.load(tmp_path / "fb.toml").step_log == tmp_path / "steps.jsonl"
+    (tmp_path / "off.toml").write_text("[trace]\n")
+    assert ExtensionConfig.load(tmp_path / "off.toml").step_log is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ('trace = 1\n', "[trace] must be a table"),
+    ('[trace]\npath = "x"\n', "unknown key(s) ['path']"),
+    ('[trace]\nstep_log = 3\n', "step_log must be a path string"),
+    ('[trace]\nstep_log = "no/such/dir/steps.jsonl"\n', "does not exist"),
+])
+def test_bad_trace_table_is_refused_at_load(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "fb.toml").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ExtensionConfig.load(tmp_path / "fb.toml")

@@ -39,11 +39,16 @@ def run_scenario(tmp_path: Path, name: str, *, overlap: bool, fairbatching: bool
                                 "abort_when_parked": ["relaxed-abort"], "timeout_s": 150}
     if fairbatching:
         config = tmp_path / f"{name}.toml"
+        step_log = tmp_path / f"{name}-steps.jsonl"
         config.write_text(
             f'policy = "fb"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
             f'step_model = "{REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"}"\n'
+            f'[trace]\nstep_log = "{step_log}"\n'
         )
         scenario["config"] = str(config)
+        result = run_harness(tmp_path, name, scenario)
+        result["step_log"] = str(step_log)
+        return result
     return run_harness(tmp_path, name, scenario)
 
 
@@ -128,6 +133,27 @@ def test_every_measured_step_reaches_the_step_model_and_nothing_was_dropped(fair
     assert snapshot["counters"]["steps"] == len(timed) == len(fairbatching_run["observations"])
     assert snapshot["errors"] == {}  # no hook handled (and so hid) an error
     assert snapshot["pab_tokens"] > 0
+
+
+def test_the_step_log_has_every_timed_step_and_every_token(fairbatching_run: dict) -> None:
+    from sglang_ext.scheduler.step_trace import read_step_log
+
+    lines = read_step_log(fairbatching_run["step_log"])
+    timed = [s for s in fairbatching_run["steps"] if s["new_tokens"] > 0]
+    assert len(lines) == len(timed) == fairbatching_run["fairbatching"]["counters"]["steps"]
+    assert [line["new_tokens"] for line in lines] == [s["new_tokens"] for s in timed]
+    final: dict[str, int] = {}
+    for line in lines:
+        assert line["launched_at"] <= line["done_at"] <= line["processed_at"]
+        for rid, count, _ in line["tokens"]:
+            final[rid] = max(final.get(rid, 0), count)
+    outputs = fairbatching_run["outputs"]
+    assert final == {rid: output["tokens"] for rid, output in outputs.items()}
+    decided = [line for line in lines if line["decided_at"] is not None]
+    assert decided and all(line["decided_at"] <= line["launched_at"] for line in decided)
+    assert any(line["parked"] for line in decided), "the deferrals the scenario makes are logged"
+    deadlines = [d for line in decided for _, _, d in line["tokens"] if d is not None]
+    assert deadlines, "the decision's deadlines ride with its tokens"
 
 
 #: The recalibration scenario's emulated GPU runs this many times slower than the profile,
