@@ -49,7 +49,7 @@ from sglang_ext.policy.tomlfile import read_toml
 CONFIG_ENV = "FAIRBATCHING_CONFIG"
 DEFAULT_POLICY = "fb"
 TIME_BUDGET_POLICIES = ("fb", "fb-pab", "fb-anchor", "fb-margin", "fb-kairos",
-                        "fb-anchor-margin", "fb-anchor-margin-pab")
+                        "fb-anchor-margin", "fb-anchor-margin-pab", "fb-smooth")
 
 _TOP_KEYS = {"policy", "slo_file", "step_model", "max_token_budget", "log_interval_s", "gc",
              "admission", "trace"}

@@ -168,6 +168,38 @@ def triage(
     )
 
 
+def smooth_step(
+    groups: Triage, coefficients: StepCoefficients, time_budget_s: float
+) -> Triage | None:
+    """The step that spends no request's slack, if it keeps every in-time deadline.
+
+    Algorithm 1 stretches the step to the smallest slack and packs prefills before the
+    deferrable decodes, so a queued prompt parks every decode that ran ahead of its
+    deadlines, and lengthens every step while all are ahead: a stream that ran fast
+    then stalls for all the slack it gathered. This step runs every decode within
+    ``time_budget_s`` (the smallest TPOT, less the guard) and prefills the rest of it.
+    It is taken when that leaves each in-time prefill (earliest deadline first, at the
+    prefill rate this step leaves, plus one step of rounding) before its deadline;
+    ``None`` otherwise, and Algorithm 1 spends slack where it is needed."""
+    if not math.isfinite(time_budget_s) or time_budget_s <= 0.0:
+        return None
+    a, b, c = coefficients.a_s, coefficients.b_s_per_token, coefficients.c_s_per_context_token
+    decodes = groups.urgent_decodes + groups.late_decodes + groups.deferrable_decodes
+    spare = time_budget_s - a - b * len(decodes) - c * sum([request.context for _, request in decodes])
+    if groups.prefills:
+        if spare <= 0.0 or b <= 0.0:
+            return None
+        seconds_per_token = b * time_budget_s / spare
+        queued = 0.0
+        for slack, request in groups.prefills:
+            queued += request.pending_prefill + c * request.context / b
+            if queued * seconds_per_token + time_budget_s > slack:
+                return None
+    urgent = sorted(groups.urgent_decodes + groups.deferrable_decodes, key=_by_slack)
+    return Triage(time_budget_s, groups.min_tpot_s, urgent, groups.prefills, [],
+                  groups.late_decodes, groups.late_prefills)
+
+
 def pack(
     groups: Triage,
     coefficients: StepCoefficients,

@@ -17,17 +17,24 @@ None is mixed into ``fb``; the report measures each against it.
   length``, and sort descending, as Kairos does.
 - ``fb-anchor-margin``: the first two together (see its docstring for why they need
   each other); ``fb-anchor-margin-pab`` adds ``fb-pab``'s admission control to it.
+- ``fb-smooth``: ``fb-anchor-margin`` that spends slack only where a deadline needs it.
+  With anchored deadlines a stream that ran ahead carries seconds of slack, and
+  Algorithm 1 spends it: the time budget stretches to the smallest slack and any queued
+  prompt parks every decode with slack, so streams stall for hundreds of milliseconds
+  while every SLO still holds. ``fb-smooth`` runs every decode in a step of one TPOT
+  whenever the prompts queued still meet their deadlines at that pace.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-from sglang_ext.policy.batch_former import Triage
+from sglang_ext.policy.batch_former import Triage, pack, smooth_step
 from sglang_ext.policy.policies import (
     POLICIES, FairBatching, FairBatchingWithAdmission, PolicyContext,
 )
-from sglang_ext.policy.view import RequestState
+from sglang_ext.policy.view import BatchDecision, RequestState
 
 MAX_MARGIN = 0.5
 DEADLINE_GUARD_STEPS = 2
@@ -138,3 +145,27 @@ class FairBatchingAnchoredWithMarginAndAdmission(
     overload, which it can."""
 
     name = "fb-anchor-margin-pab"
+
+
+@POLICIES.register("fb-smooth")
+class FairBatchingSmooth(FairBatchingAnchoredWithMargin):
+    """``fb-anchor-margin`` that spends slack only where a deadline needs it: each step
+    first tries :func:`~sglang_ext.policy.batch_former.smooth_step` (every decode, a
+    step of one TPOT) and falls back to Algorithm 1's longer step and deferrals when an
+    in-time prefill would miss its deadline at that pace."""
+
+    name = "fb-smooth"
+
+    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+        groups = self._triage(requests, now, self.anchored)
+        if groups is None:
+            return BatchDecision.make_empty()
+        coefficients = self.step_model.coefficients
+        smooth_budget = self._time_budget(groups.min_tpot_s - self._deadline_guard_s())
+        smooth = smooth_step(groups, coefficients, smooth_budget)
+        if smooth is not None:
+            groups, time_budget = smooth, smooth_budget
+        else:
+            time_budget = self._time_budget(groups.init_time_budget_s)
+        return pack(groups, coefficients, token_budget=self.context.max_token_budget,
+                    time_budget_s=time_budget)

@@ -314,7 +314,9 @@ def test_without_overlap_scheduling(fb_no_overlap_server) -> None:
         tight = [pool.submit(stream_generate, url, f"no-overlap-tight-{i}", 200, 60, TIGHT, note)
                  for i in range(4)]
         assert all_decoding.wait(120), "the tight streams never started decoding"
-        burst = [pool.submit(stream_generate, url, f"no-overlap-burst-{i}", 3000, 16, {"class": "relaxed"})
+        # interactive (TTFT 500 ms): at a pace that keeps every decode in every step these
+        # prompts would miss their deadlines, so the policy defers decodes for them
+        burst = [pool.submit(stream_generate, url, f"no-overlap-burst-{i}", 3000, 16, {"class": "interactive"})
                  for i in range(8)]
         results = [f.result() for f in tight + burst]
     assert [len(r.token_times) for r in results] == [60] * 4 + [16] * 8

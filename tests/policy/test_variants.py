@@ -10,7 +10,7 @@ import random
 import pytest
 
 from policy_helpers import A, B, C, COEF, NOW, SLO, request
-from sglang_ext.policy.batch_former import ServiceFloor, triage
+from sglang_ext.policy.batch_former import ServiceFloor, smooth_step, triage
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, FairBatching, PolicyContext
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
@@ -23,6 +23,7 @@ from sglang_ext.policy.variants import (
     FairBatchingAnchored,
     FairBatchingAnchoredWithMargin,
     FairBatchingKairosPrefills,
+    FairBatchingSmooth,
     FairBatchingWithMargin,
     kairos_order,
 )
@@ -33,6 +34,7 @@ VARIANTS = {
     "fb-margin": FairBatchingWithMargin,
     "fb-kairos": FairBatchingKairosPrefills,
     "fb-anchor-margin": FairBatchingAnchoredWithMargin,
+    "fb-smooth": FairBatchingSmooth,
 }
 CONTEXT = PolicyContext(global_slo=SLO, initial_step_model=COEF)
 
@@ -447,6 +449,13 @@ def check_decision(policy: BatchPolicy, state: list[RequestView], decision: Batc
     floor = ServiceFloor.of(coef, policy.context.global_slo.tpot_s)
     groups = triage(state, NOW, anchored=getattr(policy, "anchored", False), floor=floor,
                     deadline_guard_s=policy._deadline_guard_s())
+    margin = getattr(policy, "margin", 0.0)
+    budget = groups.init_time_budget_s / (1 + margin)
+    if isinstance(policy, FairBatchingSmooth):
+        smooth_budget = (groups.min_tpot_s - policy._deadline_guard_s()) / (1 + margin)
+        smooth = smooth_step(groups, coef, smooth_budget)
+        if smooth is not None:
+            groups, budget = smooth, smooth_budget
     a, b, c = coef.a_s, coef.b_s_per_token, coef.c_s_per_context_token
     always = groups.urgent_decodes + groups.late_decodes
     urgent = [r.req_id for _, r in always]
@@ -455,8 +464,7 @@ def check_decision(policy: BatchPolicy, state: list[RequestView], decision: Batc
     cost += sum(b * n + c * by_id[rid].context for rid, n in decision.prefill_chunks)
     assert decision.predicted_step_s == pytest.approx(cost, rel=1e-9)
     urgent_cost = a + sum(b + c * r.context for _, r in always)
-    margin = getattr(policy, "margin", 0.0)
-    assert decision.time_budget_s == pytest.approx(groups.init_time_budget_s / (1 + margin))
+    assert decision.time_budget_s == pytest.approx(budget)
     assert decision.predicted_step_s <= max(decision.time_budget_s, urgent_cost) + 1e-9
     assert decision.new_tokens <= max(CONTEXT.max_token_budget, len(urgent))
 
@@ -501,3 +509,43 @@ def test_anchor_margin_pab_admits_up_to_the_pab_and_packs_like_anchor_margin() -
     assert not guarded.admit(requests, 0.0, int(budget) + 1, slo)
     assert plain.admit(requests, 0.0, int(budget) + 1, slo)
     assert guarded.form_batch(requests, 0.0) == plain.form_batch(requests, 0.0)
+
+
+# --------------------------------------------------------------------------- fb-smooth
+
+
+def ahead_decodes_and_a_prompt(prompt_slack: float) -> list[RequestView]:
+    """Ten decodes 2 s ahead of their deadlines (1000 context tokens each) and one
+    2000-token prompt with ``prompt_slack`` left."""
+    decodes = [request(f"d{i}", 2.0, context=1_000) for i in range(10)]
+    return [*decodes, request("p", prompt_slack, prefill=2_000)]
+
+
+def test_fb_smooth_keeps_every_decode_in_one_tpot_when_the_prompt_keeps_its_deadline() -> None:
+    requests = ahead_decodes_and_a_prompt(0.9)
+    paper = make("fb-anchor-margin").form_batch(requests, NOW)
+    assert paper.predicted_step_s > 0.2, "Algorithm 1 stretches the step to the 0.9 s slack"
+    smooth = make("fb-smooth").form_batch(requests, NOW)
+    assert set(smooth.decode_ids) == {f"d{i}" for i in range(10)}
+    # 50 ms - a - 10 decodes x (b + c x 1000) = 34 ms left: 340 prompt tokens at 0.1 ms
+    assert smooth.prefill_chunks == (("p", 340),)
+    assert smooth.time_budget_s == pytest.approx(SLO.tpot_s)
+    assert smooth.predicted_step_s == pytest.approx(SLO.tpot_s)
+
+
+def test_fb_smooth_spends_slack_when_the_prompt_needs_it() -> None:
+    # 2000 tokens at 340 per 50 ms step need 0.29 s plus a step: a 0.2 s slack needs more
+    requests = ahead_decodes_and_a_prompt(0.2)
+    assert make("fb-smooth").form_batch(requests, NOW) == make("fb-anchor-margin").form_batch(requests, NOW)
+
+
+def test_smooth_step_without_prompts_runs_every_decode_and_refuses_an_overfull_step() -> None:
+    decodes = [request(f"d{i}", 2.0, context=1_000) for i in range(10)]
+    groups = triage(decodes + [request("u", 0.01)], NOW)
+    assert groups.deferrable_decodes, "the ten are deferrable under Algorithm 1"
+    smooth = smooth_step(groups, COEF, 0.05)
+    assert smooth is not None and not smooth.deferrable_decodes
+    assert [r.req_id for _, r in smooth.urgent_decodes] == ["u", *(f"d{i}" for i in range(10))]
+    crowded = triage(decodes + [request("p", 5.0, prefill=100)], NOW)
+    assert smooth_step(crowded, COEF, 0.015) is None, "no time left for the prompt at all"
+    assert smooth_step(crowded, COEF, math.inf) is None
