@@ -159,6 +159,10 @@ def _row(name: str, summary: dict[str, float] | None, unit: str = "ms") -> str:
     return f"| {name} ({unit}) | {cells} | {summary['n']} |"
 
 
+def _table_head(what: str) -> tuple[str, str]:
+    return f"| {what} | p50 | p90 | p99 | mean | n |", "|---|---:|---:|---:|---:|---:|"
+
+
 def render(report: dict[str, Any]) -> str:
     steps = report["steps"]
     lines = [
@@ -166,8 +170,7 @@ def render(report: dict[str, Any]) -> str:
         f"(mean {steps['parked_per_step_mean']:.1f} parked per step); budget overruns "
         f"{steps['budget_overruns']['overran']} of {steps['budget_overruns']['of']}.",
         "",
-        "| per step | p50 | p90 | p99 | mean | n |",
-        "|---|---:|---:|---:|---:|---:|",
+        *_table_head("per step"),
         _row("period: processed result to processed result", steps["period_ms"]),
         _row("device, measured", steps["device_ms"]),
         _row("host not hidden by overlap (period - device)", steps["host_unhidden_ms"]),
@@ -187,8 +190,7 @@ def render(report: dict[str, Any]) -> str:
             f"{violations['parked_before']}; already late as emitted by the server: "
             f"{violations['server_emitted_late']}).",
             "",
-            "| per token / per request | p50 | p90 | p99 | mean | n |",
-            "|---|---:|---:|---:|---:|---:|",
+            *_table_head("per token / per request"),
             _row("delivery: client arrival - processed", tokens["delivery_ms"]),
             _row("server emission - deadline at decision", tokens["emitted_minus_deadline_ms"]),
             _row("max-TPOT excess over target (violations)", tokens["max_tpot_excess_ms"]),
