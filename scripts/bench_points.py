@@ -55,7 +55,8 @@ def move_aside(path: Path) -> Path | None:
     return target
 
 
-def _canonical(value: object) -> object:
+def canonical(value: object) -> object:
+    """A value comparable across saved points (containers as sorted-key JSON)."""
     if isinstance(value, (dict, list, tuple)):
         return json.dumps(value, sort_keys=True)
     return value
@@ -63,7 +64,7 @@ def _canonical(value: object) -> object:
 
 def point_key(point: dict, fields: Sequence[str]) -> tuple:
     """The values of ``fields`` in ``point`` (None where missing), hashable."""
-    return tuple(_canonical(point.get(name)) for name in fields)
+    return tuple(canonical(point.get(name)) for name in fields)
 
 
 def done_keys(points: Iterable[dict], fields: Sequence[str]) -> set[tuple]:

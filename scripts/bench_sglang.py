@@ -87,7 +87,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decision import cpu_times, cpu_usage, machine_info  # noqa: E402
 from bench_points import (  # noqa: E402
-    append_point, done_keys, git_state, latest_by_key, load_points, move_aside, point_key, spread,
+    append_point, canonical, done_keys, git_state, latest_by_key, load_points, move_aside,
+    point_key, spread,
 )
 
 from sglang_ext.server_launch import CPU_ARGS, Server, launch  # noqa: E402
@@ -601,19 +602,15 @@ HEADLINE = {"random": "goodput", "replay": "attainment"}
 TIEBREAK = {"random": "tpot_p99", "replay": "max_tpot_p99"}
 
 
-def _canonical(value: object) -> str:
-    return json.dumps(value, sort_keys=True)
-
-
 def select_points(points: list[dict]) -> tuple[list[dict], list[dict]]:
     """(the points the tables show, the saved points they leave out): per workload the
     points run with the parameters of the last point saved for that workload, per config
     those with its last launch flags, one point per (config, workload, rate, seed) -- the
     last good one, else the last failed one."""
-    last_params = {p["workload"]: _canonical(p.get("params")) for p in points}
-    last_args = {p["config"]: _canonical(p.get("launch_args")) for p in points}
-    shown = [p for p in points if _canonical(p.get("params")) == last_params[p["workload"]]
-             and _canonical(p.get("launch_args")) == last_args[p["config"]]]
+    last_params = {p["workload"]: canonical(p.get("params")) for p in points}
+    last_args = {p["config"]: canonical(p.get("launch_args")) for p in points}
+    shown = [p for p in points if canonical(p.get("params")) == last_params[p["workload"]]
+             and canonical(p.get("launch_args")) == last_args[p["config"]]]
     shown = latest_by_key(shown, POINT_KEY)
     ids = {id(p) for p in shown}
     return shown, [p for p in points if id(p) not in ids]

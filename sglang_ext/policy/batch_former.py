@@ -195,7 +195,8 @@ def smooth_step(
             queued += request.pending_prefill + c * request.context / b
             if queued * seconds_per_token + time_budget_s > slack:
                 return None
-    urgent = sorted(groups.urgent_decodes + groups.deferrable_decodes, key=_by_slack)
+    # triage split one slack-sorted list at a threshold: the concatenation stays sorted
+    urgent = groups.urgent_decodes + groups.deferrable_decodes
     return Triage(time_budget_s, groups.min_tpot_s, urgent, groups.prefills, [],
                   groups.late_decodes, groups.late_prefills)
 
