@@ -10,9 +10,17 @@ HTTP process reads those snapshots (:mod:`sglang_ext.admission_http`) and asks
   ``ttft_ms``) gets ``admission.budget_for`` over the classes' TTFTs, with the
   largest prefill rate the initial step model allows (``1 / b``: the most
   conservative extrapolation below the smallest class TTFT);
-- less a local debit: the prompt tokens admitted to that rank since the snapshot it
-  read (reset when a newer snapshot arrives), so a burst between two publications is
-  not all admitted on one value;
+- less a local debit: the prompt tokens admitted to that rank that its snapshot does
+  not count yet, so a burst between two publications is not all admitted on one value.
+  Each admission the gate checked is numbered (``ADMISSION_STAMP_KEY`` in the request's
+  ``custom_params``: the gate's token and the number); a scheduler echoes, per gate, the
+  highest number among the requests its published budgets count
+  (``fairbatching_admission_echo``). A debit ends when its rank echoes its number, or
+  when that rank has published for ``max_budget_age_s`` after it without counting it
+  (it was routed to another rank). A snapshot's time alone cannot end a debit: SGLang
+  publishes after the step it launched, and a request admitted while that step ran is
+  still on its way to the scheduler, so a debit reset on every newer snapshot let
+  bursts through at up to twice the budget;
 - a request pinned to a DP rank is checked against that rank; otherwise against the
   rank with the most budget left (the DP controller routes it on its own; the debit
   lands on the rank checked).
@@ -34,8 +42,11 @@ deadline order absorbs.
 from __future__ import annotations
 
 import math
+import secrets
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sglang_ext.policy.admission import AdmissionSettings, budget_for
 from sglang_ext.policy.slo import Slo, SloCatalog
@@ -45,6 +56,8 @@ STALE = "stale"
 UNPUBLISHED = "unpublished"
 #: the metric label of a request whose SLO is no class's
 CUSTOM_CLASS = "custom"
+#: ``custom_params`` key of the gate's stamp: ``[gate token, admission number]``
+ADMISSION_STAMP_KEY = "_fairbatching_admission"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,7 @@ class PublishedBudgets:
     timestamp: float  # wall clock (time.time()) of the snapshot
     budgets: Mapping[str, int] | None  # SLO class -> prompt tokens; None: none published
     idle: bool = False  # nothing running or waiting there when it published
+    echoed: int = 0  # the highest admission number of this gate the budgets count
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +78,31 @@ class Verdict:
     rank: int | None = None  # the rank checked against (None: unchecked)
     budget: float | None = None  # tokens that rank had left for the class, before this prompt
     unchecked: str | None = None  # STALE or UNPUBLISHED: admitted without a trusted budget
+    seq: int | None = None  # the admission's number (checked admissions only)
+
+
+@dataclass(frozen=True, slots=True)
+class _Debit:
+    seq: int
+    admitted_at: float
+    prompt_tokens: int
+
+
+class _RankDebits:
+    """Admissions charged to one rank that its published budgets do not count yet."""
+
+    __slots__ = ("debits", "tokens")
+
+    def __init__(self) -> None:
+        self.debits: deque[_Debit] = deque()
+        self.tokens = 0
+
+    def settle(self, published: PublishedBudgets, max_unseen_s: float) -> int:
+        debits = self.debits
+        while debits and (debits[0].seq <= published.echoed
+                          or published.timestamp - debits[0].admitted_at > max_unseen_s):
+            self.tokens -= debits.popleft().prompt_tokens
+        return self.tokens
 
 
 class BudgetGate:
@@ -77,7 +116,9 @@ class BudgetGate:
         self.settings = settings
         self.max_rate = max_rate_tokens_per_s
         self._class_of = {slo: name for name, slo in catalog.classes.items()}
-        self._debits: dict[int, tuple[float, int]] = {}  # rank -> (snapshot time, tokens)
+        self.token = secrets.token_hex(8)  # names this gate in the schedulers' echoes
+        self._next_seq = 1
+        self._debits: dict[int, _RankDebits] = {}
 
     def class_of(self, slo: Slo) -> str:
         return self._class_of.get(slo, CUSTOM_CLASS)
@@ -97,9 +138,16 @@ class BudgetGate:
             return math.inf
         return budget_for(by_ttft, slo.ttft_s, self.max_rate)
 
-    def debit_of(self, rank: int, timestamp: float) -> int:
-        debit = self._debits.get(rank)
-        return debit[1] if debit is not None and debit[0] == timestamp else 0
+    def debit_of(self, published: PublishedBudgets) -> int:
+        """Prompt tokens admitted to ``published.rank`` that its budgets do not count."""
+        debits = self._debits.get(published.rank)
+        if debits is None:
+            return 0
+        return debits.settle(published, self.settings.max_budget_age_s)
+
+    def stamp(self, seq: int) -> list[Any]:
+        """The ``ADMISSION_STAMP_KEY`` value of admission ``seq``."""
+        return [self.token, seq]
 
     def check(self, published: Sequence[PublishedBudgets], now: float, slo: Slo,
               prompt_tokens: int, pinned_rank: int | None = None) -> Verdict:
@@ -115,16 +163,19 @@ class BudgetGate:
             if not rank.idle and now - rank.timestamp > self.settings.max_budget_age_s:
                 unchecked = STALE
                 continue
-            left = self.budget(rank.budgets, slo) - self.debit_of(rank.rank, rank.timestamp)
+            left = self.budget(rank.budgets, slo) - self.debit_of(rank)
             fresh.append((left, rank))
         if not fresh and unchecked is None:
             unchecked = UNPUBLISHED
         best = max(fresh, key=lambda item: item[0], default=None)
         if best is not None and prompt_tokens <= best[0]:
             left, rank = best
-            self._debits[rank.rank] = (rank.timestamp,
-                                       self.debit_of(rank.rank, rank.timestamp) + prompt_tokens)
-            return Verdict(True, slo_class, rank.rank, left)
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            debits = self._debits.setdefault(rank.rank, _RankDebits())
+            debits.debits.append(_Debit(seq, now, prompt_tokens))
+            debits.tokens += prompt_tokens
+            return Verdict(True, slo_class, rank.rank, left, seq=seq)
         if unchecked is not None:
             return Verdict(True, slo_class, unchecked=unchecked)
         left, rank = best

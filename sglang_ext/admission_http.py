@@ -43,7 +43,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from controlplane.ratelimited_log import RateLimitedLog
-from sglang_ext.admission_gate import BudgetGate, PublishedBudgets, Verdict
+from sglang_ext.admission_gate import ADMISSION_STAMP_KEY, BudgetGate, PublishedBudgets, Verdict
 from sglang_ext.config import ExtensionConfig
 from sglang_ext.policy.admission import AdmissionMode
 from sglang_ext.policy.slo import SloError
@@ -123,8 +123,10 @@ class HttpGate:
     log: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(logger, LOG_INTERVAL_S))
 
     def published(self) -> list[PublishedBudgets]:
+        token = self.gate.token
         return [PublishedBudgets(s.dp_rank, s.timestamp, getattr(s, "fairbatching_admission", None),
-                                 s.num_running_reqs == 0 and s.num_waiting_reqs == 0)
+                                 s.num_running_reqs == 0 and s.num_waiting_reqs == 0,
+                                 (getattr(s, "fairbatching_admission_echo", None) or {}).get(token, 0))
                 for s in self.reader.read_all()]
 
     def check(self, tokenized: Any) -> Verdict | None:
@@ -141,6 +143,7 @@ class HttpGate:
             return None  # the request validation answers it with a 400 before this
         verdict = self.gate.check(self.published(), time.time(), slo, len(input_ids),
                                   getattr(tokenized, "routed_dp_rank", None))
+        _stamp(params, None if verdict.seq is None else self.gate.stamp(verdict.seq))
         pending = _PENDING.get()
         if verdict.unchecked is not None:
             self.unchecked[verdict.unchecked] = self.unchecked.get(verdict.unchecked, 0) + 1
@@ -171,6 +174,20 @@ class HttpGate:
                          slo_class=slo_class, prompt_tokens=prompt_tokens, budget=budget,
                          rank=verdict.rank, total=self.refused[slo_class])
         return AdmissionRefused(message, retry_after_s, slo_class, verdict.rank)
+
+
+def _stamp(params: Any, stamp: list[Any] | None) -> None:
+    """Set the gate's stamp on an admitted request (None: remove one a client sent).
+    The dict is copied, never shared."""
+    custom_params = getattr(params, "custom_params", None)
+    if stamp is None and not (isinstance(custom_params, dict) and ADMISSION_STAMP_KEY in custom_params):
+        return
+    custom_params = dict(custom_params or {})
+    if stamp is None:
+        del custom_params[ADMISSION_STAMP_KEY]
+    else:
+        custom_params[ADMISSION_STAMP_KEY] = stamp
+    params.custom_params = custom_params or None
 
 
 def install_admission_gate(config: ExtensionConfig) -> bool:

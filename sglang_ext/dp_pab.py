@@ -8,7 +8,9 @@ and the controller's two hook points). What the hooks do:
   ``fairbatching_dispatch_seq`` from ``scheduler.fairbatching`` (an object with
   ``pab_tokens`` and ``highest_dispatch_seq``; absent: the fields stay None / 0), and
   ``fairbatching_admission`` from its ``admission_budgets`` (per SLO class; read by
-  :mod:`sglang_ext.admission_gate` and by this method; empty or absent: None). A
+  :mod:`sglang_ext.admission_gate` and by this method; empty or absent: None) with
+  ``fairbatching_admission_echo`` (per admission gate, the highest admission number
+  those budgets count; the gate's debits end on it). A
   scheduler of a server run with ``--load-balance-method pab`` computes them whatever
   its admission mode (``sglang_ext.scheduler.hooks.attach``).
 - Controller side: ``init_pab_dispatch`` creates the PAB ledger, waits for every rank's
@@ -156,6 +158,9 @@ def fill_snapshot(snapshot: Any, fairbatching: Any) -> None:
     budgets = getattr(fairbatching, "admission_budgets", None)
     if budgets and "fairbatching_admission" in type(snapshot).__struct_fields__:
         snapshot.fairbatching_admission = dict(budgets)
+        echo = getattr(fairbatching, "admission_echo", None)
+        if echo:
+            snapshot.fairbatching_admission_echo = dict(echo)
 
 
 @functools.cache

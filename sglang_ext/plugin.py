@@ -40,10 +40,12 @@ def register() -> None:
         return
     from sglang_ext.admission_http import install_admission_gate
     from sglang_ext.dp_pab import install_dp_pab_hooks
+    from sglang_ext.ingress_time import install_ingress_time
     from sglang_ext.request_validation import install_request_validation
     from sglang_ext.scheduler.hooks import install_scheduler_hooks
 
     install_scheduler_hooks(config)
+    install_ingress_time()
     install_request_validation(config.catalog, config.initial_step_model)
     install_admission_gate(config)
     install_dp_pab_hooks(config.catalog)

@@ -13,12 +13,15 @@ import itertools
 import logging
 from typing import Any
 
+from sglang_ext.admission_gate import ADMISSION_STAMP_KEY
 from sglang_ext.dp_pab import dispatch_seq_of
+from sglang_ext.ingress_time import arrival_time
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 
 logger = logging.getLogger(__name__)
 
 RECORD_ATTR = "_fairbatching_record"
+MAX_ECHOED_GATES = 64
 
 
 class LiveRequestView:
@@ -31,7 +34,7 @@ class LiveRequestView:
     def __init__(self, req_id: Any, arrival: float, slo: Slo, arrival_seq: int,
                  dispatch_seq: int | None, prompt_tokens: int) -> None:
         self.req_id = req_id
-        self.arrival = arrival  # scheduler receive time, time.perf_counter seconds
+        self.arrival = arrival  # ingress_time.arrival_time: the HTTP process's receive time
         self.slo = slo
         self.arrival_seq = arrival_seq
         self.dispatch_seq = dispatch_seq  # stamped by the DP controller's pab method
@@ -51,6 +54,9 @@ class RequestRecords:
         self.catalog = catalog
         self._sequence = itertools.count()
         self.highest_dispatch_seq = 0
+        # per admission gate (its token), the highest admission number seen: echoed in the
+        # load snapshot so the gate can end its debits (sglang_ext.admission_gate)
+        self.admission_echo: dict[str, int] = {}
 
     def of(self, req: Any) -> LiveRequestView:
         view = getattr(req, RECORD_ATTR, None)
@@ -70,10 +76,24 @@ class RequestRecords:
         dispatch_seq = dispatch_seq_of(req)
         if dispatch_seq is not None:
             self.highest_dispatch_seq = max(self.highest_dispatch_seq, dispatch_seq)
-        view = LiveRequestView(req.rid, req.time_stats.scheduler_recv_time, slo,
+        self._echo_admission(custom_params)
+        view = LiveRequestView(req.rid, arrival_time(req), slo,
                                next(self._sequence), dispatch_seq, len(req.origin_input_ids))
         setattr(req, RECORD_ATTR, view)
         return view
+
+    def _echo_admission(self, custom_params: Any) -> None:
+        stamp = custom_params.get(ADMISSION_STAMP_KEY) if isinstance(custom_params, dict) else None
+        if not (isinstance(stamp, list) and len(stamp) == 2):
+            return
+        token, seq = stamp
+        if not isinstance(token, str) or isinstance(seq, bool) or not isinstance(seq, int):
+            return
+        echo = self.admission_echo
+        if token not in echo and len(echo) >= MAX_ECHOED_GATES:
+            del echo[next(iter(echo))]  # the gate seen first: at most one per TokenizerManager
+        if seq > echo.get(token, 0):
+            echo[token] = seq
 
     def decode_view(self, req: Any, in_flight: bool, in_flight_ends_at: float) -> LiveRequestView:
         """A decoding request. Under the overlap scheduler ``in_flight`` requests have a

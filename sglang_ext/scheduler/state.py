@@ -109,6 +109,7 @@ class FairBatchingState:
         # control-plane reports); computed under mode reject, or when one of those
         # routes on them (they set publishes_budgets), else empty.
         self.admission_budgets: dict[str, int] = {}
+        self.admission_echo: dict[str, int] = {}  # the admissions admission_budgets count
         self.publishes_budgets = self.admission.mode is AdmissionMode.REJECT
         self.last_decision: BatchDecision | None = None
         # rids the policy ended (defer), aborted at the scheduler's next request poll;
@@ -150,6 +151,7 @@ class FairBatchingState:
         if self.publishes_budgets:
             budgets = self.policy.admission_budgets(views, now, self.config.catalog.classes)
             self.admission_budgets = {name: whole_budget_tokens(b) for name, b in budgets.items()}
+            self.admission_echo = dict(self.records.admission_echo)
 
     def observe_prefills(self, prefills: Sequence[Any], now: float, abort_ids: Sequence[Any]) -> None:
         """Count the waiting ``prefills`` (live views) that passed their TTFT deadline

@@ -22,16 +22,39 @@ def gate() -> BudgetGate:
     return BudgetGate(CATALOG, SETTINGS, max_rate_tokens_per_s=40_000)
 
 
-def test_class_budget_less_the_debit_since_the_snapshot() -> None:
+def test_class_budget_less_the_admissions_the_snapshot_does_not_count() -> None:
     g = gate()
     published = [PublishedBudgets(0, 100.0, BUDGETS)]
     interactive = CATALOG.classes["interactive"]
-    assert g.check(published, 100.1, interactive, 1_500).admitted
+    first = g.check(published, 100.1, interactive, 1_500)
+    assert first.admitted and first.seq == 1 and g.stamp(first.seq) == [g.token, 1]
     refused = g.check(published, 100.2, interactive, 1_000)
     assert not refused.admitted and refused.budget == 500 and refused.slo_class == "interactive"
-    assert g.check(published, 100.2, CATALOG.default, 8_000).admitted  # 10000 - 1500
-    newer = [PublishedBudgets(0, 100.3, BUDGETS)]  # a newer snapshot resets the debit
-    assert g.check(newer, 100.35, interactive, 1_000).admitted
+    assert refused.seq is None
+    assert g.check(published, 100.2, CATALOG.default, 8_000).seq == 2  # 10000 - 1500
+    # A newer snapshot that does not count them yet (the requests were still on their way
+    # to the scheduler when it published) keeps both debits ...
+    newer = [PublishedBudgets(0, 100.3, BUDGETS)]
+    assert g.debit_of(newer[0]) == 9_500
+    assert not g.check(newer, 100.35, interactive, 1_000).admitted
+    # ... one that counts the first ends its debit only ...
+    assert g.debit_of(PublishedBudgets(0, 100.4, BUDGETS, echoed=1)) == 8_000
+    # ... and one that counts both, both.
+    counted = [PublishedBudgets(0, 100.5, BUDGETS, echoed=2)]
+    assert g.check(counted, 100.55, interactive, 2_000).admitted
+
+
+def test_a_debit_no_snapshot_of_its_rank_counts_ends_after_max_budget_age() -> None:
+    g = gate()
+    slo = CATALOG.default
+    assert g.check([PublishedBudgets(0, 100.0, BUDGETS)], 100.0, slo, 6_000).admitted
+    # the request went to another rank: this one keeps publishing without it
+    assert g.debit_of(PublishedBudgets(0, 100.5, BUDGETS)) == 6_000
+    assert g.debit_of(PublishedBudgets(0, 100.6, BUDGETS)) == 0
+    # an idle rank publishes nothing new: its debit stays, however old
+    idle = PublishedBudgets(1, 100.0, BUDGETS, idle=True)
+    assert g.check([idle], 500.0, slo, 6_000).admitted
+    assert not g.check([idle], 900.0, slo, 6_000).admitted
 
 
 def test_custom_ttft_uses_the_classes_around_it() -> None:
@@ -62,7 +85,7 @@ def test_dp_ranks_pinned_or_the_one_with_most_budget() -> None:
     slo = CATALOG.default
     assert g.check(published, 100.0, slo, 5_000).rank == 1
     assert not g.check(published, 100.0, slo, 5_000, pinned_rank=0).admitted
-    assert g.debit_of(1, 100.0) == 5_000 and g.debit_of(0, 100.0) == 0
+    assert g.debit_of(published[1]) == 5_000 and g.debit_of(published[0]) == 0
 
 
 sglang_only = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
@@ -110,6 +133,33 @@ def test_http_gate_reads_sglang_snapshots_and_refuses_with_a_429() -> None:
     assert "1001 tokens exceed the 1000" in body["message"] and body["error"]["reason"] == "admission_budget"
     assert http_gate.check(_tokenized(5)) is not None  # no SLO: the default class
     assert http_gate.check(_tokenized(5, {"slo": {"class": "gold"}})) is None  # the 400 is not ours
+
+
+@sglang_only
+@pytest.mark.sglang
+def test_http_gate_stamps_its_admissions_and_reads_the_echo() -> None:
+    from sglang.srt.managers.load_snapshot import LoadSnapshot
+
+    from sglang_ext.admission_gate import ADMISSION_STAMP_KEY
+    from sglang_ext.admission_http import HttpGate
+
+    g = gate()
+    snapshot = LoadSnapshot(dp_rank=0, timestamp=time.time(), num_running_reqs=3,
+                            fairbatching_admission=BUDGETS)
+    http_gate = HttpGate(g, _Reader([snapshot]))
+    admitted = _tokenized(6_000, {"slo": {"class": "standard"}})
+    assert http_gate.check(admitted).seq == 1
+    assert admitted.sampling_params.custom_params == {
+        "slo": {"class": "standard"}, ADMISSION_STAMP_KEY: [g.token, 1]}
+    snapshot.fairbatching_admission_echo = {g.token: 1, "another-gate": 99}
+    assert http_gate.published()[0].echoed == 1
+    # a stamp a client sent is never passed on: an unchecked admission carries none
+    forged = _tokenized(10, {ADMISSION_STAMP_KEY: [g.token, 10**9]})
+    stale = HttpGate(gate(), _Reader([LoadSnapshot(dp_rank=0, timestamp=time.time() - 60,
+                                                   num_running_reqs=3,
+                                                   fairbatching_admission=BUDGETS)]))
+    assert stale.check(forged).unchecked == "stale"
+    assert forged.sampling_params.custom_params is None
 
 
 @sglang_only

@@ -334,11 +334,13 @@ def test_scheduler_snapshots_carry_pab_and_dispatch_seq(sglang_modules, hooks, t
     assert report.timestamp > 0 and report.class_budgets is None
 
     scheduler.fairbatching = SimpleNamespace(pab_tokens=900, highest_dispatch_seq=19,
-                                             admission_budgets={"interactive": -40, "standard": 900})
+                                             admission_budgets={"interactive": -40, "standard": 900},
+                                             admission_echo={"gate-a": 7})
     decoded = m.load_snapshot.snapshot_decoder.decode(
         m.load_snapshot.snapshot_encoder.encode(scheduler.load_inquirer.get_loads())
     )
     assert dp_pab.rank_budget_of(decoded).class_budgets == {"interactive": -40, "standard": 900}
+    assert decoded.fairbatching_admission_echo == {"gate-a": 7}
 
 
 def test_non_finite_pab_is_refused() -> None:
@@ -357,3 +359,28 @@ def test_dispatch_seq_of_reads_a_scheduler_req(sglang_modules, topology) -> None
     assert dp_pab.dispatch_seq_of(Req("r", None, [1, 2, 3], sp)) == 42
     sp.custom_params = {dp_pab.DISPATCH_SEQ_KEY: True}
     assert dp_pab.dispatch_seq_of(Req("r", None, [1, 2, 3], sp)) is None
+
+
+def test_scheduler_echoes_the_admission_gates_stamps(sglang_modules, topology) -> None:
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_ext.admission_gate import ADMISSION_STAMP_KEY
+    from sglang_ext.policy.slo import Slo, SloCatalog
+    from sglang_ext.scheduler.requests import MAX_ECHOED_GATES, RequestRecords
+
+    records = RequestRecords(SloCatalog("standard", {"standard": Slo(2.0, 0.05)}))
+
+    def seen(custom_params):
+        sp = sglang_modules.sampling_params.SamplingParams(max_new_tokens=4,
+                                                           custom_params=custom_params)
+        records.prefill_view(Req(f"r{len(seen.rids)}", None, [1, 2, 3], sp))
+        seen.rids.append(1)
+
+    seen.rids = []
+    for stamp in (["a", 3], ["a", 2], ["b", 1], None, ["a", True], ["a"], "a:9"):
+        seen(None if stamp is None else {ADMISSION_STAMP_KEY: stamp})
+    assert records.admission_echo == {"a": 3, "b": 1}
+    for gate in range(MAX_ECHOED_GATES):
+        seen({ADMISSION_STAMP_KEY: [f"g{gate}", 1]})
+    assert len(records.admission_echo) == MAX_ECHOED_GATES and "a" not in records.admission_echo
+
