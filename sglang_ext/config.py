@@ -6,6 +6,7 @@
     slo_file = "slo.toml"                   # SLO classes; relative to this file
     step_model = "step_models/x.toml"       # initial coefficients, recalibrated online
     max_token_budget = 8192                 # new tokens per step, upper bound
+    delivery_allowance_ms = 0               # tokens planned this much earlier (-margin variants)
     log_interval_s = 10.0                   # step-model log line period
 
     [gc]
@@ -51,8 +52,8 @@ DEFAULT_POLICY = "fb"
 TIME_BUDGET_POLICIES = ("fb", "fb-pab", "fb-anchor", "fb-margin", "fb-kairos",
                         "fb-anchor-margin", "fb-anchor-margin-pab", "fb-smooth")
 
-_TOP_KEYS = {"policy", "slo_file", "step_model", "max_token_budget", "log_interval_s", "gc",
-             "admission", "trace"}
+_TOP_KEYS = {"policy", "slo_file", "step_model", "max_token_budget", "delivery_allowance_ms",
+             "log_interval_s", "gc", "admission", "trace"}
 _TRACE_KEYS = {"step_log"}
 _GC_KEYS = {"enabled", "min_decode_slack_ms", "min_interval_s"}
 _ADMISSION_NUMBERS = ("max_defer_s", "retry_after_s", "max_budget_age_s", "headroom")
@@ -77,6 +78,8 @@ class ExtensionConfig:
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     #: where each scheduler writes its per-step record (``[trace] step_log``); None: off
     step_log: Path | None = None
+    #: ``delivery_allowance_ms`` in seconds (``PolicyContext.delivery_allowance_s``)
+    delivery_allowance_s: float = 0.0
 
     def build_policy(self) -> BatchPolicy:
         context = PolicyContext(
@@ -84,6 +87,7 @@ class ExtensionConfig:
             initial_step_model=self.initial_step_model,
             max_token_budget=self.max_token_budget,
             admission=self.admission,
+            delivery_allowance_s=self.delivery_allowance_s,
         )
         return POLICIES.get(self.policy)(context)
 
@@ -144,8 +148,14 @@ class ExtensionConfig:
             raise ConfigError(f"[gc]: {exc}") from None
         admission = _load_admission(data.get("admission", {}))
         step_log = _load_trace(data.get("trace", {}), base_dir)
+        delivery_allowance_ms = _positive_float(data, "delivery_allowance_ms", 0.0, 0)
+        if delivery_allowance_ms and not POLICIES.get(policy).takes_delivery_allowance:
+            raise ConfigError(
+                f"delivery_allowance_ms: policy {policy!r} plans tokens at their deadlines and "
+                "takes no delivery allowance; use fb-anchor-margin or fb-smooth, or drop the key"
+            )
         config = cls(policy, catalog, step_model, max_token_budget, log_interval_s, enabled, gc,
-                     source, admission, step_log)
+                     source, admission, step_log, delivery_allowance_ms / 1e3)
         try:
             config.build_policy()  # refuses a policy name that contradicts [admission]
         except AdmissionError as exc:

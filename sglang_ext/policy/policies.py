@@ -40,12 +40,19 @@ class PolicyContext:
     lateness_guard: bool = True
     # admission control (sglang_ext.policy.admission); the FairBatching family applies it
     admission: AdmissionSettings = AdmissionSettings()
+    # seconds every in-time token is planned before its deadline for the way from the
+    # scheduler to the client (detokenizer, HTTP, network), which the step model does not
+    # see; only the policies with a deadline guard (``-margin`` and after) take it
+    delivery_allowance_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_token_budget < 1:
             raise ValueError(f"max_token_budget must be >= 1, got {self.max_token_budget}")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token budget must be >= 1, got {self.token_budget}")
+        if not (math.isfinite(self.delivery_allowance_s) and self.delivery_allowance_s >= 0):
+            raise ValueError(f"delivery allowance must be a finite number >= 0 seconds, "
+                             f"got {self.delivery_allowance_s!r}")
         for name, value in self.settings:
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"setting {name} must be a finite number > 0, got {value!r}")
@@ -62,11 +69,15 @@ class BatchPolicy:
     takes_token_budget = False  # swept as NAME@BUDGET
     setting_names: tuple[str, ...] = ()  # further tunables, NAME@BUDGET,key=value
     takes_admission = False  # applies PolicyContext.admission
+    takes_delivery_allowance = False  # applies PolicyContext.delivery_allowance_s
 
     def __init__(self, context: PolicyContext) -> None:
         self.context = context
         self.step_model = OnlineStepModel(context.initial_step_model)
         self.admission = context.admission  # what the policy applies (off for baselines)
+        if context.delivery_allowance_s and not self.takes_delivery_allowance:
+            raise ValueError(f"policy {self.name!r} plans tokens at their deadlines and takes no "
+                             "delivery allowance; use a -margin variant (fb-anchor-margin, fb-smooth)")
 
     def admit(
         self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,

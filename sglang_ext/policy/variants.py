@@ -73,13 +73,21 @@ class FairBatchingWithMargin(FairBatching):
     def _time_budget(self, init_time_budget_s: float) -> float:
         return init_time_budget_s / (1.0 + self.margin)
 
+    takes_delivery_allowance = True
+
+    def _margin_guard_s(self) -> float:
+        """``DEADLINE_GUARD_STEPS`` x margin x TPOT: a decode deferred now rides a later
+        step, so its token must survive two steps' prediction errors (the one running and
+        its own), not one; without the guard FairBatching lands tokens on their deadlines
+        and any overrun is a max-TPOT violation."""
+        return min(DEADLINE_GUARD_STEPS * self.margin, MAX_GUARD_SHARE) * self.context.global_slo.tpot_s
+
     def _deadline_guard_s(self) -> float:
-        """Plan each token ``DEADLINE_GUARD_STEPS`` x margin x TPOT before its deadline: a
-        decode deferred now rides a later step, so its token survives two steps' prediction
-        errors (the one running and its own), not one; without the guard FairBatching lands
-        tokens on their deadlines and any overrun is a max-TPOT violation."""
-        share = min(DEADLINE_GUARD_STEPS * self.margin, MAX_GUARD_SHARE)
-        return share * self.context.global_slo.tpot_s
+        """How long before its deadline each in-time token is planned: the margin guard
+        plus the delivery allowance (``PolicyContext.delivery_allowance_s``), together at
+        most ``MAX_GUARD_SHARE`` of a TPOT."""
+        tpot = self.context.global_slo.tpot_s
+        return min(self._margin_guard_s() + self.context.delivery_allowance_s, MAX_GUARD_SHARE * tpot)
 
 
 @POLICIES.register("fb-kairos")
@@ -161,7 +169,9 @@ class FairBatchingSmooth(FairBatchingAnchoredWithMargin):
         if groups is None:
             return BatchDecision.make_empty()
         coefficients = self.step_model.coefficients
-        smooth_budget = self._time_budget(groups.min_tpot_s - self._deadline_guard_s())
+        # a smooth step emits every decode's token each step, so it keeps the margin
+        # guard only: the delivery allowance is for tokens planned at their deadlines
+        smooth_budget = self._time_budget(groups.min_tpot_s - self._margin_guard_s())
         smooth = smooth_step(groups, coefficients, smooth_budget)
         if smooth is not None:
             groups, time_budget = smooth, smooth_budget

@@ -171,3 +171,19 @@ def test_bad_trace_table_is_refused_at_load(tmp_path: Path, text: str, message: 
     (tmp_path / "fb.toml").write_text(text)
     with pytest.raises(ConfigError, match=re.escape(message)):
         ExtensionConfig.load(tmp_path / "fb.toml")
+
+
+def test_delivery_allowance_plans_tokens_earlier(tmp_path: Path) -> None:
+    config = ExtensionConfig.load(write(tmp_path, 'policy = "fb-smooth"\ndelivery_allowance_ms = 15\n'))
+    assert config.delivery_allowance_s == pytest.approx(0.015)
+    assert config.build_policy().context.delivery_allowance_s == pytest.approx(0.015)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('policy = "fb"\ndelivery_allowance_ms = 10\n', "takes no delivery allowance"),
+    ('policy = "fb-smooth"\ndelivery_allowance_ms = -1\n', "delivery_allowance_ms must be a finite number >= 0"),
+    ('policy = "fb-smooth"\ndelivery_allowance_ms = "10"\n', "delivery_allowance_ms must be a number"),
+])
+def test_bad_delivery_allowance_is_refused_at_load(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ExtensionConfig.load(write(tmp_path, text))

@@ -549,3 +549,18 @@ def test_smooth_step_without_prompts_runs_every_decode_and_refuses_an_overfull_s
     crowded = triage(decodes + [request("p", 5.0, prefill=100)], NOW)
     assert smooth_step(crowded, COEF, 0.015) is None, "no time left for the prompt at all"
     assert smooth_step(crowded, COEF, math.inf) is None
+
+
+def test_delivery_allowance_adds_to_the_deadline_guard_up_to_half_a_tpot() -> None:
+    allowance = dataclasses.replace(CONTEXT, delivery_allowance_s=0.005)
+    plain, early = make("fb-anchor-margin"), make("fb-anchor-margin", allowance)
+    feed([plain, early], 20, 1.2)  # margin 1/6: guard 2 x 1/6 x TPOT
+    assert plain._deadline_guard_s() == pytest.approx(2 / 6 * SLO.tpot_s)
+    assert early._deadline_guard_s() == pytest.approx(2 / 6 * SLO.tpot_s + 0.005)
+    capped = make("fb-anchor-margin", dataclasses.replace(CONTEXT, delivery_allowance_s=1.0))
+    assert capped._deadline_guard_s() == pytest.approx(MAX_GUARD_SHARE * SLO.tpot_s)
+    # a token planned at its deadline less the guard: the allowance shows in the time budget
+    state = margin_state()
+    assert early.form_batch(state, NOW).time_budget_s < plain.form_batch(state, NOW).time_budget_s
+    with pytest.raises(ValueError, match="takes no delivery allowance"):
+        make("fb", allowance)
