@@ -89,7 +89,12 @@ class _Debit:
 
 
 class _RankDebits:
-    """Admissions charged to one rank that its published budgets do not count yet."""
+    """Admissions charged to one rank that its published budgets do not count yet.
+
+    Not ``controlplane.ledger.DispatchLedger``: that numbers dispatches per rank and keeps
+    a debit until echoed, which suits a dispatcher that decides the rank. Here the DP
+    controller may route elsewhere, so numbers are per gate (one echo settles any rank)
+    and a debit its rank keeps publishing without also ends (``settle``)."""
 
     __slots__ = ("debits", "tokens")
 

@@ -45,6 +45,7 @@ from fastapi import HTTPException
 from controlplane.ratelimited_log import RateLimitedLog
 from sglang_ext.admission_gate import ADMISSION_STAMP_KEY, BudgetGate, PublishedBudgets, Verdict
 from sglang_ext.config import ExtensionConfig
+from sglang_ext.custom_params import set_custom_param
 from sglang_ext.policy.admission import AdmissionMode
 from sglang_ext.policy.slo import SloError
 
@@ -143,7 +144,9 @@ class HttpGate:
             return None  # the request validation answers it with a 400 before this
         verdict = self.gate.check(self.published(), time.time(), slo, len(input_ids),
                                   getattr(tokenized, "routed_dp_rank", None))
-        _stamp(params, None if verdict.seq is None else self.gate.stamp(verdict.seq))
+        # an unchecked admission carries no stamp, not even one a client sent
+        set_custom_param(params, ADMISSION_STAMP_KEY,
+                         None if verdict.seq is None else self.gate.stamp(verdict.seq))
         pending = _PENDING.get()
         if verdict.unchecked is not None:
             self.unchecked[verdict.unchecked] = self.unchecked.get(verdict.unchecked, 0) + 1
@@ -174,20 +177,6 @@ class HttpGate:
                          slo_class=slo_class, prompt_tokens=prompt_tokens, budget=budget,
                          rank=verdict.rank, total=self.refused[slo_class])
         return AdmissionRefused(message, retry_after_s, slo_class, verdict.rank)
-
-
-def _stamp(params: Any, stamp: list[Any] | None) -> None:
-    """Set the gate's stamp on an admitted request (None: remove one a client sent).
-    The dict is copied, never shared."""
-    custom_params = getattr(params, "custom_params", None)
-    if stamp is None and not (isinstance(custom_params, dict) and ADMISSION_STAMP_KEY in custom_params):
-        return
-    custom_params = dict(custom_params or {})
-    if stamp is None:
-        del custom_params[ADMISSION_STAMP_KEY]
-    else:
-        custom_params[ADMISSION_STAMP_KEY] = stamp
-    params.custom_params = custom_params or None
 
 
 def install_admission_gate(config: ExtensionConfig) -> bool:

@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 from controlplane.balancer import routing_class
+from sglang_ext.custom_params import custom_param, set_custom_param
 from sglang_ext.dp_balance import PabLedger, RankBudget, choose_rank
 from sglang_ext.policy.slo import SloCatalog, SloError, slo_spec_of
 
@@ -88,11 +89,7 @@ def install_dp_pab_hooks(catalog: SloCatalog | None = None) -> None:
 def dispatch_seq_of(req: Any) -> int | None:
     """The dispatch sequence number the controller stamped on ``req`` (a ``Req`` or a
     tokenized request), or None when it was not dispatched by the pab method."""
-    sampling_params = getattr(req, "sampling_params", None)
-    custom_params = getattr(sampling_params, "custom_params", None)
-    if not isinstance(custom_params, dict):
-        return None
-    seq = custom_params.get(DISPATCH_SEQ_KEY)
+    seq = custom_param(req, DISPATCH_SEQ_KEY)
     if isinstance(seq, bool) or not isinstance(seq, int):
         return None
     return seq
@@ -100,15 +97,7 @@ def dispatch_seq_of(req: Any) -> int | None:
 
 def stamp_dispatch_seq(req: Any, seq: int | None) -> None:
     """Set (or, with None, remove) the stamp; the dict is copied, never shared."""
-    sampling_params = req.sampling_params
-    custom_params = dict(sampling_params.custom_params or {})
-    if seq is None:
-        if DISPATCH_SEQ_KEY not in custom_params:
-            return
-        del custom_params[DISPATCH_SEQ_KEY]
-    else:
-        custom_params[DISPATCH_SEQ_KEY] = seq
-    sampling_params.custom_params = custom_params or None
+    set_custom_param(req.sampling_params, DISPATCH_SEQ_KEY, seq)
 
 
 def request_class(catalog: SloCatalog | None, req: Any) -> str | None:

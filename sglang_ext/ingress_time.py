@@ -21,6 +21,8 @@ import math
 import time
 from typing import Any
 
+from sglang_ext.custom_params import custom_param, set_custom_param
+
 RECEIVED_KEY = "_fairbatching_received"
 MAX_INGRESS_S = 10.0
 SEND_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._send_one_request"
@@ -32,14 +34,13 @@ def stamp_received(tokenized: Any) -> None:
     if params is None or not hasattr(params, "custom_params"):
         return
     created = getattr(getattr(tokenized, "time_stats", None), "created_time", 0.0) or time.perf_counter()
-    params.custom_params = {**(params.custom_params or {}), RECEIVED_KEY: float(created)}
+    set_custom_param(params, RECEIVED_KEY, float(created))
 
 
 def arrival_time(req: Any) -> float:
     """``req``'s HTTP receive time if stamped and plausible, else the scheduler's."""
     received = req.time_stats.scheduler_recv_time
-    custom_params = getattr(req.sampling_params, "custom_params", None)
-    stamp = custom_params.get(RECEIVED_KEY) if isinstance(custom_params, dict) else None
+    stamp = custom_param(req, RECEIVED_KEY)
     if (isinstance(stamp, float) and math.isfinite(stamp)
             and 0.0 <= received - stamp <= MAX_INGRESS_S):
         return stamp

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from sglang_ext.admission_gate import ADMISSION_STAMP_KEY
+from sglang_ext.custom_params import custom_param
 from sglang_ext.dp_pab import dispatch_seq_of
 from sglang_ext.ingress_time import arrival_time
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
@@ -76,14 +77,13 @@ class RequestRecords:
         dispatch_seq = dispatch_seq_of(req)
         if dispatch_seq is not None:
             self.highest_dispatch_seq = max(self.highest_dispatch_seq, dispatch_seq)
-        self._echo_admission(custom_params)
+        self._echo_admission(custom_param(req, ADMISSION_STAMP_KEY))
         view = LiveRequestView(req.rid, arrival_time(req), slo,
                                next(self._sequence), dispatch_seq, len(req.origin_input_ids))
         setattr(req, RECORD_ATTR, view)
         return view
 
-    def _echo_admission(self, custom_params: Any) -> None:
-        stamp = custom_params.get(ADMISSION_STAMP_KEY) if isinstance(custom_params, dict) else None
+    def _echo_admission(self, stamp: Any) -> None:
         if not (isinstance(stamp, list) and len(stamp) == 2):
             return
         token, seq = stamp
