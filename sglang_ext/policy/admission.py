@@ -32,6 +32,20 @@ so it is refused if its own prefill cannot finish in time, or if serving it firs
 deadline is earlier) would make a request already admitted miss its TTFT. An arrival that
 already waited (admitted after the step under way) has that much less TTFT.
 
+KV memory (a :class:`KvOutlook`, when the engine gives one). A prefill starts only when
+its prompt and the outputs it reserves fit in the KV memory the rank has free; a rank
+whose memory is committed to running requests prefills only as they finish, whatever the
+step model leaves. Scanning the same queue, each feasible entry also needs the KV of the
+entries before it plus its own by its latest start (deadline less its prefill at ``R``),
+counting what running requests give back by then (each when its last token is due);
+otherwise it is hopeless. An arrival's budget is then also at most::
+
+    max over t in [now, now + T]:  min( A(t) - KV of feasible entries due by now + T - r,
+                                        R * (now + T - t) )
+
+(``A(t)`` the KV free by ``t``, ``r`` what a new arrival reserves for its outputs) and
+the least KV spare of the feasible entries due after ``now + T``, less ``r``.
+
 Why not the paper's PAB (measured in ``docs/admission.md``): PAB assumes every decode is
 deferred until its slack runs out, so it credits the prefill with time the decodes
 actually take, ignores the decodes that admitted prefills become, and subtracts queued
@@ -45,8 +59,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 
 from sglang_ext.policy.pab import prefill_admission_budget
@@ -158,6 +172,67 @@ def prefill_rate(
 
 
 @dataclass(frozen=True, slots=True)
+class KvOutlook:
+    """A rank's KV memory as its prefill queue sees it (from the engine: SGLang's memory
+    budget, the simulator's pool).
+
+    ``free_tokens`` is what a new prefill may take now, after what running requests
+    hold and have reserved for their outputs; a running request gives back what it holds
+    and reserves when its last token is due (``release_times``, ascending, with the
+    cumulative tokens in ``released_through``); a queued prefill needs its pending
+    prompt tokens plus ``reserves[req_id]`` (``new_reserve`` for one not listed, and for
+    an arrival)."""
+
+    free_tokens: float
+    release_times: tuple[float, ...] = ()
+    released_through: tuple[float, ...] = ()
+    reserves: Mapping[Hashable, float] = field(default_factory=dict)
+    new_reserve: float = 0.0
+
+    @classmethod
+    def of(
+        cls, free_tokens: float, releases: Iterable[tuple[float, float]] = (),
+        reserves: Mapping[Hashable, float] | None = None, new_reserve: float = 0.0,
+    ) -> KvOutlook:
+        """From ``(time, tokens)`` releases in any order."""
+        times: list[float] = []
+        through: list[float] = []
+        total = 0.0
+        for time_s, tokens in sorted(releases):
+            total += tokens
+            times.append(time_s)
+            through.append(total)
+        return cls(float(free_tokens), tuple(times), tuple(through), dict(reserves or {}),
+                   float(new_reserve))
+
+    def available_at(self, time_s: float) -> float:
+        """KV tokens free for prefills by ``time_s``."""
+        index = bisect_right(self.release_times, time_s)
+        return self.free_tokens + (self.released_through[index - 1] if index else 0.0)
+
+    def need_of(self, request: RequestState) -> float:
+        return request.pending_prefill + self.reserves.get(request.req_id, self.new_reserve)
+
+    def arrival_budget(self, now: float, ttft_s: float, need_before: float, rate: float) -> float:
+        """Prompt tokens an arrival due at ``now + ttft_s`` may bring, as far as KV goes:
+        its prompt and reservation fit by some time ``t`` after the ``need_before`` of
+        the entries due before it, and its prefill fits between ``t`` and its deadline."""
+        deadline = now + ttft_s
+        base = self.free_tokens - need_before - self.new_reserve
+        best = min(base + self._released_by(now), rate * ttft_s)
+        start = bisect_right(self.release_times, now)
+        end = bisect_right(self.release_times, deadline)
+        for index in range(start, end):
+            best = max(best, min(base + self.released_through[index],
+                                 rate * (deadline - self.release_times[index])))
+        return best
+
+    def _released_by(self, time_s: float) -> float:
+        index = bisect_right(self.release_times, time_s)
+        return self.released_through[index - 1] if index else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class QueueForecast:
     """The EDF forecast of one rank's prefill queue at ``now`` (module docstring)."""
 
@@ -167,6 +242,9 @@ class QueueForecast:
     work_through: tuple[float, ...]  # cumulative pending tokens up to and including each
     spare_after: tuple[float, ...]  # min spare over entries i.. (len + 1; last is inf)
     hopeless: frozenset[Hashable]
+    kv: KvOutlook | None = None
+    need_through: tuple[float, ...] = ()  # cumulative KV needs, as work_through
+    kv_spare_after: tuple[float, ...] = ()  # as spare_after, in KV tokens
 
     def budget(self, ttft_s: float) -> float:
         """Prompt tokens a request arriving now with TTFT ``ttft_s`` may bring (may be < 0)."""
@@ -174,12 +252,18 @@ class QueueForecast:
         index = bisect_right(self.deadlines, deadline)
         work_before = self.work_through[index - 1] if index else 0.0
         own = self.rate * ttft_s - work_before
-        return min(own, self.spare_after[index])
+        budget = min(own, self.spare_after[index])
+        kv = self.kv
+        if kv is None:
+            return budget
+        need_before = self.need_through[index - 1] if index else 0.0
+        return min(budget, kv.arrival_budget(self.now, ttft_s, need_before, self.rate),
+                   self.kv_spare_after[index] - kv.new_reserve)
 
 
 def forecast(
     requests: Sequence[RequestState], now: float, coefficients: StepCoefficients,
-    default_tpot_s: float, headroom: float = DEFAULT_HEADROOM,
+    default_tpot_s: float, headroom: float = DEFAULT_HEADROOM, kv: KvOutlook | None = None,
 ) -> QueueForecast:
     rate = prefill_rate(requests, coefficients, default_tpot_s, headroom)
     queue = []
@@ -188,28 +272,51 @@ def forecast(
             continue
         slo = request.slo
         deadline = request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index
-        queue.append((deadline, request.arrival_seq, request.pending_prefill, request.req_id))
-    queue.sort()
+        need = 0.0 if kv is None else kv.need_of(request)
+        queue.append((deadline, request.arrival_seq, request.pending_prefill, need, request.req_id))
+    queue.sort(key=_queue_order)
     deadlines: list[float] = []
     work_through: list[float] = []
     spares: list[float] = []
+    need_through: list[float] = []
+    kv_spares: list[float] = []
     hopeless: set[Hashable] = set()
     work = 0.0
-    for deadline, _, pending, req_id in queue:
+    needed = 0.0
+    for deadline, _, pending, need, req_id in queue:
         capacity = rate * (deadline - now)
         if work + pending > capacity:
             hopeless.add(req_id)
             continue
+        if kv is not None:
+            kv_spare = kv.available_at(deadline - pending / rate) - needed - need
+            if kv_spare < 0:
+                hopeless.add(req_id)
+                continue
+            needed += need
+            need_through.append(needed)
+            kv_spares.append(kv_spare)
         work += pending
         deadlines.append(deadline)
         work_through.append(work)
         spares.append(capacity - work)
-    spare_after = [math.inf] * (len(spares) + 1)
-    for index in range(len(spares) - 1, -1, -1):
-        spare_after[index] = min(spares[index], spare_after[index + 1])
     return QueueForecast(
-        now, rate, tuple(deadlines), tuple(work_through), tuple(spare_after), frozenset(hopeless)
+        now, rate, tuple(deadlines), tuple(work_through), _suffix_minima(spares),
+        frozenset(hopeless), kv, tuple(need_through),
+        _suffix_minima(kv_spares) if kv is not None else (),
     )
+
+
+def _queue_order(entry: tuple) -> tuple:
+    return entry[0], entry[1]
+
+
+def _suffix_minima(values: Sequence[float]) -> tuple[float, ...]:
+    """``out[i] = min(values[i:])``, one longer than ``values`` (its last is inf)."""
+    out = [math.inf] * (len(values) + 1)
+    for index in range(len(values) - 1, -1, -1):
+        out[index] = min(values[index], out[index + 1])
+    return tuple(out)
 
 
 def class_budgets(
@@ -220,14 +327,16 @@ def class_budgets(
     classes: Mapping[str, Slo],
     default_tpot_s: float,
     headroom: float = DEFAULT_HEADROOM,
+    kv: KvOutlook | None = None,
 ) -> dict[str, float]:
-    """Each SLO class's admission budget in prompt tokens, from one rank state."""
+    """Each SLO class's admission budget in prompt tokens, from one rank state (``kv``:
+    the ``edf`` rule's KV term; the paper's PAB has none)."""
     if rule is AdmissionRule.PAB:
         return {
             name: prefill_admission_budget(requests, now, coefficients, slo)
             for name, slo in classes.items()
         }
-    queue = forecast(requests, now, coefficients, default_tpot_s, headroom)
+    queue = forecast(requests, now, coefficients, default_tpot_s, headroom, kv)
     return {name: queue.budget(slo.ttft_s) for name, slo in classes.items()}
 
 

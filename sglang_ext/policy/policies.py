@@ -14,7 +14,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sglang_ext.policy.admission import (
-    AdmissionError, AdmissionMode, AdmissionRule, AdmissionSettings, class_budgets, forecast,
+    AdmissionError, AdmissionMode, AdmissionRule, AdmissionSettings, KvOutlook, class_budgets,
+    forecast,
 )
 from sglang_ext.policy.batch_former import (
     DEFAULT_MAX_TOKEN_BUDGET, ServiceFloor, Triage, pack, triage, unserviceable_slo_reason,
@@ -75,6 +76,7 @@ class BatchPolicy:
         self.context = context
         self.step_model = OnlineStepModel(context.initial_step_model)
         self.admission = context.admission  # what the policy applies (off for baselines)
+        self.kv_outlook: KvOutlook | None = None
         if context.delivery_allowance_s and not self.takes_delivery_allowance:
             raise ValueError(f"policy {self.name!r} plans tokens at their deadlines and takes no "
                              "delivery allowance; use a -margin variant (fb-anchor-margin, fb-smooth)")
@@ -102,6 +104,12 @@ class BatchPolicy:
         ``prefill_tokens`` is the part of ``new_tokens`` that was prompt."""
         self.step_model.observe(new_tokens, context, measured_s)
 
+    def observe_kv(self, outlook: KvOutlook | None) -> None:
+        """The rank's KV memory, given before ``admit``, ``form_batch`` and
+        ``admission_budgets`` when the engine knows it (``None``: admission counts
+        compute only)."""
+        self.kv_outlook = outlook
+
     def prefill_admission_budget(self, requests: Sequence[RequestState], now: float) -> float:
         return prefill_admission_budget(
             requests, now, self.step_model.coefficients, self.context.global_slo
@@ -114,7 +122,7 @@ class BatchPolicy:
         under the policy's admission rule (``edf`` when admission is off)."""
         return class_budgets(
             self.admission.rule, requests, now, self.step_model.coefficients, classes,
-            self.context.global_slo.tpot_s, self.admission.headroom,
+            self.context.global_slo.tpot_s, self.admission.headroom, self.kv_outlook,
         )
 
 
@@ -144,7 +152,8 @@ class _LatenessGuarded(BatchPolicy):
         if admission.rule is AdmissionRule.PAB:
             return prompt_tokens <= prefill_admission_budget(requests, now, coefficients, slo)
         queue = forecast(
-            requests, now, coefficients, self.context.global_slo.tpot_s, admission.headroom
+            requests, now, coefficients, self.context.global_slo.tpot_s, admission.headroom,
+            self.kv_outlook,
         )
         waited = 0.0 if arrival is None else max(0.0, now - arrival)
         return prompt_tokens <= queue.budget(slo.ttft_s - waited)
@@ -162,7 +171,7 @@ class _LatenessGuarded(BatchPolicy):
         if self.admission.mode is AdmissionMode.DEFER:
             hopeless = forecast(
                 requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
-                self.admission.headroom,
+                self.admission.headroom, self.kv_outlook,
             ).hopeless
         return triage(
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,

@@ -30,6 +30,7 @@ from sglang.srt.managers.scheduler import NextBatchPlan, Scheduler
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_ext.config import ExtensionConfig
+from sglang_ext.scheduler.kv_outlook import kv_outlook
 from sglang_ext.scheduler.requests import LiveRequestView
 from sglang_ext.scheduler.parking import merge_into, split_batch
 from sglang_ext.scheduler.prefill_plan import PrefillPlan, adder_factory, plan_from_chunks
@@ -177,6 +178,8 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
 
     started += state.maybe_collect_garbage(views, time.perf_counter(), "slack")
     now = state.decision_time(time.perf_counter())
+    if state.forecasts_kv:
+        state.policy.observe_kv(_kv_outlook(self, running_batch, parked_reqs, views))
     state.update_pab(views, now)
     decision = state.policy.form_batch(views, now)
     state.last_decision = decision
@@ -212,6 +215,19 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         state.counters.fallbacks += 1
         return NextBatchPlan(batch_to_run=None, running_batch=unpark(self, result.running_batch))
     return result
+
+
+def _kv_outlook(scheduler: Scheduler, running_batch: Any, parked_reqs: Any, views: list[Any]) -> Any:
+    decoding_reqs = (*running_batch.reqs, *parked_reqs)
+    queued_reqs = ((scheduler.chunked_req,) if scheduler.chunked_req is not None else ()) + tuple(
+        scheduler.waiting_queue)
+    split = len(decoding_reqs)
+    return kv_outlook(
+        scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size(),
+        scheduler.new_token_ratio_tracker.current,
+        tuple(zip(decoding_reqs, views[:split])),
+        tuple(zip(queued_reqs, views[split:])),
+    )
 
 
 def _realise_decodes(scheduler: Scheduler, state: FairBatchingState, running: Any, decision: Any) -> Any:

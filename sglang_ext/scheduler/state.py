@@ -19,7 +19,7 @@ from typing import Any
 from controlplane.protocol import budget_tokens
 from controlplane.ratelimited_log import RateLimitedLog
 from sglang_ext.config import ExtensionConfig
-from sglang_ext.policy.admission import AdmissionMode, AdmissionSettings
+from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, AdmissionSettings
 from sglang_ext.policy.gc import should_collect
 from sglang_ext.policy.view import BatchDecision, RequestState
 from sglang_ext.scheduler.device_clock import DeviceClock
@@ -144,6 +144,13 @@ class FairBatchingState:
     @property
     def parked_reqs(self) -> list[Any]:
         return [] if self.parked is None else list(self.parked.reqs)
+
+    @property
+    def forecasts_kv(self) -> bool:
+        """Whether decisions need the rank's KV outlook: the ``edf`` forecast runs (to
+        publish budgets, or to mark hopeless prefills under ``defer``)."""
+        return self.admission.rule is AdmissionRule.EDF and (
+            self.publishes_budgets or self.admission.mode is not AdmissionMode.OFF)
 
     def update_pab(self, views: Sequence[RequestState], now: float) -> None:
         budget = self.policy.prefill_admission_budget(views, now)

@@ -6,8 +6,8 @@ import pytest
 
 from policy_helpers import COEF, NOW, SLO, request
 from sglang_ext.policy.admission import (
-    AdmissionError, AdmissionMode, AdmissionRule, AdmissionSettings, budget_for, class_budgets,
-    forecast, prefill_rate,
+    AdmissionError, AdmissionMode, AdmissionRule, AdmissionSettings, KvOutlook, budget_for,
+    class_budgets, forecast, prefill_rate,
 )
 from sglang_ext.policy.policies import POLICIES, PolicyContext
 from sglang_ext.policy.slo import Slo
@@ -75,6 +75,73 @@ def test_infeasible_prefills_are_hopeless_and_their_work_is_not_counted():
 def test_late_prefills_are_hopeless():
     queue = forecast([request("late", -0.2, prefill=10)], NOW, COEF, TPOT)
     assert queue.hopeless == {"late"}
+
+
+# ------------------------------------------------------------------ KV memory
+
+
+def test_kv_outlook_counts_releases_by_their_time():
+    kv = KvOutlook.of(100, [(NOW + 2.0, 50), (NOW + 1.0, 30)])
+    assert kv.available_at(NOW) == 100
+    assert kv.available_at(NOW + 1.0) == 130
+    assert kv.available_at(NOW + 5.0) == 180
+
+
+def test_ample_kv_changes_nothing():
+    queued = [request("p", 0.5, prefill=3000)]
+    plain = forecast(queued, NOW, COEF, TPOT, headroom=0.0)
+    roomy = forecast(queued, NOW, COEF, TPOT, headroom=0.0, kv=KvOutlook.of(10**9))
+    assert roomy.budget(1.0) == pytest.approx(plain.budget(1.0))
+    assert roomy.hopeless == plain.hopeless
+
+
+def test_an_arrival_needs_its_prompt_and_reserve_in_free_kv():
+    # compute allows 9000 tokens in 1 s; memory has 2000 free and a new request reserves 500
+    queue = forecast([], NOW, COEF, TPOT, headroom=0.0, kv=KvOutlook.of(2000, new_reserve=500))
+    assert queue.budget(1.0) == pytest.approx(1500.0)
+
+
+def test_memory_given_back_in_time_counts_with_the_time_left_to_prefill():
+    # 4000 tokens come back 0.8 s from now: a prompt started then has 0.2 s (1800 tokens)
+    kv = KvOutlook.of(1000, [(NOW + 0.8, 4000)])
+    queue = forecast([], NOW, COEF, TPOT, headroom=0.0, kv=kv)
+    assert queue.budget(1.0) == pytest.approx(1800.0)
+    # memory given back after the deadline does not count
+    late = forecast([], NOW, COEF, TPOT, headroom=0.0, kv=KvOutlook.of(1000, [(NOW + 1.5, 4000)]))
+    assert late.budget(1.0) == pytest.approx(1000.0)
+
+
+def test_queued_prefills_take_memory_first_and_one_that_cannot_start_in_time_is_hopeless():
+    queued = [
+        request("first", 0.5, prefill=800, arrival_seq=0),
+        request("blocked", 0.9, prefill=800, arrival_seq=1),  # no memory until 5 s: hopeless
+    ]
+    kv = KvOutlook.of(1000, [(NOW + 5.0, 10_000)], reserves={"first": 100, "blocked": 100})
+    queue = forecast(queued, NOW, COEF, TPOT, headroom=0.0, kv=kv)
+    assert queue.hopeless == {"blocked"}
+    # an arrival due after "first" has what "first" leaves: 1000 - 900
+    assert queue.budget(1.0) == pytest.approx(100.0)
+    # one due before "first" may not take the memory "first" needs
+    assert queue.budget(0.2) == pytest.approx(100.0)
+
+
+def test_policies_apply_the_kv_outlook_they_were_given():
+    policy = make("fb-anchor-margin", mode=AdmissionMode.REJECT, headroom=0.0)
+    assert policy.admit([], NOW, 5000, SLO)
+    policy.observe_kv(KvOutlook.of(2000))
+    assert not policy.admit([], NOW, 5000, SLO)
+    assert policy.admission_budgets([], NOW, {"standard": SLO})["standard"] == pytest.approx(2000.0)
+    policy.observe_kv(None)
+    assert policy.admit([], NOW, 5000, SLO)
+
+
+def test_defer_marks_prefills_memory_cannot_start_in_time_hopeless():
+    blocked = request("blocked", 0.1, prefill=500, arrival_seq=0)
+    fits = request("fits", 0.9, prefill=500, arrival_seq=1)
+    deferring = make("fb", mode=AdmissionMode.DEFER, headroom=0.0)
+    deferring.observe_kv(KvOutlook.of(600, reserves={"blocked": 200, "fits": 0}))
+    # "blocked" needs 700 of the 600 free; "fits" needs 500
+    assert deferring.form_batch([blocked, fits], NOW).prefill_chunks[0][0] == "fits"
 
 
 def test_class_budgets_per_rule():
