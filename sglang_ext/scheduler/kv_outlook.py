@@ -41,16 +41,25 @@ def kv_outlook(
     """``decoding``: (``Req``, view) of running and parked requests; ``queued``: the
     chunked request and the waiting queue. An arrival is expected to reserve the median
     of what the known requests reserved when they arrived."""
+    clip = CLIP_MAX_NEW_TOKENS
     free = float(free_and_evictable)
     releases = []
+    initial = []
     for req, view in decoding:
-        reserve = output_reserve(req, new_token_ratio)
+        params = req.sampling_params
+        max_new = params.max_new_tokens or 0
+        ratio = 1.0 if params.ignore_eos else new_token_ratio
+        reserve = min(max(0, max_new - len(req.output_ids)), clip) * ratio
         free -= reserve
+        initial.append(min(max_new, clip) * ratio)
         first = view.first_token_time
-        anchor = first if first is not None else view.arrival + view.slo.ttft_s
-        last_index = max(0, (req.sampling_params.max_new_tokens or 0) - 1)
-        releases.append((anchor + last_index * view.slo.tpot_s, view.context + reserve))
-    reserves = {view.req_id: output_reserve(req, new_token_ratio) for req, view in queued}
-    initial = [output_reserve(req, new_token_ratio, from_start=True) for req, _ in (*decoding, *queued)]
+        slo = view.slo
+        anchor = first if first is not None else view.arrival + slo.ttft_s
+        releases.append((anchor + max(0, max_new - 1) * slo.tpot_s, view.context + reserve))
+    reserves = {}
+    for req, view in queued:
+        reserve = output_reserve(req, new_token_ratio)
+        reserves[view.req_id] = reserve
+        initial.append(reserve)
     new_reserve = statistics.median(initial) if initial else 0.0
     return KvOutlook.of(free, releases, reserves, new_reserve)
