@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from statistics import median
 
+from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, KvOutlook
 from sglang_ext.policy.policies import BatchPolicy
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.view import BatchDecision
@@ -105,6 +107,10 @@ class SimEngine:
         self._record_tokens = record_tokens
         self._record_steps = record_steps
         self._check = check_invariants
+        # the KV outlook is built where the forecast reads it: arrivals under reject,
+        # every step under defer (its hopeless prefills)
+        admission = policy.admission
+        self._admission_mode = admission.mode if admission.rule is AdmissionRule.EDF else None
 
     # ---------------------------------------------------------------- interface
     @property
@@ -135,6 +141,8 @@ class SimEngine:
         record = RequestRecord(req_id, arrival, slo, prompt_tokens, output_tokens)
         self.records[req_id] = record
         too_long = prompt_tokens + output_tokens > self.kv_capacity
+        if not too_long and self._admission_mode is AdmissionMode.REJECT:
+            self._share_kv_outlook()
         if (
             too_long
             or self.policy.refusal(slo) is not None
@@ -165,6 +173,33 @@ class SimEngine:
         events, self._events = self._events, []
         return events
 
+    def kv_outlook(self) -> KvOutlook:
+        """The pool as the admission forecast sees it, by SGLang's rule for requests whose
+        output length is fixed (``ignore_eos``, as the replay sends them): every request
+        holds or reserves its prompt and all its outputs; a decoding one gives that back
+        when its last token is due. The engine knows output lengths as SGLang knows
+        ``max_new_tokens``; the policy gets sums and reserves, never a request's length."""
+        free = float(self.kv_capacity - self._kv_used)
+        releases = []
+        reserves = {}
+        targets = []
+        for request in self._active:
+            target = self._output_target[request.req_id]
+            remaining = target - request.next_output_index
+            targets.append(target)
+            if request.pending_prefill:
+                reserves[request.req_id] = remaining
+                continue
+            free -= remaining
+            slo = request.slo
+            first = request.first_token_time
+            anchor = first if first is not None else request.arrival + slo.ttft_s
+            releases.append((anchor + (target - 1) * slo.tpot_s, request.context + remaining))
+        return KvOutlook.of(free, releases, reserves, median(targets) if targets else 0.0)
+
+    def _share_kv_outlook(self) -> None:
+        self.policy.observe_kv(self.kv_outlook())
+
     def prefill_admission_budget(self) -> float:
         return self.policy.prefill_admission_budget(self._active, self.now)
 
@@ -179,6 +214,8 @@ class SimEngine:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> None:
+        if self._admission_mode is AdmissionMode.DEFER:
+            self._share_kv_outlook()
         decision = self.policy.form_batch(self._active, self.now)
         for req_id in decision.abort_ids:
             request = self._by_id.get(req_id)

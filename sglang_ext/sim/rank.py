@@ -262,6 +262,7 @@ class SimRank:
     def class_budgets(self, active: Sequence[object]) -> dict:
         """Each SLO class's budget from the engine's state, as a report carries it."""
         classes = self.catalog.classes
+        self.engine.policy.observe_kv(self.engine.kv_outlook())
         budgets = self.engine.policy.admission_budgets(active, self.engine.now, classes)
         return class_budgets(budgets, {name: slo.ttft_s for name, slo in classes.items()})
 

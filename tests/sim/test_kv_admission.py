@@ -1,0 +1,53 @@
+"""The simulator's KV outlook for the admission forecast, and what it changes on a rank
+whose KV memory, not its compute, is what runs out."""
+
+from __future__ import annotations
+
+import pytest
+from sim_helpers import SLO, llama, make_policy, small_kv_profile, synthetic_requests
+
+from sglang_ext.policy.admission import AdmissionMode, AdmissionSettings
+from sglang_ext.sim.engine import SimEngine
+from sglang_ext.sim.metrics import summarize
+
+
+def _engine(profile, mode: AdmissionMode = AdmissionMode.REJECT) -> SimEngine:
+    policy = make_policy("fb-smooth", profile, admission=AdmissionSettings(mode))
+    return SimEngine(profile, policy, seed=0)
+
+
+def test_outlook_reserves_outputs_and_gives_memory_back_when_the_last_token_is_due():
+    engine = _engine(llama())
+    engine.submit("a", 0.0, 1000, 50, SLO)
+    while engine.records["a"].first_token_s is None:
+        engine.step()
+    engine.submit("b", engine.now, 400, 30, SLO)
+    decoding = engine.active_requests[0]
+    outlook = engine.kv_outlook()
+    remaining = 50 - decoding.next_output_index
+    assert outlook.free_tokens == engine.kv_capacity - engine.kv_used - remaining
+    assert outlook.release_times == (pytest.approx(decoding.first_token_time + 49 * SLO.tpot_s),)
+    assert outlook.released_through == (decoding.context + remaining,)
+    assert outlook.reserves == {"b": 30}
+    assert outlook.new_reserve == 40  # the median output of the two
+
+
+def _admitted_ttft_misses(profile, share_kv: bool) -> tuple[int, int]:
+    engine = _engine(profile)
+    if not share_kv:
+        engine._share_kv_outlook = lambda: None
+    requests = synthetic_requests(400, 24.0, seed=5, prompt=(200, 3000), output=(50, 400))
+    for request in requests:
+        engine.submit(request.req_id, request.arrival, request.prompt, request.output, SLO)
+    engine.run_until_idle(requests[-1].arrival + 300)
+    admitted = [r for r in engine.records.values() if not r.rejected]
+    misses = sum(1 for r in admitted if r.ttft_s is None or r.ttft_s > SLO.ttft_s)
+    return len(admitted), misses
+
+
+def test_on_a_memory_bound_rank_admitted_requests_meet_their_ttft():
+    profile = small_kv_profile(40_000)
+    admitted, misses = _admitted_ttft_misses(profile, share_kv=True)
+    blind_admitted, blind_misses = _admitted_ttft_misses(profile, share_kv=False)
+    assert misses < blind_misses
+    assert misses / admitted < blind_misses / blind_admitted
