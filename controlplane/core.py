@@ -268,6 +268,22 @@ class DispatcherCore:
             reason, detail = RejectReason.OVERLOADED, "the admission queue is full"
         return self._close(request_id, self._reject(request_id, reason, detail))
 
+    def _place_elsewhere(self, request_id: str, pending: Pending, error: str, now: float) -> list[Send]:
+        """The rank's own admission refused the request before it cost anything: release it
+        there and place it on a rank it has not tried, when one with a fresh report is left;
+        otherwise answer ``no_budget`` with the rank's reason."""
+        views, fresh = self._views(now)
+        if not fresh or all(view.rank in pending.tried for view in views):
+            return self._close(request_id, self._reject(request_id, RejectReason.NO_BUDGET, error),
+                               release=True)
+        self.ledger.release(pending.rank, pending.dispatch_seq)
+        state = self.registry.get(pending.rank)
+        if state is not None and state.epoch == pending.epoch:
+            state.in_flight.discard(request_id)
+        pending.rank = None
+        self.counters["replaced_after_rank_refusal"] += 1
+        return self._place(request_id, pending, now)
+
     def _dispatch(self, request_id: str, pending: Pending, rank: str) -> list[Send]:
         state = self.registry.get(rank)
         assert state is not None
@@ -534,9 +550,8 @@ class DispatcherCore:
         if message.invalid:  # it never reached the scheduler: release its debit
             return self._close(request_id, self._reject(request_id, RejectReason.INVALID, message.error),
                                release=True)
-        if message.no_budget:  # the rank's own admission refused it: nothing to release there
-            return self._close(request_id, self._reject(request_id, RejectReason.NO_BUDGET, message.error),
-                               release=True)
+        if message.no_budget:
+            return self._place_elsewhere(request_id, pending, message.error, now)
         self.counters[f"finished_{message.reason}"] += 1
         text = "" if pending.submit.stream else "".join(pending.text) + message.text
         token_ids = [] if pending.submit.stream else pending.token_ids + message.token_ids

@@ -173,6 +173,25 @@ def test_rank_admission_refusal_becomes_a_retryable_no_budget_reject():
     assert reject.retry_after_s is not None and core.idle
 
 
+def test_a_rank_refusal_is_placed_on_a_rank_not_yet_tried_then_answered_no_budget():
+    core = make_core()
+    join(core, "r0", pab=10_000)
+    join(core, "r1", pab=5_000)
+    (first,) = dispatches(submit(core, "a"))
+    assert first.rank == "r0"
+    refused = Done("r0", 1, "a", FinishReason.ERROR, error="r0 admission refused", no_budget=True,
+                   dispatch_seq=first.dispatch_seq)
+    (second,) = dispatches(core.on_agent(b"agent-r0", refused, 0.1))
+    assert second.rank == "r1" and core.counters["replaced_after_rank_refusal"] == 1
+    # r0 no longer holds it: a late message from r0 about it is ignored
+    assert core.on_agent(b"agent-r0", Done("r0", 1, "a", FinishReason.LENGTH, 1, 2), 0.15) == []
+    refused = Done("r1", 1, "a", FinishReason.ERROR, error="r1 admission refused", no_budget=True,
+                   dispatch_seq=second.dispatch_seq)
+    (reject,) = replies(core.on_agent(b"agent-r1", refused, 0.2), Reject)
+    assert (reject.reason, reject.detail) == (RejectReason.NO_BUDGET, "r1 admission refused")
+    assert core.idle
+
+
 def test_cancel_aborts_at_the_rank_and_only_the_owner_may_cancel():
     core = make_core()
     join(core, "r0")
