@@ -62,6 +62,7 @@ from bisect import bisect_right
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import itemgetter
 
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.slo import Slo
@@ -207,8 +208,7 @@ class KvOutlook:
 
     def available_at(self, time_s: float) -> float:
         """KV tokens free for prefills by ``time_s``."""
-        index = bisect_right(self.release_times, time_s)
-        return self.free_tokens + (self.released_through[index - 1] if index else 0.0)
+        return self.free_tokens + self._released_by(time_s)
 
     def need_of(self, request: RequestState) -> float:
         return request.pending_prefill + self.reserves.get(request.req_id, self.new_reserve)
@@ -274,7 +274,7 @@ def forecast(
         deadline = request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index
         need = 0.0 if kv is None else kv.need_of(request)
         queue.append((deadline, request.arrival_seq, request.pending_prefill, need, request.req_id))
-    queue.sort(key=_queue_order)
+    queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
     deadlines: list[float] = []
     work_through: list[float] = []
     spares: list[float] = []
@@ -305,10 +305,6 @@ def forecast(
         frozenset(hopeless), kv, tuple(need_through),
         _suffix_minima(kv_spares) if kv is not None else (),
     )
-
-
-def _queue_order(entry: tuple) -> tuple:
-    return entry[0], entry[1]
 
 
 def _suffix_minima(values: Sequence[float]) -> tuple[float, ...]:

@@ -58,8 +58,7 @@ def kv_outlook(
         releases.append((anchor + max(0, max_new - 1) * slo.tpot_s, view.context + reserve))
     reserves = {}
     for req, view in queued:
-        reserve = output_reserve(req, new_token_ratio)
-        reserves[view.req_id] = reserve
-        initial.append(reserve)
+        reserves[view.req_id] = output_reserve(req, new_token_ratio)
+        initial.append(output_reserve(req, new_token_ratio, from_start=True))
     new_reserve = statistics.median(initial) if initial else 0.0
     return KvOutlook.of(free, releases, reserves, new_reserve)
