@@ -150,7 +150,7 @@ def run_point(url: str, config: Config, rate: float, seed: int, raw: Path, quiet
     result = json.loads(output.read_text())
     point.update({key: result[key] for key in (
         "effective_rps", "attainment", "ttft_attainment", "tpot_attainment", "rejected",
-        "aborted", "unfinished", "requests", "ttft_ms", "tpot_ms")})
+        "aborted", "unfinished", "requests", "ttft_ms", "tpot_ms", "by_prompt_tokens")})
     return point
 
 

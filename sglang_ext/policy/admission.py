@@ -23,6 +23,12 @@ its fixed cost, less a ``headroom`` fraction for the forecast's own error::
 Scanning the in-time prefills by deadline, each one that fits (work before it plus its
 own pending tokens <= ``R * (deadline - now)``) is *feasible* and leaves ``spare`` tokens;
 one that does not is hopeless and its work is not counted (it is served after the others).
+Under ``defer`` the scan keeps the most prefills on time instead (``evict_longest``,
+Moore-Hodgson's rule for the fewest late jobs on one machine): when an entry does not
+fit, the not-yet-started entry with the most pending tokens so far is hopeless instead,
+which may be an earlier one. A long prompt then yields to several short ones that can all
+still make their TTFT; a prefill already under way is dropped only when it cannot finish
+in time itself.
 A new request of TTFT ``T`` gets::
 
     budget(T) = min( R * T - work of feasible entries due by now + T,
@@ -57,6 +63,7 @@ evaluated with each class's SLO as the global one; kept to measure against.
 
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import bisect_right
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -264,26 +271,30 @@ class QueueForecast:
 def forecast(
     requests: Sequence[RequestState], now: float, coefficients: StepCoefficients,
     default_tpot_s: float, headroom: float = DEFAULT_HEADROOM, kv: KvOutlook | None = None,
+    evict_longest: bool = False,
 ) -> QueueForecast:
     rate = prefill_rate(requests, coefficients, default_tpot_s, headroom)
     queue = []
     for request in requests:
-        if request.pending_prefill <= 0:
+        pending = request.pending_prefill
+        if pending <= 0:
             continue
         slo = request.slo
         deadline = request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index
         need = 0.0 if kv is None else kv.need_of(request)
-        queue.append((deadline, request.arrival_seq, request.pending_prefill, need, request.req_id))
+        started = pending < request.prompt_tokens
+        queue.append((deadline, request.arrival_seq, pending, need, request.req_id, started))
     queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
+    hopeless: set[Hashable] = set()
+    kept = _on_time(queue, rate, now, hopeless) if evict_longest else queue
     deadlines: list[float] = []
     work_through: list[float] = []
     spares: list[float] = []
     need_through: list[float] = []
     kv_spares: list[float] = []
-    hopeless: set[Hashable] = set()
     work = 0.0
     needed = 0.0
-    for deadline, _, pending, need, req_id in queue:
+    for deadline, _, pending, need, req_id, _ in kept:
         capacity = rate * (deadline - now)
         if work + pending > capacity:
             hopeless.add(req_id)
@@ -307,6 +318,30 @@ def forecast(
     )
 
 
+def _on_time(queue: list[tuple], rate: float, now: float, hopeless: set[Hashable]) -> list[tuple]:
+    """Moore-Hodgson over the deadline-ordered queue: when an entry would finish past its
+    deadline, drop the not-yet-started entry with the most pending tokens so far (into
+    ``hopeless``), which keeps the most entries on time. Returns the kept, in order."""
+    dropped: set[int] = set()
+    longest: list[tuple[float, int]] = []
+    work = 0.0
+    for position, (deadline, _, pending, _, req_id, started) in enumerate(queue):
+        work += pending
+        if not started:
+            heapq.heappush(longest, (-pending, -position))
+        capacity = rate * (deadline - now)
+        while work > capacity and longest:
+            negative, negative_position = heapq.heappop(longest)
+            work += negative
+            dropped.add(-negative_position)
+        if work > capacity and position not in dropped:
+            work -= pending
+            dropped.add(position)
+    for position in dropped:
+        hopeless.add(queue[position][4])
+    return [entry for position, entry in enumerate(queue) if position not in dropped]
+
+
 def _suffix_minima(values: Sequence[float]) -> tuple[float, ...]:
     """``out[i] = min(values[i:])``, one longer than ``values`` (its last is inf)."""
     out = [math.inf] * (len(values) + 1)
@@ -324,15 +359,17 @@ def class_budgets(
     default_tpot_s: float,
     headroom: float = DEFAULT_HEADROOM,
     kv: KvOutlook | None = None,
+    evict_longest: bool = False,
 ) -> dict[str, float]:
     """Each SLO class's admission budget in prompt tokens, from one rank state (``kv``:
-    the ``edf`` rule's KV term; the paper's PAB has none)."""
+    the ``edf`` rule's KV term and ``evict_longest`` its queue under ``defer``; the paper's
+    PAB has neither)."""
     if rule is AdmissionRule.PAB:
         return {
             name: prefill_admission_budget(requests, now, coefficients, slo)
             for name, slo in classes.items()
         }
-    queue = forecast(requests, now, coefficients, default_tpot_s, headroom, kv)
+    queue = forecast(requests, now, coefficients, default_tpot_s, headroom, kv, evict_longest)
     return {name: queue.budget(slo.ttft_s) for name, slo in classes.items()}
 
 

@@ -123,6 +123,7 @@ class BatchPolicy:
         return class_budgets(
             self.admission.rule, requests, now, self.step_model.coefficients, classes,
             self.context.global_slo.tpot_s, self.admission.headroom, self.kv_outlook,
+            evict_longest=self.admission.mode is AdmissionMode.DEFER,
         )
 
 
@@ -171,7 +172,7 @@ class _LatenessGuarded(BatchPolicy):
         if self.admission.mode is AdmissionMode.DEFER:
             hopeless = forecast(
                 requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
-                self.admission.headroom, self.kv_outlook,
+                self.admission.headroom, self.kv_outlook, evict_longest=True,
             ).hopeless
         return triage(
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,

@@ -13,6 +13,7 @@ Definitions (FairBatching §5.1):
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -132,8 +133,7 @@ def summarize(records: Iterable[RequestRecord], offered_rate: float, duration_s:
         "attainment": attainment,
         "effective_rps": offered_rate * attainment,
         "envelope_attainment": envelope / total,
-        "ttft_attainment": sum(r.ttft_s is not None and r.ttft_s <= r.slo.ttft_s for r in served)
-        / total,
+        "ttft_attainment": sum(map(_ttft_met, records)) / total,
         "tpot_attainment": sum(r.max_tpot_s <= r.slo.tpot_s for r in finished) / total,
         "rejected": sum(r.rejected for r in records),
         "aborted": sum(r.aborted for r in records),
@@ -145,6 +145,36 @@ def summarize(records: Iterable[RequestRecord], offered_rate: float, duration_s:
         "tpot_ms": _percentiles_ms(tpots),
         "mean_tpot_ms": _percentiles_ms(mean_tpots),
         "max_tbt_ms": _percentiles_ms(max_tbts),
+        "by_prompt_tokens": attainment_by_prompt_tokens(records),
+    }
+
+
+def _ttft_met(record: RequestRecord) -> bool:
+    return (not record.rejected and not record.aborted and record.ttft_s is not None
+            and record.ttft_s <= record.slo.ttft_s)
+
+
+PROMPT_TOKEN_EDGES = (512, 1024, 2048, 4096)
+
+
+def attainment_by_prompt_tokens(
+    records: Iterable[RequestRecord], edges: Sequence[int] = PROMPT_TOKEN_EDGES
+) -> dict[str, dict[str, float]]:
+    """SLO and TTFT attainment per prompt-length bucket (``"<512"``, ``"512-1023"``, ...,
+    ``">=4096"``; empty buckets left out): who pays for a rule that favours short prompts."""
+    labels = [f"<{edges[0]}"] + [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])]
+    labels.append(f">={edges[-1]}")
+    buckets: dict[str, list[RequestRecord]] = {label: [] for label in labels}
+    for record in records:
+        buckets[labels[bisect_right(edges, record.prompt_tokens)]].append(record)
+    return {
+        label: {
+            "requests": len(members),
+            "attainment": sum(r.slo_met for r in members) / len(members),
+            "ttft_attainment": sum(map(_ttft_met, members)) / len(members),
+        }
+        for label, members in buckets.items()
+        if members
     }
 
 

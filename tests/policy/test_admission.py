@@ -77,6 +77,44 @@ def test_late_prefills_are_hopeless():
     assert queue.hopeless == {"late"}
 
 
+def test_defer_keeps_the_most_prefills_on_time_by_dropping_the_longest():
+    # rate 7540 tokens/s: "long" fits by its deadline (4524), not with "short1" (5278)
+    queued = [
+        request("long", 0.6, prefill=4000, arrival_seq=0),
+        request("short1", 0.7, prefill=1500, arrival_seq=1),
+        request("short2", 0.8, prefill=1500, arrival_seq=2),
+    ]
+    plain = forecast(queued, NOW, COEF, TPOT, headroom=0.0)
+    assert plain.rate == pytest.approx(7540.0)
+    assert plain.hopeless == {"short1"}  # the entry that does not fit
+    evicting = forecast(queued, NOW, COEF, TPOT, headroom=0.0, evict_longest=True)
+    assert evicting.hopeless == {"long"}  # two on time instead of one
+    assert evicting.work_through == (1500, 3000)
+
+
+def test_a_started_prefill_is_not_dropped_for_later_ones():
+    started = request("started", 0.6, prefill=4000, context=500, arrival_seq=0)
+    queued = [started, request("short1", 0.7, prefill=1500, arrival_seq=1),
+              request("short2", 0.8, prefill=1500, arrival_seq=2)]
+    evicting = forecast(queued, NOW, COEF, TPOT, headroom=0.0, evict_longest=True)
+    assert evicting.hopeless == {"short1"}
+    alone = forecast([request("started", 0.1, prefill=4000, context=500)], NOW, COEF, TPOT,
+                     headroom=0.0, evict_longest=True)
+    assert alone.hopeless == {"started"}  # it cannot finish in time itself
+
+
+def test_defer_serves_the_short_prefills_before_a_long_one_that_would_cost_them_their_ttft():
+    queued = [
+        request("long", 0.6, prefill=4000, arrival_seq=0),
+        request("short1", 0.7, prefill=1500, arrival_seq=1),
+        request("short2", 0.8, prefill=1500, arrival_seq=2),
+    ]
+    deferring = make("fb", mode=AdmissionMode.DEFER, headroom=0.0)
+    chunks = deferring.form_batch(queued, NOW).prefill_chunks
+    assert [req_id for req_id, _ in chunks][:2] == ["short1", "short2"]
+    assert make("fb").form_batch(queued, NOW).prefill_chunks[0][0] == "long"
+
+
 # ------------------------------------------------------------------ KV memory
 
 

@@ -7,7 +7,9 @@ import math
 import pytest
 
 from sglang_ext.policy.slo import Slo
-from sglang_ext.sim.metrics import RequestRecord, latency_samples, summarize
+from sglang_ext.sim.metrics import (
+    RequestRecord, attainment_by_prompt_tokens, latency_samples, summarize,
+)
 
 # Binary fractions keep every expected value exact.
 SLO = Slo(ttft_s=1.0, tpot_s=0.25)
@@ -127,6 +129,21 @@ def test_summarize_counts_and_attainment():
     assert summary["envelope_attainment"] == pytest.approx(3 / 6)
     emitted = 3 + 1 + 3 + 2 + 0 + 2
     assert summary["output_tokens_per_s"] == pytest.approx(emitted / 2.0)
+
+
+def test_attainment_by_prompt_length_bucket():
+    records = _mixed_records()  # prompts of 100 tokens but the rejected one (10)
+    long_met = RequestRecord("g", 0.0, SLO, prompt_tokens=4096, output_tokens=1)
+    long_met.on_token(0, 0.5)
+    long_late = RequestRecord("h", 0.0, SLO, prompt_tokens=1500, output_tokens=1)
+    long_late.on_token(0, 1.5)
+    buckets = attainment_by_prompt_tokens([*records, long_met, long_late])
+    assert list(buckets) == ["<512", "1024-2047", ">=4096"]
+    assert buckets["<512"] == {"requests": 6, "attainment": pytest.approx(2 / 6),
+                               "ttft_attainment": pytest.approx(4 / 6)}
+    assert buckets["1024-2047"] == {"requests": 1, "attainment": 0.0, "ttft_attainment": 0.0}
+    assert buckets[">=4096"] == {"requests": 1, "attainment": 1.0, "ttft_attainment": 1.0}
+    assert summarize(records, 6.0, 2.0)["by_prompt_tokens"] == attainment_by_prompt_tokens(records)
 
 
 def test_summarize_percentiles_in_ms():
