@@ -53,6 +53,7 @@ ARRIVALS = "gamma:4"
 SLO_CLASS = "standard"
 TTFT_S = 2.0
 CHUNKS = (256, 512, 1024)
+CHUNK_NAMES = {f"mixed-{chunk}" for chunk in CHUNKS}
 QUEUE_LIMITS = (4, 8, 16, 32)
 DEFAULT_RATES = (10.0, 16.0)
 SECONDS = 60.0
@@ -92,17 +93,19 @@ def load_points() -> list[dict]:
     return _load_points(POINTS)
 
 
-def best_chunk(points: list[dict], rates: tuple[float, ...]) -> int | None:
-    """The stock chunk size with the highest mean effective RPS over ``rates`` (None until
-    every chunk has every rate)."""
-    scores = {}
-    for chunk in CHUNKS:
-        values = [p["effective_rps"] for p in points
-                  if p["config"] == f"mixed-{chunk}" and p["rate"] in rates and "effective_rps" in p]
-        if len(values) < len(rates):
-            return None
-        scores[chunk] = sum(values) / len(values)
-    return max(scores, key=scores.get)
+def best_chunk(points: list[dict]) -> int | None:
+    """The stock chunk size with the highest mean effective RPS over the rates every chunk
+    was measured at (None before there is one)."""
+    measured: dict[int, dict[float, list[float]]] = {chunk: {} for chunk in CHUNKS}
+    for p in points:
+        chunk = int(p["config"].removeprefix("mixed-")) if p["config"] in CHUNK_NAMES else None
+        if chunk is not None and "effective_rps" in p:
+            measured[chunk].setdefault(p["rate"], []).append(p["effective_rps"])
+    common = set.intersection(*(set(rates) for rates in measured.values()))
+    if not common:
+        return None
+    return max(CHUNKS, key=lambda chunk: sum(
+        sum(values) / len(values) for rate, values in measured[chunk].items() if rate in common))
 
 
 def write_admission_config(directory: Path, mode: str) -> Path:
@@ -223,11 +226,39 @@ def render(points: list[dict]) -> str:
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     lines += ["", "Best stock per rate: " + ", ".join(
         f"{r:g} req/s: `{best_stock[r]}`" for r in rates if best_stock[r]) + "."]
+    lines += _by_prompt_table(cell, rates, best_stock, configs)
     good = {(p["config"], p["rate"], p["seed"]) for p in points if "error" not in p}
     failed = [p for p in points if "error" in p and (p["config"], p["rate"], p["seed"]) not in good]
     if failed:
         lines += ["", "Failed points: " + "; ".join(f"{p['config']} @ {p['rate']:g} ({p['error']})" for p in failed)]
     return "\n".join(lines) + "\n"
+
+
+def _by_prompt_table(cell: dict, rates: list[float], best_stock: dict, configs: list[str]) -> list[str]:
+    """SLO attainment per prompt-length bucket at the highest rate the best stock
+    configuration and FairBatching both have it for: who pays for each admission rule."""
+    def runs_of(config, rate):
+        return [p for p in cell.get((config, rate), []) if "by_prompt_tokens" in p]
+    for rate in reversed(rates):
+        rows = [c for c in (best_stock[rate], *(c for c in configs if c.startswith("fb-")))
+                if c is not None and runs_of(c, rate)]
+        if best_stock[rate] in rows and len(rows) > 1:
+            break
+    else:
+        return []
+    buckets = list(dict.fromkeys(b for c in rows for p in runs_of(c, rate) for b in p["by_prompt_tokens"]))
+    lines = ["", f"SLO attainment by prompt length at {rate:g} req/s (requests per bucket, mean over seeds):", "",
+             "| config | " + " | ".join(f"{b} tokens" for b in buckets) + " |",
+             "|---|" + "---|" * len(buckets)]
+    for config in rows:
+        runs = runs_of(config, rate)
+        cells = []
+        for bucket in buckets:
+            parts = [p["by_prompt_tokens"][bucket] for p in runs if bucket in p["by_prompt_tokens"]]
+            cells.append(f"{_mean(parts, 'attainment'):.0%} <sub>n={_mean(parts, 'requests'):.0f}</sub>"
+                         if parts else "-")
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _mean(runs: list[dict], key: str) -> float:
@@ -259,10 +290,10 @@ def main() -> int:
         for config in stock_configs():
             if wanted is None or config.name in wanted:
                 run_config(config, rates, seeds, done, model_dir, RAW, args.quiet_wait)
-        chunk = best_chunk(load_points(), rates)
+        chunk = best_chunk(load_points())
         if chunk is None:
-            print("not every stock chunk size has every rate yet; the admission configurations "
-                  "need the best of them", file=sys.stderr)
+            print("no rate has every stock chunk size yet; the admission configurations need "
+                  "the best of them", file=sys.stderr)
         else:
             for config in admission_configs(chunk):
                 if wanted is None or config.name in wanted or config.name.split("-queue")[0] in wanted:

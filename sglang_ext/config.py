@@ -18,6 +18,7 @@
     mode = "reject"                         # "off" (default), "reject" or "defer"
     rule = "edf"                            # "edf" (default) or "pab"
     max_defer_s = 2                         # defer: end one with no first token this long past its TTFT
+    give_up = "longest"                     # defer: serve last the longest prefills ("latest": no length bias)
     retry_after_s = 1                       # reject: the 429's Retry-After
     max_budget_age_s = 0.5                  # reject: an older published budget is not trusted
     headroom = 0.1                          # fraction of the prefill rate held back
@@ -57,7 +58,8 @@ _TOP_KEYS = {"policy", "slo_file", "step_model", "max_token_budget", "delivery_a
 _TRACE_KEYS = {"step_log"}
 _GC_KEYS = {"enabled", "min_decode_slack_ms", "min_interval_s"}
 _ADMISSION_NUMBERS = ("max_defer_s", "retry_after_s", "max_budget_age_s", "headroom")
-_ADMISSION_KEYS = {"mode", "rule", *_ADMISSION_NUMBERS}
+_ADMISSION_WORDS = {"mode": "off", "rule": "edf", "give_up": None}
+_ADMISSION_KEYS = {*_ADMISSION_WORDS, *_ADMISSION_NUMBERS}
 
 
 class ConfigError(ValueError):
@@ -216,9 +218,9 @@ def _load_admission(table: Any) -> AdmissionSettings:
             f"[admission]: unknown key(s) {sorted(unknown)}; expected {sorted(_ADMISSION_KEYS)}"
         )
     words = {}
-    for key, default in (("mode", "off"), ("rule", "edf")):
+    for key, default in _ADMISSION_WORDS.items():
         value = table.get(key, default)
-        if not isinstance(value, str):
+        if value is not default and not isinstance(value, str):
             raise ConfigError(f"[admission] {key} must be a string, got {value!r}")
         words[key] = value
     numbers = {}
@@ -230,7 +232,7 @@ def _load_admission(table: Any) -> AdmissionSettings:
             raise ConfigError(f"[admission] {key} must be a number, got {value!r}")
         numbers[key] = float(value)
     try:
-        return AdmissionSettings.parse(words["mode"], words["rule"], **numbers)
+        return AdmissionSettings.parse(**words, **numbers)
     except AdmissionError as exc:
         raise ConfigError(f"[admission]: {exc}") from None
 

@@ -97,6 +97,15 @@ class AdmissionRule(str, Enum):
     PAB = "pab"
 
 
+class GiveUp(str, Enum):
+    """Which queued prefill ``defer`` gives up when not all can make their TTFT:
+    ``longest`` (the most on time; long prompts pay) or ``latest`` (the one that does not
+    fit, in deadline order; no length bias)."""
+
+    LONGEST = "longest"
+    LATEST = "latest"
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     """``[admission]`` of the extension's config and ``--admission`` of the simulator.
@@ -111,6 +120,7 @@ class AdmissionSettings:
     retry_after_s: float = DEFAULT_RETRY_AFTER_S
     max_budget_age_s: float = DEFAULT_MAX_BUDGET_AGE_S
     headroom: float = DEFAULT_HEADROOM
+    give_up: GiveUp | None = None  # defer only; None: longest
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, AdmissionMode):
@@ -122,6 +132,14 @@ class AdmissionSettings:
                 "admission rule 'pab' only rejects; defer needs the per-request forecast "
                 "of rule 'edf'"
             )
+        if self.give_up is not None:
+            if not isinstance(self.give_up, GiveUp):
+                raise AdmissionError(f"admission give_up must be one of {_names(GiveUp)}")
+            if self.mode is not AdmissionMode.DEFER:
+                raise AdmissionError(
+                    "admission give_up chooses what mode 'defer' serves last; "
+                    f"mode {self.mode.value!r} gives nothing up"
+                )
         for name in ("max_defer_s", "retry_after_s", "max_budget_age_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -134,7 +152,18 @@ class AdmissionSettings:
             raise AdmissionError(f"admission headroom must be a number in [0, 1), got {self.headroom!r}")
 
     @classmethod
-    def parse(cls, mode: str, rule: str = AdmissionRule.EDF.value, **numbers: float) -> AdmissionSettings:
+    def parse(
+        cls, mode: str, rule: str = AdmissionRule.EDF.value, give_up: str | None = None,
+        **numbers: float,
+    ) -> AdmissionSettings:
+        parsed_give_up = None
+        if give_up is not None:
+            try:
+                parsed_give_up = GiveUp(give_up)
+            except ValueError:
+                raise AdmissionError(
+                    f"unknown admission give_up {give_up!r}; expected one of {_names(GiveUp)}"
+                ) from None
         try:
             parsed_mode = AdmissionMode(mode)
         except ValueError:
@@ -147,14 +176,23 @@ class AdmissionSettings:
             raise AdmissionError(
                 f"unknown admission rule {rule!r}; expected one of {_names(AdmissionRule)}"
             ) from None
-        return cls(parsed_mode, parsed_rule, **numbers)
+        return cls(parsed_mode, parsed_rule, give_up=parsed_give_up, **numbers)
+
+    @property
+    def evicts_longest(self) -> bool:
+        """``defer`` giving up the longest prefills (its default)."""
+        return self.mode is AdmissionMode.DEFER and self.give_up is not GiveUp.LATEST
 
     @property
     def label(self) -> str:
-        """``reject``, ``defer`` or ``reject:pab`` (the simulator's policy-label suffix)."""
-        if self.rule is AdmissionRule.EDF:
-            return self.mode.value
-        return f"{self.mode.value}:{self.rule.value}"
+        """``reject``, ``defer``, ``defer:latest`` or ``reject:pab`` (the simulator's
+        policy-label suffix)."""
+        parts = [self.mode.value]
+        if self.rule is not AdmissionRule.EDF:
+            parts.append(self.rule.value)
+        if self.give_up is GiveUp.LATEST:
+            parts.append(self.give_up.value)
+        return ":".join(parts)
 
 
 def _names(enum: type[Enum]) -> str:

@@ -123,7 +123,7 @@ class BatchPolicy:
         return class_budgets(
             self.admission.rule, requests, now, self.step_model.coefficients, classes,
             self.context.global_slo.tpot_s, self.admission.headroom, self.kv_outlook,
-            evict_longest=self.admission.mode is AdmissionMode.DEFER,
+            self.admission.evicts_longest,
         )
 
 
@@ -172,7 +172,7 @@ class _LatenessGuarded(BatchPolicy):
         if self.admission.mode is AdmissionMode.DEFER:
             hopeless = forecast(
                 requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
-                self.admission.headroom, self.kv_outlook, evict_longest=True,
+                self.admission.headroom, self.kv_outlook, self.admission.evicts_longest,
             ).hopeless
         return triage(
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,

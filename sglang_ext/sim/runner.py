@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import sglang_ext.policy.variants  # noqa: F401  registers fb-anchor, fb-margin, fb-kairos
 import sglang_ext.sim.baselines  # noqa: F401  registers the baselines
-from sglang_ext.policy.admission import AdmissionError, AdmissionSettings
+from sglang_ext.policy.admission import AdmissionError, AdmissionSettings, GiveUp
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.registry import UnknownNameError
@@ -57,10 +57,16 @@ def _number(value: float) -> str:
 
 
 def parse_admission(text: str) -> AdmissionSettings:
-    """``MODE`` or ``MODE:RULE`` (``reject``, ``defer``, ``reject:pab``)."""
-    mode, _, rule = text.partition(":")
+    """``MODE[:RULE][:GIVE_UP]`` (``reject``, ``defer``, ``reject:pab``, ``defer:latest``)."""
+    mode, *options = text.split(":")
+    words = {}
+    for option in options:
+        key = "give_up" if option in {g.value for g in GiveUp} else "rule"
+        if key in words:
+            raise PolicySpecError(f"admission {text!r}: two values for its {key}")
+        words[key] = option
     try:
-        return AdmissionSettings.parse(mode, rule or "edf")
+        return AdmissionSettings.parse(mode, **words)
     except AdmissionError as exc:
         raise PolicySpecError(str(exc)) from None
 

@@ -6,7 +6,7 @@ import pytest
 
 from policy_helpers import COEF, NOW, SLO, request
 from sglang_ext.policy.admission import (
-    AdmissionError, AdmissionMode, AdmissionRule, AdmissionSettings, KvOutlook, budget_for,
+    AdmissionError, AdmissionMode, AdmissionRule, AdmissionSettings, GiveUp, KvOutlook, budget_for,
     class_budgets, forecast, prefill_rate,
 )
 from sglang_ext.policy.policies import POLICIES, PolicyContext
@@ -113,6 +113,10 @@ def test_defer_serves_the_short_prefills_before_a_long_one_that_would_cost_them_
     chunks = deferring.form_batch(queued, NOW).prefill_chunks
     assert [req_id for req_id, _ in chunks][:2] == ["short1", "short2"]
     assert make("fb").form_batch(queued, NOW).prefill_chunks[0][0] == "long"
+    # give_up = "latest": the one that does not fit ("short1") is served last instead
+    latest = make("fb", mode=AdmissionMode.DEFER, headroom=0.0, give_up=GiveUp.LATEST)
+    assert [req_id for req_id, _ in latest.form_batch(queued, NOW).prefill_chunks][:2] == [
+        "long", "short2"]
 
 
 # ------------------------------------------------------------------ KV memory

@@ -116,6 +116,7 @@ def test_admission_table(tmp_path: Path) -> None:
     assert (admission.max_defer_s, admission.retry_after_s) == (5.0, 2.0)
     assert (admission.max_budget_age_s, admission.headroom) == (0.25, 0.0)
     assert config.build_policy().admission == admission
+    assert admission.give_up is None and admission.evicts_longest
 
 
 def test_admission_defaults_off_and_pab_names_imply_reject(tmp_path: Path) -> None:
@@ -142,6 +143,10 @@ def test_admission_defaults_off_and_pab_names_imply_reject(tmp_path: Path) -> No
         ("[admission]\nheadroom = 1\n", "headroom must be a number in [0, 1)"),
         ("admission = 3\n", "[admission] must be a table"),
         ('[admission]\nmode = "defer"\nrule = "pab"\n', "defer needs the per-request forecast"),
+        ('[admission]\nmode = "reject"\ngive_up = "latest"\n', "mode 'reject' gives nothing up"),
+        ('[admission]\ngive_up = "longest"\n', "mode 'off' gives nothing up"),
+        ('[admission]\nmode = "defer"\ngive_up = "oldest"\n', "unknown admission give_up 'oldest'"),
+        ('[admission]\nmode = "defer"\ngive_up = 1\n', "[admission] give_up must be a string"),
         ('policy = "fb-anchor-margin-pab"\n[admission]\nmode = "defer"\n',
          "policy 'fb-anchor-margin-pab' means admission mode 'reject' with rule 'pab'"),
     ],

@@ -294,4 +294,8 @@ def test_admission_benchmark_uses_the_shared_points_file(tmp_path: Path, monkeyp
     assert adm.load_points() == []
     bp.append_point(adm.POINTS, {"config": "mixed-512", "rate": 10.0, "seed": 0, "effective_rps": 9.0})
     assert adm.load_points() == [{"config": "mixed-512", "rate": 10.0, "seed": 0, "effective_rps": 9.0}]
-    assert adm.best_chunk(adm.load_points(), (10.0,)) is None  # not every chunk measured yet
+    assert adm.best_chunk(adm.load_points()) is None  # not every chunk measured yet
+    for chunk, rate, value in ((256, 10.0, 8.0), (1024, 10.0, 7.0), (512, 16.0, 1.0), (256, 16.0, 9.0)):
+        bp.append_point(adm.POINTS, {"config": f"mixed-{chunk}", "rate": rate, "seed": 0, "effective_rps": value})
+    # 10 req/s is the only rate every chunk has: 512 is best there, whatever 16 req/s says
+    assert adm.best_chunk(adm.load_points()) == 512

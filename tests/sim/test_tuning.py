@@ -90,8 +90,12 @@ def test_parse_policy_settings() -> None:
     )
     assert parse_policy("sarathi-queue-cap").is_tunable
     assert not parse_policy("sarathi@512").is_tunable
+    assert parse_policy("fb+defer:latest").label == "fb+defer:latest"
+    assert parse_policy("fb+defer:longest").label == "fb+defer"  # the default
+    assert parse_policy("fb+reject:pab").label == "fb+reject:pab"
     for bad in ("sarathi@512,cap=3", "sarathi-queue-cap@512,cap=-1", "fb@512",
-                "sarathi-queue-cap@512,cap=x", "sarathi-queue-cap@cap=5,512"):
+                "sarathi-queue-cap@512,cap=x", "sarathi-queue-cap@cap=5,512",
+                "fb+reject:latest", "fb+defer:latest:longest", "fb+defer:oldest"):
         with pytest.raises(PolicySpecError):
             parse_policy(bad)
 
