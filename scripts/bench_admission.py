@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TRACE = ROOT.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
 BASELINES = ("sarathi-queue-cap", "sarathi-queue-timeout")
 FAIRBATCHING = (
-    "fb-anchor-margin+reject", "fb-anchor-margin+defer", "fb-anchor-margin+reject:pab",
+    "fb-anchor-margin+reject", "fb-anchor-margin+defer", "fb-anchor-margin+defer:latest",
+    "fb-anchor-margin+reject:pab",
     "fb+reject",
 )
 CLASS_MIX = "interactive:0.2,standard:0.5,relaxed:0.3"
