@@ -217,6 +217,14 @@ def prefill_rate(
     return max(0.0, free) / b * (1.0 - headroom)
 
 
+def release_time(last_token_due: float, now: float, tokens_left: int, cadence_s: float) -> float:
+    """When a decoding request gives its KV memory back: when its last token is due, or
+    sooner if it keeps the step cadence (one token per ``cadence_s``, the smallest TPOT
+    present, as ``prefill_rate`` assumes). A relaxed TPOT is a deadline, not a pace: held
+    to it, a mix of classes reads as memory committed for tens of seconds."""
+    return min(last_token_due, now + tokens_left * cadence_s)
+
+
 @dataclass(frozen=True, slots=True)
 class KvOutlook:
     """A rank's KV memory as its prefill queue sees it (from the engine: SGLang's memory

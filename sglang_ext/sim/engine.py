@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from statistics import median
 
-from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, KvOutlook
+from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, KvOutlook, release_time
 from sglang_ext.policy.policies import BatchPolicy
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.view import BatchDecision
@@ -174,28 +173,26 @@ class SimEngine:
         return events
 
     def kv_outlook(self) -> KvOutlook:
-        """The pool as the admission forecast sees it, by SGLang's rule for requests whose
-        output length is fixed (``ignore_eos``, as the replay sends them): every request
-        holds or reserves its prompt and all its outputs; a decoding one gives that back
-        when its last token is due. The engine knows output lengths as SGLang knows
-        ``max_new_tokens``; the policy gets sums and reserves, never a request's length."""
-        free = float(self.kv_capacity - self._kv_used)
+        """The pool as the admission forecast sees it, by this engine's own rule: a prefill
+        starts when its prompt fits beside what the active requests hold, outputs are not
+        reserved (a decode that finds the pool full retracts a request, as SGLang does for
+        requests that may stop early), and a decoding request gives its memory back when
+        its last token is due, or sooner at the step cadence (``release_time``). The
+        engine knows output lengths as SGLang knows ``max_new_tokens``; the policy gets
+        sums, never a request's length."""
+        cadence = min((request.slo.tpot_s for request in self._active), default=0.0)
         releases = []
-        reserves = {}
-        targets = []
         for request in self._active:
-            target = self._output_target[request.req_id]
-            remaining = target - request.next_output_index
-            targets.append(target)
             if request.pending_prefill:
-                reserves[request.req_id] = remaining
                 continue
-            free -= remaining
+            target = self._output_target[request.req_id]
             slo = request.slo
             first = request.first_token_time
             anchor = first if first is not None else request.arrival + slo.ttft_s
-            releases.append((anchor + (target - 1) * slo.tpot_s, request.context + remaining))
-        return KvOutlook.of(free, releases, reserves, median(targets) if targets else 0.0)
+            due = anchor + (target - 1) * slo.tpot_s
+            releases.append((release_time(due, self.now, target - request.next_output_index, cadence),
+                             request.context))
+        return KvOutlook.of(self.kv_capacity - self._kv_used, releases)
 
     def _share_kv_outlook(self) -> None:
         self.policy.observe_kv(self.kv_outlook())
