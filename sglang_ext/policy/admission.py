@@ -217,6 +217,15 @@ def prefill_rate(
     return max(0.0, free) / b * (1.0 - headroom)
 
 
+def last_token_due(request: RequestState, output_tokens: int) -> float:
+    """When the last of ``output_tokens`` is due: one TPOT per token after the first
+    token, or after the TTFT deadline before there is one."""
+    slo = request.slo
+    first = request.first_token_time
+    anchor = first if first is not None else request.arrival + slo.ttft_s
+    return anchor + max(0, output_tokens - 1) * slo.tpot_s
+
+
 def release_time(last_token_due: float, now: float, tokens_left: int, cadence_s: float) -> float:
     """When a decoding request gives its KV memory back: when its last token is due, or
     sooner if it keeps the step cadence (one token per ``cadence_s``, the smallest TPOT

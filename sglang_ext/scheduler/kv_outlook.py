@@ -18,7 +18,7 @@ from typing import Any
 
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
-from sglang_ext.policy.admission import KvOutlook
+from sglang_ext.policy.admission import KvOutlook, last_token_due
 from sglang_ext.policy.view import RequestState
 
 
@@ -41,21 +41,15 @@ def kv_outlook(
     """``decoding``: (``Req``, view) of running and parked requests; ``queued``: the
     chunked request and the waiting queue. An arrival is expected to reserve the median
     of what the known requests reserved when they arrived."""
-    clip = CLIP_MAX_NEW_TOKENS
     free = float(free_and_evictable)
     releases = []
     initial = []
     for req, view in decoding:
-        params = req.sampling_params
-        max_new = params.max_new_tokens or 0
-        ratio = 1.0 if params.ignore_eos else new_token_ratio
-        reserve = min(max(0, max_new - len(req.output_ids)), clip) * ratio
+        reserve = output_reserve(req, new_token_ratio)
         free -= reserve
-        initial.append(min(max_new, clip) * ratio)
-        first = view.first_token_time
-        slo = view.slo
-        anchor = first if first is not None else view.arrival + slo.ttft_s
-        releases.append((anchor + max(0, max_new - 1) * slo.tpot_s, view.context + reserve))
+        initial.append(output_reserve(req, new_token_ratio, from_start=True))
+        due = last_token_due(view, req.sampling_params.max_new_tokens or 0)
+        releases.append((due, view.context + reserve))
     reserves = {}
     for req, view in queued:
         reserves[view.req_id] = output_reserve(req, new_token_ratio)

@@ -20,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, KvOutlook, release_time
+from sglang_ext.policy.admission import (
+    AdmissionMode, AdmissionRule, KvOutlook, last_token_due, release_time,
+)
 from sglang_ext.policy.policies import BatchPolicy
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.view import BatchDecision
@@ -186,10 +188,7 @@ class SimEngine:
             if request.pending_prefill:
                 continue
             target = self._output_target[request.req_id]
-            slo = request.slo
-            first = request.first_token_time
-            anchor = first if first is not None else request.arrival + slo.ttft_s
-            due = anchor + (target - 1) * slo.tpot_s
+            due = last_token_due(request, target)
             releases.append((release_time(due, self.now, target - request.next_output_index, cadence),
                              request.context))
         return KvOutlook.of(self.kv_capacity - self._kv_used, releases)
