@@ -4,7 +4,7 @@
 
     policy = "fb-anchor-margin"             # a FairBatching-family policy (sglang_ext.policy)
     slo_file = "slo.toml"                   # SLO classes; relative to this file
-    step_model = "step_models/x.toml"       # initial coefficients, recalibrated online
+    step_model = "step_models/x.toml"       # initial step model (its form), recalibrated online
     max_token_budget = 8192                 # new tokens per step, upper bound
     delivery_allowance_ms = 0               # tokens planned this much earlier (-margin variants)
     log_interval_s = 10.0                   # step-model log line period
@@ -45,7 +45,7 @@ from sglang_ext.policy import variants as _variants  # noqa: F401  (registers th
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.registry import UnknownNameError
 from sglang_ext.policy.slo import SloCatalog, SloError
-from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.step_model import StepCoefficients, StepModelFile, StepPredictor
 from sglang_ext.policy.tomlfile import read_toml
 
 CONFIG_ENV = "FAIRBATCHING_CONFIG"
@@ -70,7 +70,7 @@ class ConfigError(ValueError):
 class ExtensionConfig:
     policy: str
     catalog: SloCatalog
-    initial_step_model: StepCoefficients
+    initial_step_model: StepPredictor  # the step-model file's model, of its form
     max_token_budget: int = 8192
     log_interval_s: float = 10.0
     gc_enabled: bool = True
@@ -82,11 +82,14 @@ class ExtensionConfig:
     step_log: Path | None = None
     #: ``delivery_allowance_ms`` in seconds (``PolicyContext.delivery_allowance_s``)
     delivery_allowance_s: float = 0.0
+    #: the file's [linear] table (the model itself in a linear file), which fb keeps
+    initial_linear_model: StepCoefficients | None = None
 
     def build_policy(self) -> BatchPolicy:
         context = PolicyContext(
             global_slo=self.catalog.default,
             initial_step_model=self.initial_step_model,
+            initial_linear_model=self.initial_linear_model,
             max_token_budget=self.max_token_budget,
             admission=self.admission,
             delivery_allowance_s=self.delivery_allowance_s,
@@ -156,8 +159,8 @@ class ExtensionConfig:
                 f"delivery_allowance_ms: policy {policy!r} plans tokens at their deadlines and "
                 "takes no delivery allowance; use fb-anchor-margin or fb-smooth, or drop the key"
             )
-        config = cls(policy, catalog, step_model, max_token_budget, log_interval_s, enabled, gc,
-                     source, admission, step_log, delivery_allowance_ms / 1e3)
+        config = cls(policy, catalog, step_model.model, max_token_budget, log_interval_s, enabled,
+                     gc, source, admission, step_log, delivery_allowance_ms / 1e3, step_model.linear)
         try:
             config.build_policy()  # refuses a policy name that contradicts [admission]
         except AdmissionError as exc:
@@ -197,14 +200,14 @@ def _load_catalog(value: Any, base_dir: Path) -> SloCatalog:
     return SloCatalog.from_toml(_resolve(value, base_dir, "slo_file"))
 
 
-def _load_step_model(value: Any, base_dir: Path) -> StepCoefficients:
+def _load_step_model(value: Any, base_dir: Path) -> StepModelFile:
     if value is None:
         default = _repo_configs_dir() / "step_models" / "llama3.1-8b-h100.toml"
         if not default.is_file():
             raise ConfigError("step_model is required (no bundled configs/step_models/)")
         value = str(default)
     try:
-        return StepCoefficients.load(_resolve(value, base_dir, "step_model"))
+        return StepModelFile.load(_resolve(value, base_dir, "step_model"))
     except ValueError as exc:
         raise ConfigError(f"step_model: {exc}") from None
 

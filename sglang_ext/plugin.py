@@ -46,7 +46,7 @@ def register() -> None:
 
     install_scheduler_hooks(config)
     install_ingress_time()
-    install_request_validation(config.catalog, config.initial_step_model)
+    install_request_validation(config.catalog, config.build_policy().initial_step_model)
     install_admission_gate(config)
     install_dp_pab_hooks(config.catalog)
     if controlplane is not None:

@@ -18,13 +18,13 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_ext.policy.batch_former import unserviceable_slo_reason
 from sglang_ext.policy.slo import SloCatalog, SloError
-from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.step_model import StepPredictor
 
 VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
 
 def check_request_slo(
-    catalog: SloCatalog, sampling_params: Any, step_model: StepCoefficients | None = None
+    catalog: SloCatalog, sampling_params: Any, step_model: StepPredictor | None = None
 ) -> None:
     """Raise ``ValueError`` (SGLang answers 400) if a request's ``custom_params.slo`` is
     malformed, names an unknown class, or (given the initial ``step_model``) asks for a
@@ -43,7 +43,7 @@ def check_request_slo(
 
 
 def install_request_validation(
-    catalog: SloCatalog, step_model: StepCoefficients | None = None
+    catalog: SloCatalog, step_model: StepPredictor | None = None
 ) -> None:
     def before_validate(self: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
         check_request_slo(catalog, getattr(obj, "sampling_params", None), step_model)

@@ -66,14 +66,14 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from operator import itemgetter
 
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.slo import Slo
-from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.step_model import StepCoefficients, StepPredictor
 from sglang_ext.policy.view import RequestState
 
 DEFAULT_MAX_DEFER_S = 2.0
@@ -200,21 +200,21 @@ def _names(enum: type[Enum]) -> str:
 
 
 def prefill_rate(
-    requests: Sequence[RequestState], coefficients: StepCoefficients, default_tpot_s: float,
+    requests: Sequence[RequestState], coefficients: StepPredictor, default_tpot_s: float,
     headroom: float = 0.0,
 ) -> float:
     """Prompt tokens per second left for prefill (module docstring); >= 0."""
     usable = coefficients.usable()
-    a, b, c = usable.a_s, usable.b_s_per_token, usable.c_s_per_context_token
     period = default_tpot_s
     decode_share = 0.0
+    decodes = len(requests)
     for request in requests:
         tpot = request.slo.tpot_s
         if tpot < period:
             period = tpot
-        decode_share += (b + c * (request.context + request.pending_prefill)) / tpot
-    free = 1.0 - a / period - decode_share
-    return max(0.0, free) / b * (1.0 - headroom)
+        decode_share += usable.decode_cost_s(request.context + request.pending_prefill, decodes) / tpot
+    free = 1.0 - usable.a_s / period - decode_share
+    return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
 
 
 def last_token_due(request: RequestState, output_tokens: int) -> float:
@@ -299,14 +299,16 @@ class QueueForecast:
     """The EDF forecast of one rank's prefill queue at ``now`` (module docstring)."""
 
     now: float
-    rate: float  # prompt tokens per second
+    rate: float  # prompt tokens (work, see StepPredictor.prefill_work) per second
     deadlines: tuple[float, ...]  # feasible entries, ascending
-    work_through: tuple[float, ...]  # cumulative pending tokens up to and including each
+    work_through: tuple[float, ...]  # cumulative pending work up to and including each
     spare_after: tuple[float, ...]  # min spare over entries i.. (len + 1; last is inf)
     hopeless: frozenset[Hashable]
     kv: KvOutlook | None = None
     need_through: tuple[float, ...] = ()  # cumulative KV needs, as work_through
     kv_spare_after: tuple[float, ...] = ()  # as spare_after, in KV tokens
+    # the prompt a budget of work buys (None: work is prompt tokens, the linear model)
+    prompt_for_work: Callable[[float], float] | None = None
 
     def budget(self, ttft_s: float) -> float:
         """Prompt tokens a request arriving now with TTFT ``ttft_s`` may bring (may be < 0)."""
@@ -315,6 +317,8 @@ class QueueForecast:
         work_before = self.work_through[index - 1] if index else 0.0
         own = self.rate * ttft_s - work_before
         budget = min(own, self.spare_after[index])
+        if self.prompt_for_work is not None:
+            budget = self.prompt_for_work(budget)
         kv = self.kv
         if kv is None:
             return budget
@@ -324,21 +328,24 @@ class QueueForecast:
 
 
 def forecast(
-    requests: Sequence[RequestState], now: float, coefficients: StepCoefficients,
+    requests: Sequence[RequestState], now: float, coefficients: StepPredictor,
     default_tpot_s: float, headroom: float = DEFAULT_HEADROOM, kv: KvOutlook | None = None,
     evict_longest: bool = False,
 ) -> QueueForecast:
     rate = prefill_rate(requests, coefficients, default_tpot_s, headroom)
     queue = []
+    usable = coefficients.usable()
+    work_of = usable.prefill_work
     for request in requests:
         pending = request.pending_prefill
         if pending <= 0:
             continue
+        work = work_of(pending, request.context)
         slo = request.slo
         deadline = request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index
         need = 0.0 if kv is None else kv.need_of(request)
         started = pending < request.prompt_tokens
-        queue.append((deadline, request.arrival_seq, pending, need, request.req_id, started))
+        queue.append((deadline, request.arrival_seq, work, need, request.req_id, started))
     queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
     hopeless: set[Hashable] = set()
     kept = _on_time(queue, rate, now, hopeless) if evict_longest else queue
@@ -370,6 +377,7 @@ def forecast(
         now, rate, tuple(deadlines), tuple(work_through), _suffix_minima(spares),
         frozenset(hopeless), kv, tuple(need_through),
         _suffix_minima(kv_spares) if kv is not None else (),
+        None if isinstance(usable, StepCoefficients) else usable.prompt_for_work,
     )
 
 
@@ -409,7 +417,7 @@ def class_budgets(
     rule: AdmissionRule,
     requests: Sequence[RequestState],
     now: float,
-    coefficients: StepCoefficients,
+    coefficients: StepPredictor,
     classes: Mapping[str, Slo],
     default_tpot_s: float,
     headroom: float = DEFAULT_HEADROOM,

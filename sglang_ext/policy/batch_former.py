@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 
 from sglang_ext.policy.slo import Slo
-from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.step_model import StepPredictor
 from sglang_ext.policy.view import BatchDecision, RequestState
 
 DEFAULT_MAX_TOKEN_BUDGET = 8192
@@ -58,27 +58,26 @@ class ServiceFloor:
     fallback_budget_s: float
 
     @classmethod
-    def of(cls, coefficients: StepCoefficients, default_tpot_s: float) -> ServiceFloor:
-        usable = coefficients.usable()
-        floor = MIN_TPOT_STEP_MULTIPLE * (usable.a_s + usable.b_s_per_token)
+    def of(cls, coefficients: StepPredictor, default_tpot_s: float) -> ServiceFloor:
+        floor = MIN_TPOT_STEP_MULTIPLE * coefficients.usable().smallest_step_s
         return cls(floor, max(default_tpot_s, floor))
 
 
-def min_serviceable_tpot_s(coefficients: StepCoefficients) -> float:
+def min_serviceable_tpot_s(coefficients: StepPredictor) -> float:
     """The smallest TPOT a rank with this step model accepts (see :data:`MIN_TPOT_STEP_MULTIPLE`)."""
     return ServiceFloor.of(coefficients, 0.0).min_serviceable_tpot_s
 
 
-def unserviceable_slo_reason(slo: Slo, coefficients: StepCoefficients) -> str | None:
+def unserviceable_slo_reason(slo: Slo, coefficients: StepPredictor) -> str | None:
     """Why a request with ``slo`` is refused at the door, or ``None`` when it is not."""
     floor = min_serviceable_tpot_s(coefficients)
     if slo.tpot_s >= floor:
         return None
-    usable = coefficients.usable()
+    smallest = coefficients.usable().smallest_step_s
     return (
         f"tpot_ms {slo.tpot_s * 1e3:g} is below this server's minimum of {floor * 1e3:.1f} ms: "
         f"{MIN_TPOT_STEP_MULTIPLE:g} x its smallest step (one decode token, "
-        f"{(usable.a_s + usable.b_s_per_token) * 1e3:.1f} ms predicted), so that no request "
+        f"{smallest * 1e3:.1f} ms predicted), so that no request "
         "takes more than half of every step from the others"
     )
 
@@ -169,7 +168,7 @@ def triage(
 
 
 def smooth_step(
-    groups: Triage, coefficients: StepCoefficients, time_budget_s: float
+    groups: Triage, coefficients: StepPredictor, time_budget_s: float
 ) -> Triage | None:
     """The step that spends no request's slack, if it keeps every in-time deadline.
 
@@ -183,17 +182,18 @@ def smooth_step(
     ``None`` otherwise, and Algorithm 1 spends slack where it is needed."""
     if not math.isfinite(time_budget_s) or time_budget_s <= 0.0:
         return None
-    a, b, c = coefficients.a_s, coefficients.b_s_per_token, coefficients.c_s_per_context_token
     decodes = groups.urgent_decodes + groups.late_decodes + groups.deferrable_decodes
-    spare = time_budget_s - a - b * len(decodes) - c * sum([request.context for _, request in decodes])
+    decode_tokens = len(decodes)
+    spare = time_budget_s - coefficients.step_s(
+        decode_tokens, 0, decode_tokens, sum([request.context for _, request in decodes]), 0.0)
     if groups.prefills:
-        if spare <= 0.0 or b <= 0.0:
+        if spare <= 0.0:
             return None
-        seconds_per_token = b * time_budget_s / spare
-        queued = 0.0
+        steps_per_second = time_budget_s / spare
+        queued = 0.0  # seconds of prefill, each chunk costed past the step's decodes
         for slack, request in groups.prefills:
-            queued += request.pending_prefill + c * request.context / b
-            if queued * seconds_per_token + time_budget_s > slack:
+            queued += coefficients.prefill_cost_s(request.pending_prefill, request.context, decode_tokens)
+            if queued * steps_per_second + time_budget_s > slack:
                 return None
     # triage split one slack-sorted list at a threshold: the concatenation stays sorted
     urgent = groups.urgent_decodes + groups.deferrable_decodes
@@ -203,94 +203,111 @@ def smooth_step(
 
 def pack(
     groups: Triage,
-    coefficients: StepCoefficients,
+    coefficients: StepPredictor,
     *,
     token_budget: int,
     time_budget_s: float | None,
 ) -> BatchDecision:
     """Lines 34-48: fill the step from the urgent, prefill and deferrable groups in turn
     (with the lateness guard: late decodes ride with the urgent ones, late prefills
-    follow the in-time prefills).
+    follow the in-time prefills). A prefill chunk is the longest that the predictor puts
+    within the time left (``max_chunk``).
 
     ``time_budget_s=None`` packs under the token budget alone (the ``fb-fb`` / ``fb-tb``
     variants); ``coefficients`` then only feed the prediction.
     """
-    a, b, c = coefficients.a_s, coefficients.b_s_per_token, coefficients.c_s_per_context_token
     always = groups.urgent_decodes + groups.late_decodes
     decode_ids: list[Hashable] = [request.req_id for _, request in always]
-    always_cost = b * len(always) + c * sum([request.context for _, request in always])
-    budget = _Budget(
-        time_left=(math.inf if time_budget_s is None else time_budget_s - a) - always_cost,
-        tokens_left=token_budget - len(always),
-        predicted=a + always_cost,
-    )
+    step = _Step(coefficients, len(always), sum([request.context for _, request in always]))
+    budget = math.inf if time_budget_s is None else time_budget_s
     chunks: list[tuple[Hashable, int]] = []
-    if _pack_prefills(groups.prefills, b, c, budget, chunks):
-        _pack_prefills(groups.late_prefills, b, c, budget, chunks)
+    tokens_left = token_budget - len(always)
+    room = tokens_left > 0
+    if room:
+        room, tokens_left = _pack_prefills(groups.prefills, step, budget, tokens_left, chunks)
+    if room:
+        room, tokens_left = _pack_prefills(groups.late_prefills, step, budget, tokens_left, chunks)
 
     deferrable = groups.deferrable_decodes
-    all_cost = b * len(deferrable) + c * sum([request.context for _, request in deferrable])
-    if all_cost <= budget.time_left and len(deferrable) <= budget.tokens_left:
-        decode_ids.extend([request.req_id for _, request in deferrable])
-        budget.predicted += all_cost
-    else:
-        for _, request in deferrable:
-            if budget.tokens_left < 1 or budget.time_left < b:
-                break
-            cost = b + c * request.context
-            if cost <= budget.time_left:
-                decode_ids.append(request.req_id)
-                budget.time_left -= cost
-                budget.tokens_left -= 1
-                budget.predicted += cost
+    if deferrable and tokens_left > 0:
+        context = sum([request.context for _, request in deferrable])
+        if len(deferrable) <= tokens_left and step.with_decodes(len(deferrable), context) <= budget:
+            decode_ids.extend([request.req_id for _, request in deferrable])
+            step.add_decodes(len(deferrable), context)
+        else:
+            for _, request in deferrable:
+                if tokens_left < 1:
+                    break
+                if step.with_decodes(1, request.context) <= budget:
+                    decode_ids.append(request.req_id)
+                    step.add_decodes(1, request.context)
+                    tokens_left -= 1
 
-    return BatchDecision(tuple(decode_ids), tuple(chunks), budget.predicted, time_budget_s)
+    return BatchDecision(tuple(decode_ids), tuple(chunks), step.predicted, time_budget_s)
 
 
-@dataclass(slots=True)
-class _Budget:
-    time_left: float
-    tokens_left: int
-    predicted: float
+class _Step:
+    """The step being packed: its features so far and their predicted time."""
+
+    __slots__ = ("model", "new_tokens", "prefill_context", "decodes", "decode_context", "pairs",
+                 "predicted")
+
+    def __init__(self, model: StepPredictor, decodes: int, decode_context: int) -> None:
+        self.model = model
+        self.new_tokens = decodes
+        self.prefill_context = 0
+        self.decodes = decodes
+        self.decode_context = decode_context
+        self.pairs = 0.0
+        self.predicted = model.step_s(decodes, 0, decodes, decode_context, 0.0)
+
+    def with_decodes(self, count: int, context: int) -> float:
+        return self.model.step_s(self.new_tokens + count, self.prefill_context, self.decodes + count,
+                                 self.decode_context + context, self.pairs)
+
+    def add_decodes(self, count: int, context: int) -> None:
+        self.predicted = self.with_decodes(count, context)
+        self.new_tokens += count
+        self.decodes += count
+        self.decode_context += context
+
+    def add_chunk(self, chunk: int, prefix: int) -> None:
+        self.predicted += self.model.prefill_cost_s(chunk, prefix, self.new_tokens)
+        self.new_tokens += chunk
+        self.prefill_context += prefix
+        self.pairs += chunk * (prefix + (chunk + 1) / 2.0)
 
 
 def _pack_prefills(
-    prefills: list[tuple[float, RequestState]], b: float, c: float, budget: _Budget,
+    prefills: list[tuple[float, RequestState]], step: _Step, budget: float, tokens_left: int,
     chunks: list[tuple[Hashable, int]],
-) -> bool:
-    """Chunk ``prefills`` in order into what is left; False once nothing more can fit."""
+) -> tuple[bool, int]:
+    """Chunk ``prefills`` in order into what is left; returns whether another prefill
+    could still fit, and the tokens left."""
+    model = step.model
     for _, request in prefills:
-        if budget.tokens_left <= 0:
-            return False
-        time_left = budget.time_left
-        new_tokens = request.pending_prefill
-        context_cost = c * request.context
-        cost = b * new_tokens + context_cost
-        if cost <= time_left and new_tokens <= budget.tokens_left:
-            chunk = new_tokens
-        elif time_left == math.inf:
-            chunk = min(budget.tokens_left, new_tokens)
-            cost = b * chunk + context_cost
-        elif context_cost <= time_left:
-            chunk = min(budget.tokens_left, new_tokens, math.floor((time_left - context_cost) / b))
-            if chunk < 1:
-                continue
-            cost = b * chunk + context_cost
+        pending = request.pending_prefill
+        limit = pending if pending < tokens_left else tokens_left
+        if budget == math.inf:
+            chunk = limit
         else:
-            continue
+            chunk = model.max_chunk(budget - step.predicted, request.context, step.new_tokens, limit)
+            if chunk < 1:
+                if model.max_chunk(budget - step.predicted, 0, step.new_tokens, 1) < 1:
+                    return False, tokens_left  # nothing that costs at least one token fits
+                continue
         chunks.append((request.req_id, chunk))
-        budget.time_left -= cost
-        budget.tokens_left -= chunk
-        budget.predicted += cost
-        if budget.time_left < b:
-            return False  # nothing that costs at least one token fits any more
-    return budget.tokens_left > 0
+        step.add_chunk(chunk, request.context)
+        tokens_left -= chunk
+        if tokens_left <= 0:
+            return False, tokens_left
+    return True, tokens_left
 
 
 def form_batch(
     requests: Sequence[RequestState],
     now: float,
-    coefficients: StepCoefficients,
+    coefficients: StepPredictor,
     *,
     max_token_budget: int = DEFAULT_MAX_TOKEN_BUDGET,
 ) -> BatchDecision:

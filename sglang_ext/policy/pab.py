@@ -17,18 +17,35 @@ exceeds the TTFT window costs nothing inside it). The result may be negative.
 Deviation from the paper (the lateness guard, ``sglang_ext.policy.batch_former``): a
 late request counts as due now (slack clamped at 0), not as owing ever more steps, so
 one late request cannot drive the budget, and every admission on it, to zero.
+
+With the knee step model (``sglang_ext.policy.knee_step_model``) the same worst case is
+costed with its terms: a decode step costs ``a`` plus, per request it serves,
+``b + d * KV_i * max(1, saturation / n)`` (``n`` the requests in the window; prefill
+tokens fill the steps past the knee, so the floor is not charged twice); each queued
+prompt costs its prefill time ``b * p + e * p * (context + (p + 1) / 2) + c * context``;
+and what is left becomes the longest prompt that fits it, ``b * x + e * x (x + 1) / 2``
+(solved in closed form; negative at ``b`` per token when nothing is left).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sglang_ext.policy.knee_step_model import KneeStepModel
 from sglang_ext.policy.slo import Slo
-from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.step_model import StepCoefficients, StepPredictor
 from sglang_ext.policy.view import RequestState
 
 
 def prefill_admission_budget(
+    requests: Sequence[RequestState], now: float, coefficients: StepPredictor, slo: Slo
+) -> float:
+    if isinstance(coefficients, KneeStepModel):
+        return _knee_budget(requests, now, coefficients, slo)
+    return _linear_budget(requests, now, coefficients, slo)
+
+
+def _linear_budget(
     requests: Sequence[RequestState], now: float, coefficients: StepCoefficients, slo: Slo
 ) -> float:
     a, b, c = coefficients.a_s, coefficients.b_s_per_token, coefficients.c_s_per_context_token
@@ -49,3 +66,29 @@ def prefill_admission_budget(
         queued_prompt += request.pending_prefill
     batches = (ttft - min_slack) / tpot + 1
     return (ttft - batches * a - decode_time) / (b + c) - queued_prompt
+
+
+def _knee_budget(
+    requests: Sequence[RequestState], now: float, model: KneeStepModel, slo: Slo
+) -> float:
+    ttft, tpot = slo.ttft_s, slo.tpot_s
+    count = len(requests)
+    min_slack = ttft
+    decode_time = 0.0
+    queued_time = 0.0
+    for request in requests:
+        req_slo = request.slo
+        slack = request.arrival + req_slo.ttft_s + req_slo.tpot_s * request.next_output_index - now
+        if slack < 0.0:
+            slack = 0.0
+        if slack < min_slack:
+            min_slack = slack
+        steps = (ttft - slack) / tpot
+        pending, context = request.pending_prefill, request.context
+        if steps > 0:
+            decode_time += steps * model.decode_cost_s(context + pending, count)
+        if pending:
+            queued_time += model.prefill_cost_s(pending, context, model.knee_tokens)
+    batches = (ttft - min_slack) / tpot + 1
+    left = ttft - batches * model.a_s - decode_time - queued_time
+    return model.prompt_for_work(left / model.b_s_per_token)

@@ -23,14 +23,15 @@ from sglang_ext.policy.batch_former import (
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.registry import Registry
 from sglang_ext.policy.slo import Slo
-from sglang_ext.policy.step_model import OnlineStepModel, StepCoefficients
+from sglang_ext.policy.step_model import OnlineStepModel, StepCoefficients, StepPredictor
+from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyContext:
     global_slo: Slo  # the default SLO class; PAB's global SLO
-    initial_step_model: StepCoefficients  # offline fit the online model starts from
+    initial_step_model: StepPredictor  # offline fit the online model starts from
     max_token_budget: int = DEFAULT_MAX_TOKEN_BUDGET
     gpu_memory_gb: float = 80.0  # baselines derive their defaults from it, as their systems do
     token_budget: int | None = None  # for policies swept over a token budget (NAME@BUDGET)
@@ -45,6 +46,9 @@ class PolicyContext:
     # scheduler to the client (detokenizer, HTTP, network), which the step model does not
     # see; only the policies with a deadline guard (``-margin`` and after) take it
     delivery_allowance_s: float = 0.0
+    # the paper's linear model fitted to the same data as a knee ``initial_step_model``
+    # (the step-model file's [linear] table), for the policies that keep it (fb)
+    initial_linear_model: StepCoefficients | None = None
 
     def __post_init__(self) -> None:
         if self.max_token_budget < 1:
@@ -61,6 +65,15 @@ class PolicyContext:
     def setting(self, name: str) -> float | None:
         return dict(self.settings).get(name)
 
+    def initial_model(self, linear: bool) -> StepPredictor:
+        """The offline model a policy starts from: the paper's linear one if ``linear``."""
+        if not linear or isinstance(self.initial_step_model, StepCoefficients):
+            return self.initial_step_model
+        if self.initial_linear_model is None:
+            raise ValueError("this policy keeps the paper's linear step model: a knee "
+                             "initial_step_model needs initial_linear_model beside it")
+        return self.initial_linear_model
+
 
 class BatchPolicy:
     """The seam an engine drives: ``admit`` on arrival, ``form_batch`` before each step,
@@ -71,10 +84,12 @@ class BatchPolicy:
     setting_names: tuple[str, ...] = ()  # further tunables, NAME@BUDGET,key=value
     takes_admission = False  # applies PolicyContext.admission
     takes_delivery_allowance = False  # applies PolicyContext.delivery_allowance_s
+    keeps_linear_model = False  # the paper's linear step model whatever the file's form
 
     def __init__(self, context: PolicyContext) -> None:
         self.context = context
-        self.step_model = OnlineStepModel(context.initial_step_model)
+        self.initial_step_model = context.initial_model(self.keeps_linear_model)
+        self.step_model = OnlineStepModel(self.initial_step_model)
         self.admission = context.admission  # what the policy applies (off for baselines)
         self.kv_outlook: KvOutlook | None = None
         if context.delivery_allowance_s and not self.takes_delivery_allowance:
@@ -97,12 +112,9 @@ class BatchPolicy:
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         raise NotImplementedError
 
-    def observe_step(
-        self, new_tokens: int, context: int, measured_s: float, prefill_tokens: int = 0
-    ) -> None:
-        """Called after every step with its features (as the step model defines them);
-        ``prefill_tokens`` is the part of ``new_tokens`` that was prompt."""
-        self.step_model.observe(new_tokens, context, measured_s)
+    def observe_step(self, shape: StepShape, measured_s: float) -> None:
+        """Called after every step with what it computed and how long it took."""
+        self.step_model.observe(shape, measured_s)
 
     def observe_kv(self, outlook: KvOutlook | None) -> None:
         """The rank's KV memory, given before ``admit``, ``form_batch`` and
@@ -162,7 +174,7 @@ class _LatenessGuarded(BatchPolicy):
     def refusal(self, slo: Slo) -> str | None:
         if not self.context.lateness_guard:
             return None
-        return unserviceable_slo_reason(slo, self.context.initial_step_model)
+        return unserviceable_slo_reason(slo, self.initial_step_model)
 
     def _triage(self, requests: Sequence[RequestState], now: float, anchored: bool = False):
         floor = None
@@ -231,6 +243,7 @@ class FairBatching(_LatenessGuarded):
 
     name = "fb"
     anchored = False
+    keeps_linear_model = True  # the paper's; variants take the step-model file's form
 
     def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         groups = self._triage(requests, now, self.anchored)
@@ -284,16 +297,15 @@ class FairBatchingDerivedTokenBudget(_LatenessGuarded):
     model ``a' + b' * new_tokens`` (learned online like the full model)."""
 
     name = "fb-tb"
+    keeps_linear_model = True  # converts time to tokens through a' + b' * new_tokens
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
-        self.tokens_only_model = OnlineStepModel(context.initial_step_model, use_context=False)
+        self.tokens_only_model = OnlineStepModel(self.initial_step_model, use_context=False)
 
-    def observe_step(
-        self, new_tokens: int, context: int, measured_s: float, prefill_tokens: int = 0
-    ) -> None:
-        super().observe_step(new_tokens, context, measured_s, prefill_tokens)
-        self.tokens_only_model.observe(new_tokens, context, measured_s)
+    def observe_step(self, shape: StepShape, measured_s: float) -> None:
+        super().observe_step(shape, measured_s)
+        self.tokens_only_model.observe(shape, measured_s)
 
     def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         groups = self._triage(requests, now)

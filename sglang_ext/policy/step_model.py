@@ -23,13 +23,15 @@ from __future__ import annotations
 import math
 import numbers
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from sglang_ext.policy.knee_step_model import KNEE_FLOORS, KneeFitError, KneeStepModel, fit_knee
+from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.tomlfile import read_toml
 
 # Internal feature scales keep the RLS covariance well conditioned.
@@ -44,9 +46,13 @@ class StepModelError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class StepCoefficients:
+    """The paper's linear model ``a + b * new_tokens + c * context``."""
+
     a_s: float  # fixed cost per step, seconds
     b_s_per_token: float  # seconds per new token (prefill or decode)
     c_s_per_context_token: float  # seconds per token of KV context read
+
+    form: ClassVar[str] = "linear"
 
     def __post_init__(self) -> None:
         for name in ("a_s", "b_s_per_token", "c_s_per_context_token"):
@@ -56,6 +62,58 @@ class StepCoefficients:
 
     def predict(self, new_tokens: float, context: float) -> float:
         return self.a_s + self.b_s_per_token * new_tokens + self.c_s_per_context_token * context
+
+    def step_s(self, new_tokens: float, prefill_context: float, decode_requests: int,
+               decode_context: float, prefill_pairs: float) -> float:
+        return self.a_s + self.b_s_per_token * new_tokens + self.c_s_per_context_token * (
+            prefill_context + decode_context)
+
+    def predict_step(self, shape: StepShape) -> float:
+        return self.predict(shape.new_tokens, shape.prefill_context + shape.decode_context)
+
+    @property
+    def smallest_step_s(self) -> float:
+        """One decode token with no context."""
+        return self.a_s + self.b_s_per_token
+
+    def prefill_cost_s(self, chunk: int, prefix: int, base_tokens: float) -> float:
+        """What a chunk of ``chunk`` tokens after ``prefix`` cached ones adds to a step."""
+        return self.b_s_per_token * chunk + self.c_s_per_context_token * prefix
+
+    def max_chunk(self, time_left_s: float, prefix: int, base_tokens: float, limit: int) -> int:
+        """The longest chunk (at most ``limit``) whose :meth:`prefill_cost_s` fits in
+        ``time_left_s``; 0 when not even one token does."""
+        spare = time_left_s - self.c_s_per_context_token * prefix
+        if spare < self.b_s_per_token or limit < 1:
+            return 0
+        return min(limit, math.floor(spare / self.b_s_per_token))
+
+    def decode_cost_s(self, kv_tokens: float, decodes: int) -> float:
+        """What one decode over ``kv_tokens`` adds to a step of ``decodes`` decodes."""
+        return self.b_s_per_token + self.c_s_per_context_token * kv_tokens
+
+    def prefill_work(self, pending: int, prefix: int) -> float:
+        """A queued prefill in prompt-token equivalents (seconds over ``b``): the linear
+        model's admission counts prompt tokens."""
+        return float(pending)
+
+    def prompt_for_work(self, work: float) -> float:
+        """The prompt of :meth:`prefill_work` ``work`` when it starts with no prefix."""
+        return work
+
+    def features(self, shape: StepShape) -> tuple[float, ...]:
+        return (1.0, float(shape.new_tokens), float(shape.prefill_context + shape.decode_context))
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return (self.a_s, self.b_s_per_token, self.c_s_per_context_token)
+
+    def with_weights(self, weights: Sequence[float]) -> StepCoefficients:
+        return StepCoefficients(*(list(weights) + [0.0] * (3 - len(weights)))).usable()
+
+    def fields(self) -> dict[str, float]:
+        return {"a_s": self.a_s, "b_s_per_token": self.b_s_per_token,
+                "c_s_per_context_token": self.c_s_per_context_token}
 
     def usable(self) -> StepCoefficients:
         """Coefficients a policy can divide by: a >= 0, b > 0, c >= 0."""
@@ -86,7 +144,9 @@ class StepCoefficients:
         missing = [n for n in names if n not in data]
         if missing:
             raise StepModelError(f"{source}: missing field(s) {', '.join(missing)}")
-        unknown = set(data) - set(names) - {"fit"}
+        if data.get("form", "linear") != "linear":
+            raise StepModelError(f"{source}: a {data.get('form')!r} step model, not the linear one")
+        unknown = set(data) - set(names) - {"fit", "form"}
         if unknown:
             raise StepModelError(f"{source}: unknown field(s) {sorted(unknown)}")
         try:
@@ -115,6 +175,94 @@ def _toml_value(value: float | str) -> str:
     if isinstance(value, numbers.Integral):
         return str(int(value))
     return repr(float(value))
+
+
+#: A step-time predictor: the paper's linear model or the knee model. Both offer
+#: ``predict_step``, ``step_s``, ``smallest_step_s``, ``prefill_cost_s``, ``max_chunk``
+#: (the decision path) and ``features`` / ``weights`` / ``with_weights`` (recalibration).
+StepPredictor = StepCoefficients | KneeStepModel
+STEP_FORMS = ("linear", "knee")
+
+
+@dataclass(frozen=True, slots=True)
+class StepModelFile:
+    """A step-model file: its model, of the file's ``form`` (``linear`` when absent), and
+    the paper's linear model fitted to the same data (its ``[linear]`` table; the model
+    itself in a linear file), which the ``fb`` policy keeps."""
+
+    model: StepPredictor
+    linear: StepCoefficients
+
+    @classmethod
+    def of(cls, model: StepPredictor, linear: StepCoefficients | None = None) -> StepModelFile:
+        if linear is None:
+            if not isinstance(model, StepCoefficients):
+                raise StepModelError("a knee model needs the linear model fitted beside it")
+            linear = model
+        return cls(model, linear)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>") -> StepModelFile:
+        form = data.get("form", "linear")
+        if form == "linear":
+            return cls.of(StepCoefficients.from_mapping(data, source))
+        if form != "knee":
+            raise StepModelError(f"{source}: form {form!r} is not one of {', '.join(STEP_FORMS)}")
+        known = {"form", "fit", "linear", *KneeStepModel.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise StepModelError(f"{source}: unknown field(s) {sorted(unknown)}")
+        linear = data.get("linear")
+        if not isinstance(linear, Mapping):
+            raise StepModelError(f"{source}: a knee model needs a [linear] table (the paper's "
+                                 "model fitted to the same data, which fb keeps)")
+        try:
+            model = KneeStepModel.from_mapping(data, source)
+        except ValueError as exc:
+            raise StepModelError(str(exc)) from None
+        return cls(model, StepCoefficients.from_mapping(linear, f"{source} [linear]"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepModelFile:
+        return cls.from_mapping(read_toml(path, StepModelError, "step model"), str(path))
+
+    def to_toml(self, comment: str = "", **fit_info: float | str) -> str:
+        if isinstance(self.model, StepCoefficients):
+            return self.model.to_toml(comment, **fit_info)
+        lines = [f"# {line}" for line in comment.splitlines()] if comment else []
+        lines += [
+            "# step seconds = a_s + b_s_per_token * max(new_tokens, knee_tokens)",
+            "#   + c_s_per_prefill_context_token * prefill_context",
+            "#   + d_s_per_decode_context_token * decode_context * max(1, decode_saturation / decodes)",
+            "#   + e_s_per_pair * prefill_pairs",
+            'form = "knee"',
+            *(f"{name} = {_toml_value(value)}" for name, value in self.model.fields().items()),
+            "\n# the paper's linear model fitted to the same steps (the fb policy keeps it)",
+            "[linear]",
+            *(f"{name} = {_toml_value(value)}" for name, value in self.linear.fields().items()),
+        ]
+        if fit_info:
+            lines.append("\n[fit]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in fit_info.items()]
+        return "\n".join(lines) + "\n"
+
+    def save(self, path: str | Path, comment: str = "", **fit_info: float | str) -> None:
+        Path(path).write_text(self.to_toml(comment, **fit_info))
+
+
+def fit_step_model(form: str, shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepModelFile:
+    """Fit a model of ``form`` (and the linear model beside it) to measured steps."""
+    samples = [StepSample(s.new_tokens, s.prefill_context + s.decode_context, t)
+               for s, t in zip(shapes, seconds, strict=True)]
+    linear = fit_least_squares(samples)
+    if form == "linear":
+        return StepModelFile.of(linear)
+    if form != "knee":
+        raise StepModelError(f"form {form!r} is not one of {', '.join(STEP_FORMS)}")
+    try:
+        return StepModelFile(fit_knee(shapes, seconds), linear)
+    except KneeFitError as exc:
+        raise StepModelError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,24 +307,27 @@ class PredictionError:
     p95_abs_relative: float  # over the recent window
 
 
-_FLOORS = (1e-3, 1e-7, 1e-10)  # smallest per-term scales (s, s/token, s/context token)
+_LINEAR_FLOORS = (1e-3, 1e-7, 1e-10)  # smallest per-term scales (s, s/token, s/context token)
 
 
 class OnlineStepModel:
     """Online-recalibrated step model: ``observe`` after every step, read ``coefficients``.
 
-    Internally each coefficient is a multiple of its offline value (or of a small
-    floor), so the features are "fraction of the step explained by this term" and
+    Works on either form: the model's ``features`` are the regressors of its
+    ``weights`` (the knee model's knee and saturation stay at their offline values).
+    Internally each weight is a multiple of its offline value (or of a small floor), so
+    the features are "fraction of the step explained by this term" and
     ``anchor_weight`` is how many steps' worth of evidence the anchor counts as. The
     anchor starts at the offline fit and follows the online solution slowly
     (``anchor_follow`` per step, a ~500-step time constant): what was learned online
     survives a phase that stops measuring it, and since the solution equals the anchor
     along unmeasured directions, following it does not reintroduce drift there.
+    ``use_context=False`` (linear only) learns ``a + b * new_tokens``.
     """
 
     def __init__(
         self,
-        initial: StepCoefficients,
+        initial: StepPredictor,
         *,
         use_context: bool = True,
         forgetting: float = 0.995,
@@ -190,9 +341,12 @@ class OnlineStepModel:
             raise StepModelError(f"anchor_weight must be > 0, got {anchor_weight}")
         if not 0.0 <= anchor_follow < 1.0:
             raise StepModelError(f"anchor_follow must be in [0, 1), got {anchor_follow}")
-        values = (initial.a_s, initial.b_s_per_token, initial.c_s_per_context_token)
-        self._dim = 3 if use_context else 2
-        self._scale = [max(v, floor) for v, floor in zip(values, _FLOORS)][: self._dim]
+        if not use_context and not isinstance(initial, StepCoefficients):
+            raise StepModelError("use_context=False learns the linear model a + b * new_tokens only")
+        values = initial.weights
+        floors = _LINEAR_FLOORS if isinstance(initial, StepCoefficients) else KNEE_FLOORS
+        self._dim = len(values) if use_context else 2
+        self._scale = [max(v, floor) for v, floor in zip(values, floors)][: self._dim]
         self._prior = [v / s for v, s in zip(values, self._scale)]
         self._forgetting = forgetting
         self._anchor = anchor_weight
@@ -204,12 +358,10 @@ class OnlineStepModel:
         self._ewma_abs_rel = 0.0
         self._last_rel = 0.0
         self._recent: deque[float] = deque(maxlen=error_window)
-        self._coefficients = initial.usable() if use_context else StepCoefficients(
-            initial.a_s, initial.b_s_per_token, 0.0
-        ).usable()
+        self._coefficients: StepPredictor = initial.with_weights(values[: self._dim])
 
     @property
-    def coefficients(self) -> StepCoefficients:
+    def coefficients(self) -> StepPredictor:
         return self._coefficients
 
     @property
@@ -222,14 +374,14 @@ class OnlineStepModel:
     def recent_abs_relative_errors(self) -> tuple[float, ...]:
         return tuple(self._recent)
 
-    def predict(self, new_tokens: float, context: float) -> float:
-        return self._coefficients.predict(new_tokens, context)
+    def predict(self, shape: StepShape) -> float:
+        return self._coefficients.predict_step(shape)
 
-    def observe(self, new_tokens: int, context: int, measured_s: float) -> float:
+    def observe(self, shape: StepShape, measured_s: float) -> float:
         """Learn from one measured step; returns its relative error (measured - predicted) / measured."""
         if not measured_s > 0 or not math.isfinite(measured_s):
             raise StepModelError(f"measured step time must be > 0, got {measured_s!r}")
-        predicted = self._coefficients.predict(new_tokens, context)
+        predicted = self._coefficients.predict_step(shape)
         relative = (measured_s - predicted) / measured_s
         self._samples += 1
         self._last_rel = relative
@@ -238,7 +390,7 @@ class OnlineStepModel:
         self._ewma_abs_rel += alpha * (abs(relative) - self._ewma_abs_rel)
         if measured_s > 2.0 * predicted:
             self._outliers += 1
-        raw = (1.0, float(new_tokens), float(context))
+        raw = self._coefficients.features(shape)
         x = [raw[i] * self._scale[i] / measured_s for i in range(self._dim)]
         lam, gram, moment = self._forgetting, self._gram, self._moment
         for i in range(self._dim):
@@ -249,7 +401,7 @@ class OnlineStepModel:
         self._coefficients = self._solve()
         return relative
 
-    def _solve(self) -> StepCoefficients:
+    def _solve(self) -> StepPredictor:
         dim, anchor = self._dim, self._anchor
         matrix = [
             [self._gram[i][j] + (anchor if i == j else 0.0) for j in range(dim)] for i in range(dim)
@@ -259,12 +411,11 @@ class OnlineStepModel:
         follow = self._anchor_follow
         for i in range(dim):
             self._prior[i] += follow * (theta[i] - self._prior[i])
-        values = [t * s for t, s in zip(theta, self._scale)] + [0.0] * (3 - dim)
-        return StepCoefficients(*values).usable()
+        return self._coefficients.with_weights([t * s for t, s in zip(theta, self._scale)])
 
 
 def _solve_small(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting for the 2x2 / 3x3 normal equations."""
+    """Gaussian elimination with partial pivoting for the small normal equations."""
     n = len(rhs)
     rows = [matrix[i][:] + [rhs[i]] for i in range(n)]
     for col in range(n):

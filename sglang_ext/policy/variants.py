@@ -1,6 +1,8 @@
 """Beyond the paper: FairBatching variants, each its own named policy.
 
-None is mixed into ``fb``; the report measures each against it.
+None is mixed into ``fb``; the report measures each against it. Every variant takes the
+step-model file's form (the knee model, ``sglang_ext.policy.knee_step_model``, in the
+bundled files); ``fb`` keeps the paper's linear model.
 - ``fb-anchor``: after the first token, a request's deadlines are ``t_0 + tpot * j``
   (the first token keeps ``arrival + ttft``). The paper's envelope anchors TPOT at
   ``arrival + ttft``, so a request whose first token came early carries slack it
@@ -34,6 +36,7 @@ from sglang_ext.policy.batch_former import Triage, pack, smooth_step
 from sglang_ext.policy.policies import (
     POLICIES, FairBatching, FairBatchingWithAdmission, PolicyContext,
 )
+from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
 
 MAX_MARGIN = 0.5
@@ -46,12 +49,14 @@ THROUGHPUT_EWMA = 0.1
 @POLICIES.register("fb-anchor")
 class FairBatchingAnchored(FairBatching):
     name = "fb-anchor"
+    keeps_linear_model = False
     anchored = True
 
 
 @POLICIES.register("fb-margin")
 class FairBatchingWithMargin(FairBatching):
     name = "fb-margin"
+    keeps_linear_model = False
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
@@ -61,11 +66,9 @@ class FairBatchingWithMargin(FairBatching):
     def margin(self) -> float:
         return self._margin
 
-    def observe_step(
-        self, new_tokens: int, context: int, measured_s: float, prefill_tokens: int = 0
-    ) -> None:
+    def observe_step(self, shape: StepShape, measured_s: float) -> None:
         """Refreshes the margin here, after the step, off the decision's critical path."""
-        super().observe_step(new_tokens, context, measured_s, prefill_tokens)
+        super().observe_step(shape, measured_s)
         error = self.step_model.error
         if error.samples >= MARGIN_WARMUP_STEPS:
             self._margin = min(error.p95_abs_relative, MAX_MARGIN)
@@ -93,17 +96,16 @@ class FairBatchingWithMargin(FairBatching):
 @POLICIES.register("fb-kairos")
 class FairBatchingKairosPrefills(FairBatching):
     name = "fb-kairos"
+    keeps_linear_model = False
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
-        self.prefill_tokens_per_s = 1.0 / context.initial_step_model.usable().b_s_per_token
+        self.prefill_tokens_per_s = 1.0 / self.initial_step_model.usable().b_s_per_token
 
-    def observe_step(
-        self, new_tokens: int, context: int, measured_s: float, prefill_tokens: int = 0
-    ) -> None:
-        super().observe_step(new_tokens, context, measured_s, prefill_tokens)
-        if prefill_tokens > 0:
-            sample = prefill_tokens / measured_s
+    def observe_step(self, shape: StepShape, measured_s: float) -> None:
+        super().observe_step(shape, measured_s)
+        if shape.prefill_tokens > 0:
+            sample = shape.prefill_tokens / measured_s
             self.prefill_tokens_per_s += THROUGHPUT_EWMA * (sample - self.prefill_tokens_per_s)
 
     def _reorder(self, groups: Triage, now: float) -> Triage:

@@ -318,7 +318,7 @@ def _run_batch(orig: Callable[..., Any], self: Scheduler, batch: Any, *args: Any
         return result
     decision = state.last_decision
     budget = decision.time_budget_s if decision is not None else None
-    predicted = state.policy.step_model.predict(features.new_tokens, features.total_context)
+    predicted = state.policy.step_model.predict(features)
     traced = state.trace.take_decision() if state.trace is not None else None
     setattr(result, LAUNCH_ATTR, StepLaunch(launched_at, features, predicted, budget, traced))
     state.launched(launched_at, predicted)  # only once its completion will be observed

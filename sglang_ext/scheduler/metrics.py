@@ -1,7 +1,7 @@
 """FairBatching's Prometheus metrics, served by SGLang's ``/metrics`` when the server
 runs with ``--enable-metrics`` (SGLang's multiprocess registry; one series per DP rank).
 
-``fairbatching:step_model_{a,b,c}`` coefficients, ``fairbatching:step_model_error``
+``fairbatching:step_model_coefficient{term=<field>}`` coefficients, ``fairbatching:step_model_error``
 (mean and p95 relative error), ``fairbatching:pab_tokens``, ``fairbatching:parked_requests``,
 ``fairbatching:deferred_decodes_total``, ``fairbatching:decisions_total``,
 ``fairbatching:fallbacks_total``, ``fairbatching:gc_pause_seconds`` and
@@ -31,7 +31,7 @@ class FairBatchingMetrics:
                          multiprocess_mode="mostrecent")
 
         self.coefficient = gauge("step_model_coefficient",
-                                 "Step model a (s), b (s/token), c (s/context token)", ("term",))
+                                 "Step model coefficients by field name (a_s, b_s_per_token, ...)", ("term",))
         self.error = gauge("step_model_error", "Step model relative error", ("stat",))
         self.pab = gauge("pab_tokens", "Prefill Admission Budget at the default SLO class, tokens")
         self.parked = gauge("parked_requests", "Decodes parked (deferred with KV kept) now")
@@ -56,8 +56,7 @@ class FairBatchingMetrics:
     def publish(self, state: Any) -> None:
         labels = self._labels
         coefficients = state.policy.step_model.coefficients
-        for term, value in (("a", coefficients.a_s), ("b", coefficients.b_s_per_token),
-                            ("c", coefficients.c_s_per_context_token)):
+        for term, value in coefficients.fields().items():
             self.coefficient.labels(**labels, term=term).set(value)
         error = state.policy.step_model.error
         self.error.labels(**labels, stat="mean").set(error.mean_abs_relative)

@@ -197,9 +197,7 @@ class FairBatchingState:
             logger.debug("FairBatching step overran its budget: %.1f ms > %.1f ms (predicted %.1f ms, "
                          "%d new tokens, %d context)", measured * 1e3, launch.time_budget_s * 1e3,
                          launch.predicted_s * 1e3, features.new_tokens, features.total_context)
-        self.policy.observe_step(
-            features.new_tokens, features.total_context, measured, features.prefill_tokens
-        )
+        self.policy.observe_step(features, measured)
         self.maybe_log(done_at)
         self.maybe_publish(done_at)
         return measured
@@ -255,12 +253,11 @@ class FairBatchingState:
         error = self.policy.step_model.error
         counters = self.counters
         logger.info(
-            "FairBatching step model: a=%.3f ms b=%.3f us/token c=%.4f us/ctx-token; "
+            "FairBatching step model (%s): a=%.3f ms b=%.3f us/token; "
             "error mean=%.1f%% p95=%.1f%% over %d steps; PAB=%d tokens; "
             "deferred %d decode slots in %d of %d decisions; fallbacks=%d; budget overruns=%d; "
             "late prefills=%d; ended after max_defer_s=%d; decision time p50/p99 %s us",
-            coefficients.a_s * 1e3, coefficients.b_s_per_token * 1e6,
-            coefficients.c_s_per_context_token * 1e6,
+            coefficients.form, coefficients.a_s * 1e3, coefficients.b_s_per_token * 1e6,
             error.mean_abs_relative * 100, error.p95_abs_relative * 100, counters.steps,
             self.pab_tokens, counters.deferred_decodes, counters.steps_with_deferral,
             counters.decisions, counters.fallbacks, counters.overruns, counters.late_prefills,
@@ -279,9 +276,8 @@ class FairBatchingState:
             "highest_dispatch_seq": self.highest_dispatch_seq,
             "parked": len(self.parked_reqs),
             "step_model": {
-                "a_s": coefficients.a_s,
-                "b_s_per_token": coefficients.b_s_per_token,
-                "c_s_per_context_token": coefficients.c_s_per_context_token,
+                "form": coefficients.form,
+                **coefficients.fields(),
                 "mean_abs_relative_error": error.mean_abs_relative,
                 "p95_abs_relative_error": error.p95_abs_relative,
             },

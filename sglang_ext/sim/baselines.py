@@ -12,6 +12,7 @@ from operator import attrgetter
 
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.slo import Slo
+from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
 
 _arrival_order = attrgetter("arrival_seq")
@@ -137,7 +138,8 @@ class Sarathi(BatchPolicy):
 def prefill_tokens_per_s(context: PolicyContext, token_budget: int) -> float:
     """Prefill throughput at a chunk of ``token_budget`` tokens, from the rank's offline
     step-model fit (what a user measures on their GPU before sizing a queue cap)."""
-    return token_budget / context.initial_step_model.usable().predict(token_budget, 0)
+    chunk = StepShape.from_requests([(token_budget, 0)])
+    return token_budget / context.initial_step_model.usable().predict_step(chunk)
 
 
 @POLICIES.register("sarathi-queue-cap")

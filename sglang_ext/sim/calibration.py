@@ -1,15 +1,18 @@
-"""Offline profiling of a simulated GPU: the paper's offline fit of ``a + b*n + c*ctx``.
+"""Offline profiling of a simulated GPU: the paper's offline fit of ``a + b*n + c*ctx``,
+and the knee model's.
 
 Runs a grid of prefill-only, decode-only and mixed steps through a *separately
 seeded* noisy GPU (only measured times, as a profiler on real hardware sees) and fits
-the linear step model by least squares. The online model starts from this fit.
+the step model by least squares. The online model starts from this fit.
 """
 
 from __future__ import annotations
 
 import functools
 
-from sglang_ext.policy.step_model import StepCoefficients, StepSample, fit_least_squares
+from sglang_ext.policy.step_model import (
+    StepCoefficients, StepModelFile, StepSample, fit_least_squares, fit_step_model,
+)
 from sglang_ext.sim.gpu import RooflineGpu, StepShape
 from sglang_ext.sim.profile import HardwareProfile
 
@@ -32,18 +35,32 @@ def profiling_grid() -> list[StepShape]:
     return shapes
 
 
+def profile_steps(
+    profile: HardwareProfile, repeats: int = 3, seed: int = PROFILING_SEED
+) -> tuple[list[StepShape], list[float]]:
+    """The profiling grid's shapes (each ``repeats`` times) and their measured times."""
+    gpu = RooflineGpu(profile, seed)
+    shapes = [shape for shape in profiling_grid() for _ in range(repeats)]
+    return shapes, [gpu.measure_step_s(shape) for shape in shapes]
+
+
 def profile_samples(
     profile: HardwareProfile, repeats: int = 3, seed: int = PROFILING_SEED
 ) -> list[StepSample]:
-    gpu = RooflineGpu(profile, seed)
-    samples = []
-    for shape in profiling_grid():
-        context = shape.prefill_context + shape.decode_context
-        for _ in range(repeats):
-            samples.append(StepSample(shape.new_tokens, context, gpu.measure_step_s(shape)))
-    return samples
+    shapes, seconds = profile_steps(profile, repeats, seed)
+    return [StepSample(shape.new_tokens, shape.prefill_context + shape.decode_context, time)
+            for shape, time in zip(shapes, seconds, strict=True)]
 
 
 @functools.lru_cache(maxsize=16)
 def offline_fit(profile: HardwareProfile, seed: int = PROFILING_SEED) -> StepCoefficients:
     return fit_least_squares(profile_samples(profile, seed=seed))
+
+
+@functools.lru_cache(maxsize=16)
+def offline_step_model(
+    profile: HardwareProfile, form: str = "knee", seed: int = PROFILING_SEED
+) -> StepModelFile:
+    """The offline fit of ``form``, with the linear model fitted beside it."""
+    shapes, seconds = profile_steps(profile, seed=seed)
+    return fit_step_model(form, shapes, seconds)

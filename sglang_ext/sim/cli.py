@@ -14,8 +14,8 @@ from controlplane.balancer import BALANCERS
 from sglang_ext.policy.admission import AdmissionSettings
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
-from sglang_ext.policy.step_model import StepCoefficients, StepModelError
-from sglang_ext.sim.calibration import offline_fit, profile_samples
+from sglang_ext.policy.step_model import STEP_FORMS, StepModelError, StepModelFile
+from sglang_ext.sim.calibration import offline_step_model, profile_steps
 from sglang_ext.sim.cluster import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_QUEUE_TTL_S,
@@ -24,6 +24,7 @@ from sglang_ext.sim.cluster import (
     ClusterConfigError,
     simulate_cluster,
 )
+from sglang_ext.sim.predictor_check import DEFAULT_WARMUP, as_json, check_predictors, render
 from sglang_ext.sim.profile import (
     PROFILES_DIR,
     HardwareProfile,
@@ -41,6 +42,7 @@ from sglang_ext.sim.runner import (
     parse_policy,
     simulate,
 )
+from sglang_ext.sim.step_grid import GridError, read_grid
 from sglang_ext.sim.sweep import (
     DEFAULT_POLICIES,
     SweepPlan,
@@ -184,8 +186,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
     system.add_argument("--seed", type=int, default=0, help="GPU noise and synthetic arrivals")
     system.add_argument(
         "--step-model", type=Path,
-        help="initial step-model coefficients TOML (default: offline fit on the profile, as "
-        "`calibrate` prints); the policies recalibrate online from there",
+        help="initial step-model TOML, of its form (default: offline fit of --step-form on the "
+        "profile, as `calibrate` prints); the policies recalibrate online from there",
+    )
+    system.add_argument(
+        "--step-form", choices=STEP_FORMS, default="knee",
+        help="the offline fit's form when no --step-model is given (fb keeps the linear model "
+        "either way; default: knee)",
     )
     parser.add_argument("--out", type=Path, help="output directory (default: out/<command>-<time>)")
 
@@ -246,10 +253,22 @@ def build_parser() -> argparse.ArgumentParser:
                          help="admission queue bound; a fuller queue rejects (max_queued)")
     _common(cluster)
     calibrate = commands.add_parser(
-        "calibrate", help="offline-fit the step model a + b*new_tokens + c*context on a profile"
+        "calibrate", help="offline-fit a step model (knee or linear) on a profile"
     )
     calibrate.add_argument("--profile", default=DEFAULT_PROFILE, help="bundled name or TOML path")
-    calibrate.add_argument("--out", type=Path, help="write the coefficients TOML here")
+    calibrate.add_argument("--form", choices=STEP_FORMS, default="knee",
+                           help="the model's form (a knee file carries the linear fit too)")
+    calibrate.add_argument("--out", type=Path, help="write the step-model TOML here")
+    check = commands.add_parser(
+        "predictor-check",
+        help="held-out and online error of each step-time predictor on a measured grid CSV",
+    )
+    check.add_argument("--grid", type=Path, required=True,
+                       help="a measured grid (the CSV format of scripts/profile_gpu.py)")
+    check.add_argument("--seed", type=int, default=0, help="the 2/3 split and the serving order")
+    check.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                       help="online steps before the error counts")
+    check.add_argument("--json", type=Path, help="also write the figures here")
     return parser
 
 
@@ -307,7 +326,8 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         seed=args.seed,
         drain_s=args.drain_seconds,
         max_token_budget=args.max_token_budget,
-        initial_step_model=StepCoefficients.load(args.step_model) if args.step_model else None,
+        step_model=StepModelFile.load(args.step_model) if args.step_model else None,
+        step_form=args.step_form,
     )
 
 
@@ -419,13 +439,13 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     profile = _load_profile(args.profile)
-    fit = offline_fit(profile)
-    samples = profile_samples(profile)
-    errors = [abs(fit.predict(s.new_tokens, s.context) - s.seconds) / s.seconds for s in samples]
+    fit = offline_step_model(profile, args.form)
+    shapes, seconds = profile_steps(profile)
+    errors = [abs(fit.model.predict_step(s) - t) / t for s, t in zip(shapes, seconds, strict=True)]
     text = fit.to_toml(
         f"Offline fit on simulated profile {profile.name} "
-        f"(python -m sglang_ext.sim calibrate --profile {args.profile})",
-        samples=len(samples),
+        f"(python -m sglang_ext.sim calibrate --profile {args.profile} --form {args.form})",
+        samples=len(shapes),
         mean_abs_rel_error=sum(errors) / len(errors),
         max_abs_rel_error=max(errors),
     )
@@ -437,9 +457,19 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_predictor_check(args: argparse.Namespace) -> int:
+    rows = read_grid(args.grid)
+    check = check_predictors(rows, seed=args.seed, warmup=args.warmup)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(as_json(check, str(args.grid)), indent=1) + "\n")
+    print(render(check, str(args.grid)))
+    return 0
+
+
 USER_ERRORS = (
     CliError, WorkloadError, ProfileError, SloError, PolicySpecError, StepModelError,
-    ClusterConfigError, json.JSONDecodeError,
+    ClusterConfigError, GridError, json.JSONDecodeError,
 )
 
 
@@ -447,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {
         "run": _cmd_run, "sweep": _cmd_sweep, "cluster": _cmd_cluster,
-        "calibrate": _cmd_calibrate,
+        "calibrate": _cmd_calibrate, "predictor-check": _cmd_predictor_check,
     }[args.command]
     try:
         return handler(args)

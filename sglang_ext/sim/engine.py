@@ -251,7 +251,7 @@ class SimEngine:
                 StepRecord(start, duration, decision.predicted_step_s, shape.new_tokens, context,
                            shape.decode_requests, shape.prefill_tokens)
             )
-        self.policy.observe_step(shape.new_tokens, context, duration, shape.prefill_tokens)
+        self.policy.observe_step(shape, duration)
         self._apply(decodes, chunks)
         if self._check:
             self.check_integrity()

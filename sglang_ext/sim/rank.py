@@ -42,7 +42,7 @@ from controlplane.reporter import ReportPublisher, ReportThrottle
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.slo import SloCatalog, SloError
-from sglang_ext.sim.calibration import offline_fit
+from sglang_ext.sim.calibration import offline_step_model
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.profile import (
     PROFILES_DIR,
@@ -287,9 +287,11 @@ class SimRanks:
 
 def make_policy(name: str, profile: HardwareProfile, catalog: SloCatalog) -> BatchPolicy:
     spec = parse_policy(name)
+    step_model = offline_step_model(profile)
     context = PolicyContext(
         global_slo=catalog.default,
-        initial_step_model=offline_fit(profile),
+        initial_step_model=step_model.model,
+        initial_linear_model=step_model.linear,
         max_token_budget=DEFAULT_MAX_TOKEN_BUDGET,
         gpu_memory_gb=profile.memory_gb,
         token_budget=spec.token_budget,

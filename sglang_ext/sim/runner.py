@@ -13,8 +13,8 @@ from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.registry import UnknownNameError
 from sglang_ext.policy.slo import SloCatalog
-from sglang_ext.policy.step_model import StepCoefficients
-from sglang_ext.sim.calibration import offline_fit
+from sglang_ext.policy.step_model import StepModelFile
+from sglang_ext.sim.calibration import offline_step_model
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.metrics import LatencySamples, latency_samples, summarize
 from sglang_ext.sim.profile import HardwareProfile
@@ -138,7 +138,9 @@ class Scenario:
     seed: int = 0
     drain_s: float = 120.0
     max_token_budget: int = DEFAULT_MAX_TOKEN_BUDGET
-    initial_step_model: StepCoefficients | None = None  # None: offline fit of the profile
+    # a step-model file's models; None: the offline fit of ``step_form`` on the profile
+    step_model: StepModelFile | None = None
+    step_form: str = "knee"
 
 
 @dataclass(frozen=True)
@@ -149,9 +151,11 @@ class RunResult:
 
 
 def build_policy(scenario: Scenario, spec: PolicySpec, **context_overrides) -> BatchPolicy:
+    step_model = scenario.step_model or offline_step_model(scenario.profile, scenario.step_form)
     context = PolicyContext(
         global_slo=scenario.catalog.default,
-        initial_step_model=scenario.initial_step_model or offline_fit(scenario.profile),
+        initial_step_model=step_model.model,
+        initial_linear_model=step_model.linear,
         max_token_budget=scenario.max_token_budget,
         gpu_memory_gb=scenario.profile.memory_gb,
         token_budget=spec.token_budget,
@@ -192,9 +196,5 @@ def simulate(
     load["step_model_mean_abs_rel_error"] = error.mean_abs_relative
     load["step_model_outliers"] = error.outliers
     learned = engine.policy.step_model.coefficients
-    load["step_model"] = {
-        "a_s": learned.a_s,
-        "b_s_per_token": learned.b_s_per_token,
-        "c_s_per_context_token": learned.c_s_per_context_token,
-    }
+    load["step_model"] = {"form": learned.form, **learned.fields()}
     return RunResult(spec.label, load, latency_samples(records) if keep_samples else None)

@@ -7,6 +7,7 @@ from collections.abc import Hashable
 
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import RequestView
 
 # Round coefficients so expectations can be computed by hand:
@@ -50,3 +51,13 @@ def request(
         prompt_tokens=prompt,
         arrival_seq=arrival_seq,
     )
+
+
+def measured_step(new_tokens: int, context: int, prefill_tokens: int = 0) -> StepShape:
+    """A step of ``prefill_tokens`` prompt tokens (one chunk) and one decode per other new
+    token, over ``context`` cached tokens: the totals a linear step model reads."""
+    decodes = new_tokens - prefill_tokens
+    if prefill_tokens:
+        return StepShape(prefill_tokens, prefill_tokens * (prefill_tokens + 1) / 2, 0, decodes,
+                         context, 1)
+    return StepShape(0, 0.0, 0, decodes, context, 0)

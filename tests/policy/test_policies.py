@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policy_helpers import COEF, NOW, SLO, request
+from policy_helpers import COEF, NOW, SLO, measured_step, request
 from sglang_ext.policy.batch_former import form_batch
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.registry import Registry, UnknownNameError
@@ -169,7 +169,7 @@ def test_fb_tb_budget_clamped_to_max() -> None:
 def test_fb_tb_learns_its_tokens_only_model() -> None:
     policy = make("fb-tb", initial_step_model=TB_COEF)
     for _ in range(50):
-        policy.observe_step(1000, 0, 2 * TB_COEF.predict(1000, 0))  # steps twice as slow
+        policy.observe_step(measured_step(1000, 0), 2 * TB_COEF.predict(1000, 0))  # steps twice as slow
     assert policy.tokens_only_model.error.samples == 50
     assert policy.tokens_only_model.coefficients.c_s_per_context_token == 0.0
     slower = policy.tokens_only_model.coefficients
@@ -225,7 +225,7 @@ def test_every_policy_observe_step_updates_its_step_model(name: str) -> None:
     assert policy.step_model.coefficients == COEF
     pab_before = policy.prefill_admission_budget([], NOW)
     for _ in range(30):
-        policy.observe_step(2000, 100_000, 2 * COEF.predict(2000, 100_000))
+        policy.observe_step(measured_step(2000, 100_000), 2 * COEF.predict(2000, 100_000))
     assert policy.step_model.error.samples == 30
     learned = policy.step_model.coefficients
     assert learned != COEF

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.step_model import (
     OnlineStepModel,
     StepCoefficients,
@@ -25,6 +26,11 @@ from sglang_ext.policy.step_model import (
 TRUE = StepCoefficients(0.008, 6e-5, 2e-8)
 PRIOR_30_OFF = StepCoefficients(0.008 * 1.3, 6e-5 * 0.7, 2e-8 * 1.3)
 NOISE = 0.02
+
+
+def chunk(new_tokens: int, context: int) -> StepShape:
+    """A step of ``new_tokens`` after ``context`` cached tokens (all the linear model reads)."""
+    return StepShape.from_requests([(new_tokens, context)])
 
 
 def rel(x: float, y: float) -> float:
@@ -58,13 +64,17 @@ def prefill_step(rng: np.random.Generator) -> tuple[int, int]:
 
 
 def mean_prediction_error(model, truth, shapes) -> float:
-    return float(np.mean([rel(model.predict(n, ctx), truth.predict(n, ctx)) for n, ctx in shapes]))
+    return float(np.mean([rel(_predict(model, n, ctx), truth.predict(n, ctx)) for n, ctx in shapes]))
+
+
+def _predict(model, n: int, ctx: int) -> float:
+    return model.predict(chunk(n, ctx)) if isinstance(model, OnlineStepModel) else model.predict(n, ctx)
 
 
 def observe_truth(model, truth, rng, steps: int, shape=serving_step) -> None:
     for _ in range(steps):
         n, ctx = shape(rng)
-        model.observe(n, ctx, truth.predict(n, ctx) * rng.lognormal(0.0, NOISE))
+        model.observe(chunk(n, ctx), truth.predict(n, ctx) * rng.lognormal(0.0, NOISE))
 
 
 # --------------------------------------------------------------------------- coefficients
@@ -299,23 +309,23 @@ def test_a_rare_stall_barely_moves_predictions() -> None:
     before = model.coefficients
     outliers = model.error.outliers
     n, ctx = serving_step(rng)
-    relative = model.observe(n, ctx, 10 * TRUE.predict(n, ctx))
+    relative = model.observe(chunk(n, ctx), 10 * TRUE.predict(n, ctx))
     assert relative == pytest.approx(0.9, abs=0.02)  # (10p - p) / 10p
     assert model.error.last_relative == relative
     assert model.error.outliers == outliers + 1
     shapes = [serving_step(rng) for _ in range(300)]
     assert mean_prediction_error(model, before, shapes) < 0.02
-    assert max(rel(model.predict(*s), before.predict(*s)) for s in shapes) < 0.03
+    assert max(rel(model.predict(chunk(*s)), before.predict(*s)) for s in shapes) < 0.03
 
 
 def test_outliers_are_counted() -> None:
     model = OnlineStepModel(TRUE)
     p = TRUE.predict(100, 10_000)
-    model.observe(100, 10_000, p * 1.5)  # slow but not an outlier
-    model.observe(100, 10_000, p * 0.5)  # fast: never an outlier
+    model.observe(chunk(100, 10_000), p * 1.5)  # slow but not an outlier
+    model.observe(chunk(100, 10_000), p * 0.5)  # fast: never an outlier
     assert model.error.outliers == 0
-    model.observe(100, 10_000, model.predict(100, 10_000) * 2.5)
-    model.observe(100, 10_000, model.predict(100, 10_000) * 10)
+    model.observe(chunk(100, 10_000), model.predict(chunk(100, 10_000)) * 2.5)
+    model.observe(chunk(100, 10_000), model.predict(chunk(100, 10_000)) * 10)
     assert model.error.outliers == 2
     assert model.error.samples == 4
 
@@ -338,7 +348,7 @@ def test_long_decode_only_phase_does_not_wreck_prefill_predictions() -> None:
         contexts = (batches * 2000 * rng.uniform(0.98, 1.02, size=3000)).astype(int)
         noise = rng.lognormal(0.0, NOISE, size=3000)
         for n, ctx, factor in zip(batches.tolist(), contexts.tolist(), noise.tolist()):
-            model.observe(n, ctx, TRUE.predict(n, ctx) * factor)
+            model.observe(chunk(n, ctx), TRUE.predict(n, ctx) * factor)
         return before, mean_prediction_error(model, TRUE, probe)
 
     before, after = run(2.0, seed=0)
@@ -374,7 +384,7 @@ def test_unmeasured_direction_keeps_what_was_learned_online() -> None:
 def test_invalid_measured_time_raises(bad: float) -> None:
     model = OnlineStepModel(TRUE)
     with pytest.raises(StepModelError, match="measured step time"):
-        model.observe(10, 100, bad)
+        model.observe(chunk(10, 100), bad)
     assert model.error.samples == 0
     assert model.coefficients == TRUE
 
@@ -391,7 +401,7 @@ def test_online_model_parameter_validation(kwargs, fragment) -> None:
 def test_observe_returns_relative_error_and_records_it() -> None:
     model = OnlineStepModel(TRUE)
     p = TRUE.predict(1000, 100_000)
-    relative = model.observe(1000, 100_000, p * 1.25)
+    relative = model.observe(chunk(1000, 100_000), p * 1.25)
     assert relative == pytest.approx(0.2)  # (1.25p - p) / 1.25p
     assert model.error.last_relative == pytest.approx(0.2)
     assert model.recent_abs_relative_errors == pytest.approx((0.2,))

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from policy_helpers import A, B, C, COEF, NOW, SLO, request
+from policy_helpers import A, B, C, COEF, NOW, SLO, measured_step, request
 from sglang_ext.policy.batch_former import ServiceFloor, smooth_step, triage
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, FairBatching, PolicyContext
 from sglang_ext.policy.slo import Slo
@@ -59,7 +59,7 @@ def feed(policies: list[BatchPolicy], steps: int, ratio: float) -> None:
         new_tokens, context = 50 + 37 * k, 1_000 + 900 * k
         predicted = policies[0].step_model.coefficients.predict(new_tokens, context)
         for policy in policies:
-            policy.observe_step(new_tokens, context, ratio * predicted, prefill_tokens=new_tokens - 20)
+            policy.observe_step(measured_step(new_tokens, context, new_tokens - 20), ratio * predicted)
 
 
 # --------------------------------------------------------------------------- registry
@@ -316,17 +316,17 @@ def test_kairos_order_ties_keep_fcfs() -> None:
 def test_kairos_throughput_estimate() -> None:
     policy = make("fb-kairos")
     assert policy.prefill_tokens_per_s == pytest.approx(1 / B)  # 10000 tokens/s
-    policy.observe_step(64, 5_000, 0.02, prefill_tokens=0)  # decode-only: unchanged
+    policy.observe_step(measured_step(64, 5_000, 0), 0.02)  # decode-only: unchanged
     assert policy.prefill_tokens_per_s == pytest.approx(10_000)
     assert policy.step_model.error.samples == 1  # but the step model still learned
     # 1000 prefill tokens in 0.5 s -> sample 2000: 10000 + 0.1 * (2000 - 10000) = 9200
-    policy.observe_step(1_010, 5_000, 0.5, prefill_tokens=1_000)
+    policy.observe_step(measured_step(1_010, 5_000, 1_000), 0.5)
     assert THROUGHPUT_EWMA == 0.1
     assert policy.prefill_tokens_per_s == pytest.approx(9_200)
     # again: 9200 + 0.1 * (2000 - 9200) = 8480
-    policy.observe_step(1_010, 5_000, 0.5, prefill_tokens=1_000)
+    policy.observe_step(measured_step(1_010, 5_000, 1_000), 0.5)
     assert policy.prefill_tokens_per_s == pytest.approx(8_480)
-    policy.observe_step(1, 0, 0.01)  # default prefill_tokens=0
+    policy.observe_step(measured_step(1, 0), 0.01)  # a decode
     assert policy.prefill_tokens_per_s == pytest.approx(8_480)
 
 

@@ -191,9 +191,9 @@ def _record_observations(state: Any) -> list[tuple[int, int, float]]:
     observe_step = policy.observe_step
     seen: list[tuple[int, int, float]] = []
 
-    def recording_observe_step(new_tokens: int, context: int, measured_s: float, *args: Any) -> None:
-        seen.append((int(new_tokens), int(context), float(measured_s)))
-        observe_step(new_tokens, context, measured_s, *args)
+    def recording_observe_step(shape: Any, measured_s: float) -> None:
+        seen.append((int(shape.new_tokens), int(shape.total_context), float(measured_s)))
+        observe_step(shape, measured_s)
 
     policy.observe_step = recording_observe_step
     return seen

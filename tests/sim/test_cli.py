@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.policy.policies import POLICIES
-from sglang_ext.policy.step_model import StepCoefficients
-from sglang_ext.sim.calibration import offline_fit
+from sglang_ext.policy.step_model import StepCoefficients, StepModelFile
+from sglang_ext.sim.calibration import offline_fit, offline_step_model
 from sglang_ext.sim.cli import main
 from sglang_ext.sim.profile import PROFILES_DIR, bundled_profile_path, load_profile
 
@@ -132,10 +132,15 @@ def test_sweep_writes_results_plots_and_table(tmp_path, capsys):
 def test_calibrate_writes_loadable_coefficients(tmp_path, capsys):
     path = tmp_path / "sub" / "coeffs.toml"
     assert main(["calibrate", "--profile", "llama3.1-8b-h100", "--out", str(path)]) == 0
-    loaded = StepCoefficients.load(path)
-    assert loaded == offline_fit(load_profile(bundled_profile_path("llama3.1-8b-h100")))
-    assert loaded.a_s > 0 and loaded.b_s_per_token > 0 and loaded.c_s_per_context_token >= 0
-    assert "b_s_per_token" in capsys.readouterr().out
+    loaded = StepModelFile.load(path)
+    profile = load_profile(bundled_profile_path("llama3.1-8b-h100"))
+    assert loaded == offline_step_model(profile, "knee")
+    assert loaded.model.form == "knee" and loaded.linear == offline_fit(profile)
+    assert loaded.model.knee_tokens > 0 and loaded.model.e_s_per_pair > 0
+    assert "knee_tokens" in capsys.readouterr().out
+    linear_path = tmp_path / "linear.toml"
+    assert main(["calibrate", "--form", "linear", "--out", str(linear_path)]) == 0
+    assert StepCoefficients.load(linear_path) == offline_fit(profile)
     # and the file feeds back into a run as its initial step model
     out = tmp_path / "run"
     assert main(["run", "--policy", "fb-pab", "--rate", "4", *FAST, "--step-model", str(path),
