@@ -170,15 +170,11 @@ def _rel(path: Path) -> Path:
 def write_fb_config(directory: Path) -> Path:
     """The shipped config with its initial step model scaled by the emulated GPU's time
     scale (tests/e2e/test_fairbatching_e2e.py's ``fb_config`` does the same)."""
-    from sglang_ext.config import ExtensionConfig
+    from sglang_ext.policy.step_model import StepModelFile
 
     shipped_path = REPO / "configs" / "fairbatching.toml"
-    coefficients = ExtensionConfig.load(shipped_path).initial_step_model
-    type(coefficients)(
-        coefficients.a_s * TIME_SCALE,
-        coefficients.b_s_per_token * TIME_SCALE,
-        coefficients.c_s_per_context_token * TIME_SCALE,
-    ).save(directory / "step_model.toml")
+    shipped_model = StepModelFile.load(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml")
+    shipped_model.scaled(TIME_SCALE).save(directory / "step_model.toml")
     text = shipped_path.read_text()
     for old, new in (
         ('slo_file = "slo.toml"', f'slo_file = "{REPO / "configs" / "slo.toml"}"'),

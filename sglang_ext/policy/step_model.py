@@ -141,11 +141,11 @@ class StepCoefficients:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>") -> StepCoefficients:
         names = ("a_s", "b_s_per_token", "c_s_per_context_token")
+        if data.get("form", "linear") != "linear":
+            raise StepModelError(f"{source}: a {data.get('form')!r} step model, not the linear one")
         missing = [n for n in names if n not in data]
         if missing:
             raise StepModelError(f"{source}: missing field(s) {', '.join(missing)}")
-        if data.get("form", "linear") != "linear":
-            raise StepModelError(f"{source}: a {data.get('form')!r} step model, not the linear one")
         unknown = set(data) - set(names) - {"fit", "form"}
         if unknown:
             raise StepModelError(f"{source}: unknown field(s) {sorted(unknown)}")
@@ -248,6 +248,14 @@ class StepModelFile:
 
     def save(self, path: str | Path, comment: str = "", **fit_info: float | str) -> None:
         Path(path).write_text(self.to_toml(comment, **fit_info))
+
+    def scaled(self, factor: float) -> StepModelFile:
+        """Both models on a GPU ``factor`` times slower (every weight times ``factor``)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise StepModelError(f"scale factor must be a finite number > 0, got {factor!r}")
+        model = self.model.with_weights([w * factor for w in self.model.weights])
+        linear = self.linear.with_weights([w * factor for w in self.linear.weights])
+        return StepModelFile(model, linear)
 
 
 def fit_step_model(form: str, shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepModelFile:

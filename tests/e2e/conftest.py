@@ -105,15 +105,12 @@ def sglang_server(server_pool: ServerPool) -> Callable[..., Server]:
 def fb_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped FairBatching config, with its initial step model scaled like the emulated
     GPU (as a deployment would start from coefficients fitted on its own GPU)."""
-    from sglang_ext.config import ExtensionConfig
+    from sglang_ext.policy.step_model import StepModelFile
 
     repo = Path(__file__).resolve().parents[2]
-    shipped = ExtensionConfig.load(repo / "configs" / "fairbatching.toml")
     directory = tmp_path_factory.mktemp("fb-config")
-    scale = float(EMULATED_TIME_SCALE)
-    coefficients = shipped.initial_step_model
-    type(coefficients)(coefficients.a_s * scale, coefficients.b_s_per_token * scale,
-                       coefficients.c_s_per_context_token * scale).save(directory / "step_model.toml")
+    shipped = StepModelFile.load(repo / "configs" / "step_models" / "llama3.1-8b-h100.toml")
+    shipped.scaled(float(EMULATED_TIME_SCALE)).save(directory / "step_model.toml")
     config = directory / "fairbatching.toml"
     config.write_text(
         (repo / "configs" / "fairbatching.toml").read_text()

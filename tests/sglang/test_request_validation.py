@@ -14,14 +14,14 @@ if importlib.util.find_spec("sglang") is None:
 
 from sglang_ext.policy.batch_former import min_serviceable_tpot_s
 from sglang_ext.policy.slo import SloCatalog
-from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.step_model import StepModelFile
 from sglang_ext.request_validation import check_request_slo
 
 pytestmark = pytest.mark.sglang
 
 REPO = Path(__file__).resolve().parents[2]
 CATALOG = SloCatalog.from_toml(REPO / "configs" / "slo.toml")
-MODEL = StepCoefficients.load(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml")
+MODEL = StepModelFile.load(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml").model
 
 
 def params(slo: dict) -> dict:
@@ -30,7 +30,7 @@ def params(slo: dict) -> dict:
 
 def test_a_tpot_below_the_floor_is_refused_with_the_reason() -> None:
     floor_ms = min_serviceable_tpot_s(MODEL) * 1e3
-    with pytest.raises(ValueError, match=r"tpot_ms 4 is below this server's minimum of 10\.1 ms"):
+    with pytest.raises(ValueError, match=rf"tpot_ms 4 is below this server's minimum of {floor_ms:.1f} ms"):
         check_request_slo(CATALOG, params({"ttft_ms": 100, "tpot_ms": 4}), MODEL)
     check_request_slo(CATALOG, params({"ttft_ms": 100, "tpot_ms": floor_ms + 0.1}), MODEL)
     with pytest.raises(ValueError, match="below"):  # a batch: any one refused refuses it

@@ -166,11 +166,10 @@ WRONG_BY = 3.0
 
 
 def initial_step_model() -> Any:
-    from sglang_ext.policy.step_model import StepCoefficients
+    from sglang_ext.policy.step_model import StepModelFile
 
-    shipped = StepCoefficients.load(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml")
-    k = TIME_SCALE * WRONG_BY
-    return StepCoefficients(shipped.a_s * k, shipped.b_s_per_token * k, shipped.c_s_per_context_token * k)
+    shipped = StepModelFile.load(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml")
+    return shipped.scaled(TIME_SCALE * WRONG_BY).linear  # fb keeps the linear model
 
 
 @pytest.fixture(scope="module")
