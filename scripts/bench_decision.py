@@ -268,8 +268,7 @@ def trained_policy(scenario: Scenario, label: str, steps: Sequence[StepRecord]) 
     policy = build_policy(scenario, parse_policy(label))
     for step in steps:
         # float(): as an SGLang adapter timing steps with perf_counter passes (see the notes)
-        policy.observe_step(
-            step.new_tokens, step.context, float(step.duration_s), step.prefill_tokens)
+        policy.observe_step(step.shape, float(step.duration_s))
     return policy
 
 
@@ -635,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             "step_model": (
                 f"each policy first observes the {len(steps)} simulated steps preceding that "
-                "snapshot (observe_step with new tokens, context, measured time, prefill tokens)."
+                "snapshot (observe_step with each step's shape and measured time)."
             ),
         },
         "sim_snapshot": sim_about,

@@ -76,6 +76,7 @@ class StepRecord:
     context: int
     decodes: int
     prefill_tokens: int
+    shape: StepShape | None = None  # what the step computed, as the step model reads it
 
 
 class SimEngine:
@@ -249,7 +250,7 @@ class SimEngine:
         if self._record_steps:
             self.step_log.append(
                 StepRecord(start, duration, decision.predicted_step_s, shape.new_tokens, context,
-                           shape.decode_requests, shape.prefill_tokens)
+                           shape.decode_requests, shape.prefill_tokens, shape)
             )
         self.policy.observe_step(shape, duration)
         self._apply(decodes, chunks)
