@@ -14,6 +14,10 @@ Loading is strict, because a silently ignored typo in a profile silently changes
 
 The dataclasses validate themselves too, so a profile built in code gets the same checks.
 
+Some fields are optional (``ModelSpec.embedding_params``, ``GpuSpec.attention_*``,
+``RuntimeSpec.prefill_overhead_ms``, ``RuntimeSpec.attention_kernels``...): a file may leave
+them out, and their defaults give the plain roofline the bundled hand-written profiles use.
+
 This module only needs the standard library (``tomllib``, Python >= 3.11).
 """
 
@@ -28,6 +32,7 @@ from typing import Any
 from sglang_ext.policy.tomlfile import read_toml
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "PROFILES_DIR",
     "GpuSpec",
     "HardwareProfile",
@@ -49,8 +54,9 @@ class ProfileError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------
-# Field rules.  Each rule is (kind, lower, lower_inclusive, upper) where kind is "int", "float"
-# or "str".  Numeric bounds: value > lower (or >= lower when lower_inclusive), value <= upper.
+# Field rules.  Each rule is (kind, limits) where kind is "int", "float", "str" or "choice".
+# Numeric limits are (lower, lower_inclusive, upper): value > lower (or >= lower when
+# lower_inclusive), value <= upper.  A "choice" lists the allowed strings.
 # --------------------------------------------------------------------------------------------
 
 _POS = (0.0, False, math.inf)  # strictly positive
@@ -58,7 +64,10 @@ _NONNEG = (0.0, True, math.inf)  # zero allowed
 _FRACTION = (0.0, False, 1.0)  # (0, 1]
 _PROBABILITY = (0.0, True, 1.0)  # [0, 1]
 
-_RULES: dict[str, dict[str, tuple[str, tuple[float, bool, float] | None]]] = {
+#: Values of ``runtime.attention_kernels``.
+ATTENTION_KERNELS = ("batch", "split")
+
+_RULES: dict[str, dict[str, tuple[str, Any]]] = {
     "model": {
         "name": ("str", None),
         "num_layers": ("int", _POS),
@@ -69,6 +78,8 @@ _RULES: dict[str, dict[str, tuple[str, tuple[float, bool, float] | None]]] = {
         "num_params": ("float", _POS),
         "bytes_per_param": ("float", _POS),
         "kv_bytes_per_elem": ("float", _POS),
+        "embedding_params": ("float", _NONNEG),
+        "lm_head_params": ("float", _NONNEG),
     },
     "gpu": {
         "name": ("str", None),
@@ -77,6 +88,10 @@ _RULES: dict[str, dict[str, tuple[str, tuple[float, bool, float] | None]]] = {
         "bf16_tflops": ("float", _POS),
         "compute_efficiency": ("float", _FRACTION),
         "bandwidth_efficiency": ("float", _FRACTION),
+        "attention_compute_efficiency": ("float", _FRACTION),
+        "attention_bandwidth_efficiency": ("float", _FRACTION),
+        "attention_saturation_tiles": ("float", _NONNEG),
+        "attention_tile_queries": ("int", _POS),
     },
     "runtime": {
         "step_overhead_ms": ("float", _NONNEG),
@@ -87,6 +102,8 @@ _RULES: dict[str, dict[str, tuple[str, tuple[float, bool, float] | None]]] = {
         "stall_probability": ("float", _PROBABILITY),
         "stall_ms_min": ("float", _NONNEG),
         "stall_ms_max": ("float", _NONNEG),
+        "prefill_overhead_ms": ("float", _NONNEG),
+        "attention_kernels": ("choice", ATTENTION_KERNELS),
     },
 }
 
@@ -107,6 +124,11 @@ def _coerce(section: str, key: str, value: Any, source: str) -> Any:
             raise ProfileError(
                 f"{source}: field {dotted} must be a non-empty string, got {value!r}"
             )
+        return value
+    if kind == "choice":
+        if value not in bounds:
+            allowed = ", ".join(repr(v) for v in bounds)
+            raise ProfileError(f"{source}: field {dotted} must be one of {allowed}, got {value!r}")
         return value
     # bool is a subclass of int: reject it explicitly.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -137,6 +159,8 @@ def _check_instance(obj: Any, section: str) -> None:
     """Run the field rules on a constructed dataclass (used by ``__post_init__``)."""
     source = f"<{type(obj).__name__}>"
     for f in fields(obj):
+        if getattr(obj, f.name) is None and f.default is None:  # optional, left unset
+            continue
         value = _coerce(section, f.name, getattr(obj, f.name), source)
         if value is not getattr(obj, f.name):
             object.__setattr__(obj, f.name, value)
@@ -160,6 +184,10 @@ class ModelSpec:
     num_params: float  # total parameters, embeddings included (e.g. 8.03e9)
     bytes_per_param: float = 2.0  # bf16 weights
     kv_bytes_per_elem: float = 2.0  # bf16 KV cache
+    # Of num_params: the input embedding (looked up, never multiplied; 0 counts it as a layer)
+    embedding_params: float = 0.0
+    # Of num_params: the LM head, run on one token per sequence (0: on every new token)
+    lm_head_params: float = 0.0
 
     def __post_init__(self) -> None:
         _check_instance(self, "model")
@@ -167,6 +195,12 @@ class ModelSpec:
             raise ProfileError(
                 f"<ModelSpec>: field model.num_kv_heads ({self.num_kv_heads}) must divide "
                 f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.embedding_params + self.lm_head_params >= self.num_params:
+            raise ProfileError(
+                f"<ModelSpec>: fields model.embedding_params ({self.embedding_params:g}) + "
+                f"model.lm_head_params ({self.lm_head_params:g}) must be less than "
+                f"model.num_params ({self.num_params:g})"
             )
 
     @property
@@ -176,8 +210,13 @@ class ModelSpec:
 
     @property
     def weight_bytes(self) -> float:
-        """Bytes of weights read from HBM once per forward pass."""
+        """Bytes of weights held in GPU memory (all of ``num_params``)."""
         return self.num_params * self.bytes_per_param
+
+    @property
+    def per_token_params(self) -> float:
+        """Parameters every new token is multiplied by (all but the embedding and LM head)."""
+        return self.num_params - self.embedding_params - self.lm_head_params
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +229,12 @@ class GpuSpec:
     bf16_tflops: float  # dense (non-sparse) bf16 tensor-core peak, TFLOP/s
     compute_efficiency: float  # achieved fraction of bf16_tflops on the model's GEMMs, (0, 1]
     bandwidth_efficiency: float  # achieved fraction of hbm_tb_s when streaming, (0, 1]
+    attention_compute_efficiency: float | None = None  # None: compute_efficiency
+    attention_bandwidth_efficiency: float | None = None  # None: bandwidth_efficiency
+    # Attention tiles (thread blocks) that fill the GPU; fewer reach tiles/this of the attention
+    # roof.  0: attention always runs at its full roof.
+    attention_saturation_tiles: float = 0.0
+    attention_tile_queries: int = 128  # query rows per prefill attention tile
 
     def __post_init__(self) -> None:
         _check_instance(self, "gpu")
@@ -204,6 +249,22 @@ class GpuSpec:
         """Achieved bytes/s: hbm_tb_s * 1e12 * bandwidth_efficiency."""
         return self.hbm_tb_s * 1e12 * self.bandwidth_efficiency
 
+    @property
+    def effective_attention_flops(self) -> float:
+        """Achieved FLOP/s of attention kernels at full occupancy."""
+        efficiency = self.attention_compute_efficiency
+        return self.bf16_tflops * 1e12 * (
+            self.compute_efficiency if efficiency is None else efficiency
+        )
+
+    @property
+    def effective_attention_bandwidth(self) -> float:
+        """Achieved bytes/s of attention kernels (KV reads and writes) at full occupancy."""
+        efficiency = self.attention_bandwidth_efficiency
+        return self.hbm_tb_s * 1e12 * (
+            self.bandwidth_efficiency if efficiency is None else efficiency
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class RuntimeSpec:
@@ -217,6 +278,10 @@ class RuntimeSpec:
     stall_probability: float  # per-step probability of a stall
     stall_ms_min: float  # stall duration lower bound, ms
     stall_ms_max: float  # stall duration upper bound, ms
+    prefill_overhead_ms: float = 0.0  # fixed cost of a step with any prefill chunk, ms
+    # "batch": one attention kernel for the whole step; "split": prefill chunks and decodes in
+    # separate kernels, each with its own roofline
+    attention_kernels: str = "batch"
 
     def __post_init__(self) -> None:
         _check_instance(self, "runtime")
