@@ -30,7 +30,7 @@ def profiling_grid() -> list[StepShape]:
     for batch in (16, 64):
         for chunk in (256, 1024, 4096):
             shapes.append(
-                StepShape(chunk, chunk * (chunk + 1) / 2, 0, batch, batch * 1024, 1 + batch)
+                StepShape(chunk, chunk * (chunk + 1) / 2, 0, batch, batch * 1024, 1)
             )
     return shapes
 

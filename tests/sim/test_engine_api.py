@@ -177,7 +177,7 @@ def test_pab_falls_by_each_queued_prompt_and_recovers():
     assert not eng.has_work
     recovered = eng.prefill_admission_budget()
     assert recovered == pytest.approx(_idle_pab(eng))  # the online model has moved on
-    assert recovered > budgets[-1] + 20_000
+    assert recovered - budgets[-1] > 0.75 * (12_000 + 8_000 + 5_000)  # most of it comes back
 
 
 def test_fb_pab_rejects_a_prompt_over_the_budget():
