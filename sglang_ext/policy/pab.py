@@ -30,65 +30,57 @@ and what is left becomes the longest prompt that fits it, ``b * x + e * x (x + 1
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sglang_ext.policy.knee_step_model import KneeStepModel
 from sglang_ext.policy.slo import Slo
-from sglang_ext.policy.step_model import StepCoefficients, StepPredictor
+from sglang_ext.policy.step_model import StepPredictor
 from sglang_ext.policy.view import RequestState
 
 
 def prefill_admission_budget(
     requests: Sequence[RequestState], now: float, coefficients: StepPredictor, slo: Slo
 ) -> float:
+    window = _Window.of(requests, now, coefficients, slo)
     if isinstance(coefficients, KneeStepModel):
-        return _knee_budget(requests, now, coefficients, slo)
-    return _linear_budget(requests, now, coefficients, slo)
-
-
-def _linear_budget(
-    requests: Sequence[RequestState], now: float, coefficients: StepCoefficients, slo: Slo
-) -> float:
+        left = slo.ttft_s - window.batches * coefficients.a_s - window.decode_s - window.queued_s
+        return coefficients.prompt_for_work(left / coefficients.b_s_per_token)
     a, b, c = coefficients.a_s, coefficients.b_s_per_token, coefficients.c_s_per_context_token
-    ttft, tpot = slo.ttft_s, slo.tpot_s
-    min_slack = ttft
-    decode_time = 0.0
-    queued_prompt = 0
-    for request in requests:
-        req_slo = request.slo
-        slack = request.arrival + req_slo.ttft_s + req_slo.tpot_s * request.next_output_index - now
-        if slack < 0.0:
-            slack = 0.0
-        if slack < min_slack:
-            min_slack = slack
-        steps = (ttft - slack) / tpot
-        if steps > 0:
-            decode_time += steps * (b + (request.context + request.pending_prefill) * c)
-        queued_prompt += request.pending_prefill
-    batches = (ttft - min_slack) / tpot + 1
-    return (ttft - batches * a - decode_time) / (b + c) - queued_prompt
+    return (slo.ttft_s - window.batches * a - window.decode_s) / (b + c) - window.queued_prompt
 
 
-def _knee_budget(
-    requests: Sequence[RequestState], now: float, model: KneeStepModel, slo: Slo
-) -> float:
-    ttft, tpot = slo.ttft_s, slo.tpot_s
-    count = len(requests)
-    min_slack = ttft
-    decode_time = 0.0
-    queued_time = 0.0
-    for request in requests:
-        req_slo = request.slo
-        slack = request.arrival + req_slo.ttft_s + req_slo.tpot_s * request.next_output_index - now
-        if slack < 0.0:
-            slack = 0.0
-        if slack < min_slack:
-            min_slack = slack
-        steps = (ttft - slack) / tpot
-        pending, context = request.pending_prefill, request.context
-        if steps > 0:
-            decode_time += steps * model.decode_cost_s(context + pending, count)
-        if pending:
-            queued_time += model.prefill_cost_s(pending, context, model.knee_tokens)
-    batches = (ttft - min_slack) / tpot + 1
-    left = ttft - batches * model.a_s - decode_time - queued_time
-    return model.prompt_for_work(left / model.b_s_per_token)
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """The worst case over the TTFT window: its decode steps (``batches``), the decode
+    time they take, and the queued prompts (in tokens, and in prefill seconds)."""
+
+    batches: float
+    decode_s: float
+    queued_prompt: int
+    queued_s: float
+
+    @classmethod
+    def of(cls, requests: Sequence[RequestState], now: float, model: StepPredictor,
+           slo: Slo) -> _Window:
+        ttft, tpot = slo.ttft_s, slo.tpot_s
+        count = len(requests)
+        knee = isinstance(model, KneeStepModel)
+        min_slack = ttft
+        decode_time = 0.0
+        queued_prompt = 0
+        queued_time = 0.0
+        for request in requests:
+            req_slo = request.slo
+            slack = request.arrival + req_slo.ttft_s + req_slo.tpot_s * request.next_output_index - now
+            if slack < 0.0:
+                slack = 0.0
+            if slack < min_slack:
+                min_slack = slack
+            steps = (ttft - slack) / tpot
+            pending, context = request.pending_prefill, request.context
+            if steps > 0:
+                decode_time += steps * model.decode_cost_s(context + pending, count)
+            queued_prompt += pending
+            if knee and pending:
+                queued_time += model.prefill_cost_s(pending, context, model.knee_tokens)
+        return cls((ttft - min_slack) / tpot + 1, decode_time, queued_prompt, queued_time)
