@@ -299,8 +299,8 @@ def _pack_prefills(
         chunks.append((request.req_id, chunk))
         step.add_chunk(chunk, request.context)
         tokens_left -= chunk
-        if tokens_left <= 0:
-            return False, tokens_left
+        if tokens_left <= 0 or chunk < pending:
+            return False, tokens_left  # only the last chunk of a step may be partial
     return True, tokens_left
 
 

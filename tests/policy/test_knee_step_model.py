@@ -182,3 +182,16 @@ def test_knee_pab_charges_long_queued_prompts_their_attention() -> None:
     left = TRUTH.prefill_cost_s(int(empty), 0, TRUTH.knee_tokens)
     assert left == pytest.approx(TRUTH.b_s_per_token * TRUTH.prompt_for_work(
         left / TRUTH.b_s_per_token) + TRUTH.e_s_per_pair * empty * (empty + 1) / 2, rel=1e-3)
+
+
+def test_only_the_last_chunk_of_a_step_is_partial() -> None:
+    """A chunk cut short by time ends the prefills: with the knee model a prompt with no
+    prefix may still fit a token after one with a long prefix was cut (SGLang runs one
+    partial chunk per step)."""
+    long_prefix = request("long", 0.9, prefill=20_000, context=30_000)
+    fresh = request("fresh", 1.0, prefill=500)
+    for budget in np.linspace(0.05, 0.1, 41):  # whatever time the cut chunk leaves
+        groups = Triage(budget, 0.05, [], [(0.9, long_prefix), (1.0, fresh)], [])
+        decision = pack(groups, TRUTH, token_budget=8192, time_budget_s=budget)
+        assert [req_id for req_id, _ in decision.prefill_chunks] == ["long"]
+        assert decision.prefill_chunks[0][1] < 20_000
