@@ -231,17 +231,23 @@ def pack(
     deferrable = groups.deferrable_decodes
     if deferrable and tokens_left > 0:
         context = sum([request.context for _, request in deferrable])
-        if len(deferrable) <= tokens_left and step.with_decodes(len(deferrable), context) <= budget:
+        predicted = step.with_decodes(len(deferrable), context)
+        if len(deferrable) <= tokens_left and predicted <= budget:
             decode_ids.extend([request.req_id for _, request in deferrable])
-            step.add_decodes(len(deferrable), context)
+            step.add_decodes(len(deferrable), context, predicted)
         else:
+            model = step.model
+            floor = model.min_decode_cost_s(step.new_tokens, step.decodes)
             for _, request in deferrable:
-                if tokens_left < 1:
-                    break
-                if step.with_decodes(1, request.context) <= budget:
+                if tokens_left < 1 or budget - step.predicted < floor:
+                    break  # no decode costs less than floor
+                predicted = step.with_decodes(1, request.context)
+                if predicted <= budget:
                     decode_ids.append(request.req_id)
-                    step.add_decodes(1, request.context)
+                    step.add_decodes(1, request.context, predicted)
                     tokens_left -= 1
+                    if not floor:
+                        floor = model.min_decode_cost_s(step.new_tokens, step.decodes)
 
     return BatchDecision(tuple(decode_ids), tuple(chunks), step.predicted, time_budget_s)
 
@@ -265,8 +271,9 @@ class _Step:
         return self.model.step_s(self.new_tokens + count, self.prefill_context, self.decodes + count,
                                  self.decode_context + context, self.pairs)
 
-    def add_decodes(self, count: int, context: int) -> None:
-        self.predicted = self.with_decodes(count, context)
+    def add_decodes(self, count: int, context: int, predicted: float) -> None:
+        """Adds ``count`` decodes over ``context`` tokens, ``predicted`` by :meth:`with_decodes`."""
+        self.predicted = predicted
         self.new_tokens += count
         self.decodes += count
         self.decode_context += context

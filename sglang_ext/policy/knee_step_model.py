@@ -127,8 +127,15 @@ class KneeStepModel:
     def decode_cost_s(self, kv_tokens: float, decodes: int) -> float:
         """What one decode over ``kv_tokens`` adds to a step of ``decodes`` decodes, past
         the knee."""
-        scale = self.decode_saturation / decodes if 0 < decodes < self.decode_saturation else 1.0
-        return self.b_s_per_token + self.d_s_per_decode_context_token * kv_tokens * scale
+        return self.b_s_per_token + self.d_s_per_decode_context_token * kv_tokens * self._scale(decodes)
+
+    def min_decode_cost_s(self, new_tokens: float, decodes: int) -> float:
+        """A lower bound on what any further decode adds to this step: ``b`` past the knee
+        and the saturation; below either, a decode can be free (the floor pays for it) or
+        even lower the mean-context estimate."""
+        if new_tokens >= self.knee_tokens and decodes >= self.decode_saturation:
+            return self.b_s_per_token
+        return 0.0
 
     def prefill_work(self, pending: int, prefix: int) -> float:
         """A queued prefill in prompt-token equivalents: its time past the knee over ``b``
@@ -147,11 +154,14 @@ class KneeStepModel:
     # ------------------------------------------------------------------ recalibration
     def features(self, shape: StepShape) -> tuple[float, ...]:
         """The regressors of the five weights, at this model's knee and saturation."""
-        decode = float(shape.decode_context)
-        if shape.decode_requests and shape.decode_requests < self.decode_saturation:
-            decode *= self.decode_saturation / shape.decode_requests
+        decode = shape.decode_context * self._scale(shape.decode_requests)
         return (1.0, float(max(shape.new_tokens, self.knee_tokens)), float(shape.prefill_context),
                 decode, float(shape.prefill_attention_pairs))
+
+    def _scale(self, decodes: int) -> float:
+        """How many sequences' worth of the mean context a step of ``decodes`` decodes
+        reads in the time of: ``saturation`` below it, else each its own."""
+        return self.decode_saturation / decodes if 0 < decodes < self.decode_saturation else 1.0
 
     @property
     def weights(self) -> tuple[float, ...]:

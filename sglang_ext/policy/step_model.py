@@ -92,6 +92,10 @@ class StepCoefficients:
         """What one decode over ``kv_tokens`` adds to a step of ``decodes`` decodes."""
         return self.b_s_per_token + self.c_s_per_context_token * kv_tokens
 
+    def min_decode_cost_s(self, new_tokens: float, decodes: int) -> float:
+        """A lower bound on what any further decode adds to this step."""
+        return self.b_s_per_token
+
     def prefill_work(self, pending: int, prefix: int) -> float:
         """A queued prefill in prompt-token equivalents (seconds over ``b``): the linear
         model's admission counts prompt tokens."""
@@ -122,18 +126,10 @@ class StepCoefficients:
         )
 
     def to_toml(self, comment: str = "", **fit_info: float | str) -> str:
-        lines = [f"# {line}" for line in comment.splitlines()] if comment else []
-        lines += [
+        return _toml_document(comment, [
             "# step seconds = a_s + b_s_per_token * new_tokens + c_s_per_context_token * context",
-            f"a_s = {_toml_value(self.a_s)}",
-            f"b_s_per_token = {_toml_value(self.b_s_per_token)}",
-            f"c_s_per_context_token = {_toml_value(self.c_s_per_context_token)}",
-        ]
-        if fit_info:
-            lines.append("\n[fit]")
-            for key, value in fit_info.items():
-                lines.append(f"{key} = {_toml_value(value)}")
-        return "\n".join(lines) + "\n"
+            *_toml_fields(self.fields()),
+        ], fit_info)
 
     def save(self, path: str | Path, comment: str = "", **fit_info: float | str) -> None:
         Path(path).write_text(self.to_toml(comment, **fit_info))
@@ -157,6 +153,19 @@ class StepCoefficients:
     @classmethod
     def load(cls, path: str | Path) -> StepCoefficients:
         return cls.from_mapping(read_toml(path, StepModelError, "coefficient"), str(path))
+
+
+def _toml_document(comment: str, body: list[str], fit_info: Mapping[str, float | str]) -> str:
+    """``comment`` as comment lines, then ``body``, then a ``[fit]`` table of ``fit_info``."""
+    lines = [f"# {line}" for line in comment.splitlines()] if comment else []
+    lines += body
+    if fit_info:
+        lines += ["\n[fit]", *_toml_fields(fit_info)]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_fields(fields: Mapping[str, float | str]) -> list[str]:
+    return [f"{name} = {_toml_value(value)}" for name, value in fields.items()]
 
 
 def _toml_value(value: float | str) -> str:
@@ -229,22 +238,17 @@ class StepModelFile:
     def to_toml(self, comment: str = "", **fit_info: float | str) -> str:
         if isinstance(self.model, StepCoefficients):
             return self.model.to_toml(comment, **fit_info)
-        lines = [f"# {line}" for line in comment.splitlines()] if comment else []
-        lines += [
+        return _toml_document(comment, [
             "# step seconds = a_s + b_s_per_token * max(new_tokens, knee_tokens)",
             "#   + c_s_per_prefill_context_token * prefill_context",
             "#   + d_s_per_decode_context_token * decode_context * max(1, decode_saturation / decodes)",
             "#   + e_s_per_pair * prefill_pairs",
             'form = "knee"',
-            *(f"{name} = {_toml_value(value)}" for name, value in self.model.fields().items()),
+            *_toml_fields(self.model.fields()),
             "\n# the paper's linear model fitted to the same steps (the fb policy keeps it)",
             "[linear]",
-            *(f"{name} = {_toml_value(value)}" for name, value in self.linear.fields().items()),
-        ]
-        if fit_info:
-            lines.append("\n[fit]")
-            lines += [f"{key} = {_toml_value(value)}" for key, value in fit_info.items()]
-        return "\n".join(lines) + "\n"
+            *_toml_fields(self.linear.fields()),
+        ], fit_info)
 
     def save(self, path: str | Path, comment: str = "", **fit_info: float | str) -> None:
         Path(path).write_text(self.to_toml(comment, **fit_info))
