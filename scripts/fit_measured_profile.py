@@ -6,8 +6,8 @@
         --out-doc docs/bench/measured_profile.md
 
 The fit is :func:`sglang_ext.sim.profile_fit.fit_profile`.  This script reads the inputs,
-splits the embedding and LM head out of the base model's parameters from the grid's JSON
-sidecar (``<grid>.json``: ``config.vocab``, ``config.tied``), and renders the report: the fitted
+takes the grid's model from its JSON sidecar (``<grid>.json``; see
+:func:`sglang_ext.sim.grid_fit.base_for_grid`), and renders the report: the fitted
 values against the base's, the residuals by kind of step, three reference steps, and what each
 refinement of the roofline is worth (the fit repeated without it).
 """
@@ -15,16 +15,15 @@ refinement of the roofline is worth (the fit repeated without it).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from sglang_ext.policy.step_shape import StepShape  # noqa: E402
 from sglang_ext.sim.gpu import RooflineGpu  # noqa: E402
+from sglang_ext.sim.grid_fit import base_for_grid, read_grid_meta  # noqa: E402
 from sglang_ext.sim.profile import (  # noqa: E402
     HardwareProfile,
     bundled_profile_path,
@@ -38,7 +37,6 @@ from sglang_ext.sim.profile_fit import (  # noqa: E402
     fitted_profile_toml,
     residuals,
     step_errors,
-    with_vocabulary,
 )
 from sglang_ext.sim.step_grid import GridRow, read_grid  # noqa: E402
 
@@ -94,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "scripts/fit_measured_profile.py", *(argv or sys.argv[1:])])
 
     rows = read_grid(args.grid)
-    meta = _grid_meta(args.grid)
+    meta = read_grid_meta(args.grid)
     base = _load_base(args.base)
-    fit_base = _with_grid_vocabulary(base, meta)
+    fit_base = base_for_grid(base, meta)
     fit = fit_profile(rows, fit_base, args.name)
     args.out_profile.write_text(fitted_profile_toml(fit, grid=str(args.grid), command=command))
     args.out_doc.write_text(render_report(fit, base, rows, meta, grid=str(args.grid),
@@ -111,19 +109,6 @@ def main(argv: list[str] | None = None) -> int:
 def _load_base(name_or_path: str) -> HardwareProfile:
     path = Path(name_or_path)
     return load_profile(path if path.is_file() else bundled_profile_path(name_or_path))
-
-
-def _grid_meta(grid: Path) -> dict:
-    sidecar = grid.with_suffix(".json")
-    return json.loads(sidecar.read_text()) if sidecar.is_file() else {}
-
-
-def _with_grid_vocabulary(base: HardwareProfile, meta: dict) -> HardwareProfile:
-    config = meta.get("config", {})
-    if base.model.lm_head_params or "vocab" not in config:
-        return base
-    model = with_vocabulary(base.model, int(config["vocab"]), tied=bool(config.get("tied")))
-    return replace(base, model=model)
 
 
 # ----------------------------------------------------------------------------------- report
@@ -368,7 +353,7 @@ def _ablation_rows(rows: list[GridRow], base: HardwareProfile, name: str,
             fit_fields = [f for f in FIT_FIELDS if f.dotted in _ORIGINAL_FIELDS]
         else:
             fit_fields = [f for f in FIT_FIELDS if f.dotted != held]
-        start = _with_grid_vocabulary(base, meta) if vocabulary else base
+        start = base_for_grid(base, meta) if vocabulary else base
         fit = fit_profile(rows, start, name, fit_fields=fit_fields, **options)
         overall = fit.residual("all")
         kinds = " | ".join(f"{fit.residual(k).median_signed_pct:+.1f}%"

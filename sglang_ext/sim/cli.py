@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from sglang_ext.sim.cluster import (
     ClusterConfigError,
     simulate_cluster,
 )
+from sglang_ext.sim.grid_fit import fit_grid, read_grid_meta
 from sglang_ext.sim.predictor_check import DEFAULT_WARMUP, as_json, check_predictors, render
 from sglang_ext.sim.profile import (
     PROFILES_DIR,
@@ -33,6 +35,7 @@ from sglang_ext.sim.profile import (
     bundled_profile_path,
     load_profile,
 )
+from sglang_ext.sim.profile_fit import fitted_profile_toml
 from sglang_ext.sim.runner import (
     DEFAULT_TOKEN_BUDGETS,
     PolicySpecError,
@@ -269,6 +272,25 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                        help="online steps before the error counts")
     check.add_argument("--json", type=Path, help="also write the figures here")
+    fit = commands.add_parser(
+        "fit-grid",
+        help="fit a simulator profile and a step-model file to a measured grid CSV",
+        description="Turn a measured step-time grid (scripts/profile_gpu.py) into a hardware "
+        "profile for the simulator (the base's roofline with its efficiencies and overheads "
+        "fitted) and a step-model file for the scheduler (`step_model` in "
+        "configs/fairbatching.toml, or the simulator's --step-model), both fitted to "
+        "the grid's device times. The grid's JSON sidecar names the model it measured; "
+        "--base supplies the GPU's peaks and the noise and memory fields.",
+    )
+    fit.add_argument("--grid", type=Path, required=True, help="a measured grid CSV")
+    fit.add_argument("--base", required=True,
+                     help="profile supplying the GPU (bundled name or TOML path)")
+    fit.add_argument("--name", help="the fitted profile's name (default: the grid's file name)")
+    fit.add_argument("--form", choices=STEP_FORMS, default="knee",
+                     help="the step model's form (a knee file carries the linear fit too)")
+    fit.add_argument("--out-profile", type=Path, required=True, help="profile TOML to write")
+    fit.add_argument("--out-step-model", type=Path, required=True,
+                     help="step-model TOML to write")
     return parser
 
 
@@ -467,6 +489,30 @@ def _cmd_predictor_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fit_grid(args: argparse.Namespace) -> int:
+    rows = read_grid(args.grid)
+    meta = read_grid_meta(args.grid)
+    name = args.name or args.grid.stem
+    command = shlex.join(["python", "-m", "sglang_ext.sim", *args.argv])
+    fit = fit_grid(rows, _load_profile(args.base), name, meta, args.form)
+    errors = sorted(fit.step_model_errors)
+    mean_error = sum(errors) / len(errors)
+    for path in (args.out_profile, args.out_step_model):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    args.out_profile.write_text(fitted_profile_toml(fit.profile, grid=str(args.grid), command=command))
+    fit.step_model.save(
+        args.out_step_model,
+        f"Fitted to the measured grid {args.grid} ({len(rows)} rows)\n({command})",
+        samples=len(rows), mean_abs_rel_error=mean_error, max_abs_rel_error=errors[-1],
+    )
+    overall = fit.profile.residual("all")
+    print(f"profile {name} -> {args.out_profile}: median error {overall.median_signed_pct:+.1f}%, "
+          f"median |error| {overall.median_abs_pct:.1f}%, p90 |error| {overall.p90_abs_pct:.1f}%")
+    print(f"{args.form} step model -> {args.out_step_model}: mean |error| {mean_error:.1%}, "
+          f"worst {errors[-1]:.1%} over {len(rows)} rows (in-sample; predictor-check holds rows out)")
+    return 0
+
+
 USER_ERRORS = (
     CliError, WorkloadError, ProfileError, SloError, PolicySpecError, StepModelError,
     ClusterConfigError, GridError, json.JSONDecodeError,
@@ -475,9 +521,11 @@ USER_ERRORS = (
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     handler = {
         "run": _cmd_run, "sweep": _cmd_sweep, "cluster": _cmd_cluster,
         "calibrate": _cmd_calibrate, "predictor-check": _cmd_predictor_check,
+        "fit-grid": _cmd_fit_grid,
     }[args.command]
     try:
         return handler(args)
