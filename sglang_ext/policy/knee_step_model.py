@@ -38,6 +38,7 @@ import numpy as np
 from sglang_ext.policy.step_shape import StepShape
 
 _MIN_B = 1e-9
+_ROUNDING = 1e-6  # tokens: a root closer than this to an integer is checked exactly
 #: the coefficients online recalibration adjusts, in :meth:`KneeStepModel.features` order
 KNEE_WEIGHTS = ("a_s", "b_s_per_token", "c_s_per_prefill_context_token",
                 "d_s_per_decode_context_token", "e_s_per_pair")
@@ -106,23 +107,31 @@ class KneeStepModel:
 
     def max_chunk(self, time_left_s: float, prefix: int, base_tokens: float, limit: int) -> int:
         """The longest chunk (at most ``limit``) whose :meth:`prefill_cost_s` fits in
-        ``time_left_s``; 0 when not even one token does."""
-        if limit < 1 or self.prefill_cost_s(1, prefix, base_tokens) > time_left_s:
+        ``time_left_s``; 0 when not even one token does.
+
+        Closed form: the cost is a quadratic in the chunk below the knee (the floor pays
+        for the tokens) and another past it; the root is checked against
+        :meth:`prefill_cost_s` only when it lies within rounding of an integer."""
+        if limit < 1:
             return 0
+        if self.prefill_cost_s(limit, prefix, base_tokens) <= time_left_s:
+            return limit  # the cost grows with the chunk: the whole limit fits
         b, e = self.b_s_per_token, self.e_s_per_pair
         fixed = self.c_s_per_prefill_context_token * prefix
-        free = max(0.0, self.knee_tokens - base_tokens)  # tokens the floor already pays for
-        if free >= 1 and self.prefill_cost_s(int(free), prefix, base_tokens) > time_left_s:
-            chunk = _largest_root(e / 2.0, e * (prefix + 0.5), fixed - time_left_s)
+        free = self.knee_tokens - base_tokens  # tokens the floor already pays for
+        if free > 0 and fixed + e * free * (prefix + (free + 1) / 2.0) > time_left_s:
+            root = _largest_root(e / 2.0, e * (prefix + 0.5), fixed - time_left_s)
         else:
-            shift = b * (base_tokens - max(base_tokens, self.knee_tokens))
-            chunk = _largest_root(e / 2.0, b + e * (prefix + 0.5), fixed + shift - time_left_s)
-        chunk = min(limit, int(chunk))
-        while chunk > 1 and self.prefill_cost_s(chunk, prefix, base_tokens) > time_left_s:
-            chunk -= 1  # the closed form's rounding, at most a step or two
-        if chunk < limit and self.prefill_cost_s(chunk + 1, prefix, base_tokens) <= time_left_s:
+            shift = b * min(base_tokens - self.knee_tokens, 0.0)
+            root = _largest_root(e / 2.0, b + e * (prefix + 0.5), fixed + shift - time_left_s)
+        chunk = int(min(root, limit - 1))
+        if (chunk + 1 - root < _ROUNDING and chunk + 1 < limit
+                and self.prefill_cost_s(chunk + 1, prefix, base_tokens) <= time_left_s):
             chunk += 1
-        return max(chunk, 1)
+        elif (root - chunk < _ROUNDING and chunk >= 1
+              and self.prefill_cost_s(chunk, prefix, base_tokens) > time_left_s):
+            chunk -= 1
+        return chunk
 
     def decode_cost_s(self, kv_tokens: float, decodes: int) -> float:
         """What one decode over ``kv_tokens`` adds to a step of ``decodes`` decodes, past
@@ -171,8 +180,12 @@ class KneeStepModel:
         return KneeStepModel(*weights, self.knee_tokens, self.decode_saturation).usable()
 
     def usable(self) -> KneeStepModel:
-        """Coefficients a policy can divide by: every weight >= 0, ``b`` > 0."""
-        a, b, c, d, e = self.weights
+        """Coefficients a policy can divide by: every weight >= 0, ``b`` > 0 (``self`` when
+        they already are, as the online model's always are)."""
+        a, b, c, d, e = (self.a_s, self.b_s_per_token, self.c_s_per_prefill_context_token,
+                         self.d_s_per_decode_context_token, self.e_s_per_pair)
+        if b >= _MIN_B and a >= 0.0 and c >= 0.0 and d >= 0.0 and e >= 0.0:
+            return self
         return KneeStepModel(max(a, 0.0), max(b, _MIN_B), max(c, 0.0), max(d, 0.0), max(e, 0.0),
                              self.knee_tokens, self.decode_saturation)
 
@@ -193,13 +206,12 @@ class KneeStepModel:
 
 
 def _largest_root(alpha: float, beta: float, gamma: float) -> float:
-    """The largest ``x`` with ``alpha x^2 + beta x + gamma <= 0`` (alpha, beta >= 0)."""
-    if alpha > 0.0:
-        discriminant = beta * beta - 4.0 * alpha * gamma
-        return (-beta + math.sqrt(max(discriminant, 0.0))) / (2.0 * alpha)
-    if beta > 0.0:
-        return -gamma / beta
-    return math.inf if gamma <= 0.0 else 0.0
+    """The largest ``x`` with ``alpha x^2 + beta x + gamma <= 0`` for alpha, beta >= 0 (0
+    when ``gamma`` >= 0), in the form without cancellation: ``-2 gamma / (beta + sqrt(disc))``."""
+    if gamma >= 0.0:
+        return 0.0
+    denominator = beta + math.sqrt(beta * beta - 4.0 * alpha * gamma)
+    return -2.0 * gamma / denominator if denominator > 0.0 else math.inf
 
 
 # ---------------------------------------------------------------------- offline fit

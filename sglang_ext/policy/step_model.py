@@ -120,7 +120,10 @@ class StepCoefficients:
                 "c_s_per_context_token": self.c_s_per_context_token}
 
     def usable(self) -> StepCoefficients:
-        """Coefficients a policy can divide by: a >= 0, b > 0, c >= 0."""
+        """Coefficients a policy can divide by: a >= 0, b > 0, c >= 0 (``self`` when they
+        already are, as the online model's always are)."""
+        if self.b_s_per_token >= _MIN_B and self.a_s >= 0.0 and self.c_s_per_context_token >= 0.0:
+            return self
         return StepCoefficients(
             max(self.a_s, 0.0), max(self.b_s_per_token, _MIN_B), max(self.c_s_per_context_token, 0.0)
         )
