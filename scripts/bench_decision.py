@@ -42,6 +42,12 @@ rows: ``fb`` after ``gc.freeze()`` (as SGLang does after warm-up) and with gc di
 a split of ``fb`` at 256+64 into its triage and pack phases plus a cProfile of it, and
 ``fb`` on the simulator state with ``now`` a numpy.float64 (the simulator's clock).
 
+Knee against linear: every policy whose step model is the knee form (all but ``fb``,
+``fb-pab`` and ``fb-tb``, which keep the paper's linear model) is timed a second time as
+``LABEL [linear]``, the same policy started from the profile's linear fit and trained on the
+same 200 steps, in the same interleaved rounds; the table of ratios checks the issue's limits
+(p50 at most +5 %, p99 at most +10 % against the linear model).
+
 Run pinned to one core, e.g.::
 
     source scripts/_env.sh
@@ -66,6 +72,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -94,6 +101,10 @@ WARMUP_CALLS = 200
 STEP_MODEL_STEPS = 200
 SNAPSHOT_RATE = 20.0  # req/s, Poisson
 SIM_NOW = 1000.0  # the clock of the synthetic states
+
+
+LINEAR_TWIN = " [linear]"  # label suffix: the same policy on the linear step model
+FORM_LIMITS = {"p50": 1.05, "p99": 1.10}  # the issue's limits against the linear model
 
 
 # ------------------------------------------------------------------ machine
@@ -272,6 +283,36 @@ def trained_policy(scenario: Scenario, label: str, steps: Sequence[StepRecord]) 
     return policy
 
 
+def linear_twins(scenario: Scenario, policies: dict[str, BatchPolicy],
+                 steps: Sequence[StepRecord]) -> dict[str, BatchPolicy]:
+    """``LABEL [linear]`` for every policy whose step model is not the linear one: the same
+    policy started from the profile's linear fit, trained on the same steps."""
+    linear = replace(scenario, step_form="linear")
+    return {f"{label}{LINEAR_TWIN}": trained_policy(linear, label, steps)
+            for label, policy in policies.items()
+            if policy.step_model.coefficients.form != "linear"}
+
+
+def form_comparison(results: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    """Per policy with a linear twin and per state: the step model's form's p50 and p99
+    against the twin's, as ratios."""
+    compared = {}
+    for label, row in results.items():
+        twin = results.get(f"{label}{LINEAR_TWIN}")
+        if twin is None:
+            continue
+        compared[label] = {
+            state: {
+                "p50_ratio": cell["p50_us"] / twin[state]["p50_us"],
+                "p99_ratio": cell["p99_us"] / twin[state]["p99_us"],
+                "within_limits": (cell["p50_us"] <= twin[state]["p50_us"] * FORM_LIMITS["p50"]
+                                  and cell["p99_us"] <= twin[state]["p99_us"] * FORM_LIMITS["p99"]),
+            }
+            for state, cell in row.items()
+        }
+    return compared
+
+
 def time_calls(call: Callable[[], object], calls: int, *, freeze: bool = False) -> np.ndarray:
     """``calls`` timed calls in one go (used for the phase split); microseconds."""
     clock = time.perf_counter_ns
@@ -387,6 +428,31 @@ def profile_fb(state: Sequence[RequestView], now: float, policy: BatchPolicy, ca
 
 
 # ------------------------------------------------------------------ report
+def form_table(doc: dict) -> list[str]:
+    compared = doc.get("form_comparison")
+    if not compared:
+        return []
+    states = list(next(iter(compared.values())))
+    limits = doc["form_limits"]
+    lines = [
+        "", "## Knee step model against the linear one", "",
+        "Every policy whose step model is the knee form (`fb`, `fb-pab` and `fb-tb` keep the "
+        f"linear model) was also timed as `LABEL{LINEAR_TWIN}`: the same policy started from "
+        "the profile's linear fit and trained on the same steps, in the same interleaved "
+        "rounds. Cells: knee p50 / linear p50 - 1, knee p99 / linear p99 - 1. Limits (issue): "
+        f"p50 at most {limits['p50'] - 1:+.0%}, p99 at most {limits['p99'] - 1:+.0%}.", "",
+        "| policy | " + " | ".join(f"{state} p50 / p99" for state in states)
+        + " | within limits |",
+        "|" + "---|" * (len(states) + 2),
+    ]
+    for label, row in compared.items():
+        cells = [f"{row[s]['p50_ratio'] - 1:+.1%} / {row[s]['p99_ratio'] - 1:+.1%}" for s in states]
+        misses = [s for s in states if not row[s]["within_limits"]]
+        verdict = "yes" if not misses else "**no**: " + ", ".join(misses)
+        lines.append(f"| `{label}` | " + " | ".join(cells) + f" | {verdict} |")
+    return lines
+
+
 def markdown(doc: dict) -> str:
     sizes = doc["sizes"]
     goal_col = f"{GOAL_SIZE}+{WAITING}"
@@ -428,6 +494,7 @@ def markdown(doc: dict) -> str:
             flags.append(f"yes ({p99:.0f})" if p99 <= GOAL_P99_US else f"**no** ({p99:.0f})")
         cells.append(" / ".join(flags))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += form_table(doc)
     ref = doc["results"][REFERENCE]
     lines += ["", f"Machine jitter: a fixed {REFERENCE_ITERATIONS}-iteration pure-Python loop "
               "timed in "
@@ -549,13 +616,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     states[f"sim {GOAL_SIZE}+{WAITING}"] = (sim_state, sim_now)
     labels = args.policies or policy_names()
     policies = {label: trained_policy(scenario, label, steps) for label in labels}
+    policies.update(linear_twins(scenario, policies, steps))
     for label, policy in policies.items():
         for name, (state, now) in states.items():
             decision = policy.form_batch(state, now)  # sanity: decides something valid
             assert decision.new_tokens >= 0, (label, name)
 
     runs: dict[str, dict[str, list[dict]]] = {
-        label: {name: [] for name in states} for label in [*labels, REFERENCE]}
+        label: {name: [] for name in states} for label in [*policies, REFERENCE]}
     freeze_runs: dict[str, dict[str, list[dict]]] = {
         f"synthetic {n}+{WAITING}": {"gc enabled": [], "gc.freeze()": [], "gc disabled": []}
         for n in SIZES}
@@ -640,6 +708,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sim_snapshot": sim_about,
         "states": {name: describe_state(state, now) for name, (state, now) in states.items()},
         "results": results,
+        "form_comparison": form_comparison(results),
+        "form_limits": FORM_LIMITS,
         "runs": runs,
     }
     if "fb" in policies:

@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt
 from tqdm import tqdm
 
 from sglang_ext.policy.slo import Slo, SloCatalog
+from sglang_ext.policy.step_model import STEP_FORMS
 from sglang_ext.sim.plots import plot_effective_rps, plot_latency_cdfs
 from sglang_ext.sim.profile import bundled_profile_path, load_profile
 from sglang_ext.sim.runner import Scenario
@@ -69,12 +70,15 @@ class Setting:
 
 REDUCED = {
     "llama3.1-8b-h100": Setting(300, (4, 8, 12, 14, 16, 18, 20, 22, 24, 28, 32, 36, 40)),
+    "llama3.1-8b-h100-measured": Setting(300, (4, 8, 12, 14, 16, 18, 20, 22, 24, 28, 32, 36, 40)),
     "qwen3-14b-h20": Setting(120, (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)),
 }
 FULL = {
     "llama3.1-8b-h100": Setting(900, (4, 6, 8, 10, 12, 13, 14, 15, 16, 17, 18, 19, 20, 22, 24, 28, 32)),
+    "llama3.1-8b-h100-measured": Setting(900, (4, 6, 8, 10, 12, 13, 14, 15, 16, 17, 18, 19, 20, 22, 24, 28, 32)),
     "qwen3-14b-h20": Setting(600, (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5)),
 }
+DEFAULT_PROFILES = ("llama3.1-8b-h100", "qwen3-14b-h20")
 GRID_REDUCED = Setting(180, (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 24, 28, 32, 36, 40))
 GRID_FULL = Setting(600, (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 22, 24, 26, 28, 32, 36))
 
@@ -84,8 +88,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
                         help="Azure conversation trace CSV (default: the shared copy; "
                         "falls back to the bundled 600 s sample if absent)")
-    parser.add_argument("--profiles", nargs="+", default=list(REDUCED),
-                        help="profiles for Tables 3-4 and Figure 7")
+    parser.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES), choices=list(REDUCED),
+                        help="profiles for Tables 3-4 and Figure 7 (default: "
+                        + " ".join(DEFAULT_PROFILES) + ")")
+    parser.add_argument("--step-form", choices=STEP_FORMS, default="knee",
+                        help="form of the policies' initial step model, fitted offline on each "
+                        "profile (fb, fb-pab and fb-tb keep the paper's linear model whatever "
+                        "the form; default knee)")
     parser.add_argument("--grid-profile", default="llama3.1-8b-h100", help="profile of the SLO grid")
     parser.add_argument("--full", action="store_true", help="longer trace heads and finer rates")
     parser.add_argument("--no-grid", action="store_true", help="skip Table 5")
@@ -100,6 +109,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "report")
     return parser.parse_args(argv)
+
+
+def _shown_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 def load_trace(path: Path) -> tuple[Workload, str]:
@@ -294,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for profile_name in args.profiles:
             setting = settings[profile_name]
             scenario = Scenario(trace.head(setting.head_s), load_profile(bundled_profile_path(profile_name)),
-                                slo_catalog(*MAIN_SLO_MS), seed=args.seed)
+                                slo_catalog(*MAIN_SLO_MS), seed=args.seed, step_form=args.step_form)
             bar.set_description(profile_name)
             document, samples = sweep(scenario, main_policies, setting.rates, args.jobs, bar)
             documents[profile_name] = document
@@ -303,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_latency_cdfs(document, samples, main_policies, out / f"latency_cdf_{profile_name}.png")
         if not args.no_grid:
             grid_profile = load_profile(bundled_profile_path(args.grid_profile))
-            base = Scenario(trace.head(grid_setting.head_s), grid_profile, slo_catalog(*MAIN_SLO_MS), seed=args.seed)
+            base = Scenario(trace.head(grid_setting.head_s), grid_profile, slo_catalog(*MAIN_SLO_MS),
+                            seed=args.seed, step_form=args.step_form)
             for ttft in args.grid_ttft_ms:
                 for tpot in args.grid_tpot_ms:
                     bar.set_description(f"grid {ttft}/{tpot}")
@@ -342,6 +359,12 @@ def rerender(args, out: Path, trace_label: str, settings, grid_setting) -> int:
 
 def write_report(args, out: Path, trace_label: str, settings, grid_setting, documents, grid, elapsed) -> None:
     command = "scripts/report.sh" + (" --full" if args.full else "")
+    if tuple(args.profiles) != DEFAULT_PROFILES:
+        command += " --profiles " + " ".join(args.profiles)
+    if args.step_form != "knee":
+        command += f" --step-form {args.step_form}"
+    if tuple(args.out.resolve().parts) != tuple((REPO / "docs" / "report").parts):
+        command += f" --out {_shown_path(args.out)}"
     if args.no_grid:
         command += " --no-grid"
     if tuple(args.grid_ttft_ms) != GRID_TTFT_MS:
@@ -366,8 +389,12 @@ def write_report(args, out: Path, trace_label: str, settings, grid_setting, docu
     ]
     for profile_name, document in documents.items():
         setting = settings[profile_name]
+        form = document["scenario"].get("step_model", "linear")
         lines += [
             f"## {profile_name}: SLO TTFT {MAIN_SLO_MS[0]} ms, TPOT {MAIN_SLO_MS[1]} ms",
+            "",
+            f"Step model: the offline `{form}` fit on the profile, learned online from there "
+            "(`fb`, `fb-pab` and `fb-tb` keep the paper's linear model).",
             "",
             f"First {setting.head_s:g} s of the trace ({document['scenario']['requests']} requests, "
             f"natural rate {document['scenario']['natural_rate']:.2f} req/s); offered loads "
@@ -409,8 +436,8 @@ def write_report(args, out: Path, trace_label: str, settings, grid_setting, docu
             "## Reduced grid",
             "",
             "This is the reduced configuration. `scripts/report.sh --full` uses longer trace "
-            f"heads ({', '.join(f'{p}: {s.head_s:g} s' for p, s in FULL.items())}, grid "
-            f"{GRID_FULL.head_s:g} s) and finer loads ({', '.join(f'{p}: {len(s.rates)}' for p, s in FULL.items())}, "
+            f"heads ({', '.join(f'{p}: {FULL[p].head_s:g} s' for p in args.profiles)}, grid "
+            f"{GRID_FULL.head_s:g} s) and finer loads ({', '.join(f'{p}: {len(FULL[p].rates)}' for p in args.profiles)}, "
             f"grid {len(GRID_FULL.rates)} rates); expect roughly 10x the time above.",
             "",
         ]

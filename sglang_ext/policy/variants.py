@@ -61,10 +61,17 @@ class FairBatchingWithMargin(FairBatching):
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
         self._margin = 0.0
+        self._margin_total = 0.0
+        self._margin_steps = 0
 
     @property
     def margin(self) -> float:
         return self._margin
+
+    @property
+    def mean_margin(self) -> float:
+        """The margin's mean over the steps since the warm-up (0 before any)."""
+        return self._margin_total / self._margin_steps if self._margin_steps else 0.0
 
     def observe_step(self, shape: StepShape, measured_s: float) -> None:
         """Refreshes the margin here, after the step, off the decision's critical path."""
@@ -72,6 +79,8 @@ class FairBatchingWithMargin(FairBatching):
         error = self.step_model.error
         if error.samples >= MARGIN_WARMUP_STEPS:
             self._margin = min(error.p95_abs_relative, MAX_MARGIN)
+            self._margin_total += self._margin
+            self._margin_steps += 1
 
     def _time_budget(self, init_time_budget_s: float) -> float:
         return init_time_budget_s / (1.0 + self.margin)

@@ -6,7 +6,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import sglang_ext.policy.variants  # noqa: F401  registers fb-anchor, fb-margin, fb-kairos
 import sglang_ext.sim.baselines  # noqa: F401  registers the baselines
 from sglang_ext.policy.admission import AdmissionError, AdmissionSettings, GiveUp
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
@@ -14,6 +13,7 @@ from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.registry import UnknownNameError
 from sglang_ext.policy.slo import SloCatalog
 from sglang_ext.policy.step_model import StepModelFile
+from sglang_ext.policy.variants import FairBatchingWithMargin  # also registers the variants
 from sglang_ext.sim.calibration import offline_step_model
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.metrics import LatencySamples, latency_samples, summarize
@@ -197,4 +197,6 @@ def simulate(
     load["step_model_outliers"] = error.outliers
     learned = engine.policy.step_model.coefficients
     load["step_model"] = {"form": learned.form, **learned.fields()}
+    if isinstance(engine.policy, FairBatchingWithMargin):
+        load["mean_margin"] = engine.policy.mean_margin
     return RunResult(spec.label, load, latency_samples(records) if keep_samples else None)

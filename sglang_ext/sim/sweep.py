@@ -189,6 +189,8 @@ def assemble(
             "profile": scenario.profile.name,
             "arrivals": scenario.arrivals,
             "seed": scenario.seed,
+            "step_model": (scenario.step_model.model.form if scenario.step_model
+                           else scenario.step_form),
             "drain_s": scenario.drain_s,
             "max_token_budget": scenario.max_token_budget,
             "slo": {

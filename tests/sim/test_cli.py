@@ -24,8 +24,8 @@ LOAD_KEYS = {
 }
 PERCENTILES = {"p50", "p90", "p95", "p99", "mean"}
 SCENARIO_KEYS = {
-    "workload", "requests", "natural_rate", "profile", "arrivals", "seed", "drain_s",
-    "max_token_budget", "slo",
+    "workload", "requests", "natural_rate", "profile", "arrivals", "seed", "step_model",
+    "drain_s", "max_token_budget", "slo",
 }
 FAST = ["--head-seconds", "30"]
 
@@ -81,6 +81,24 @@ def test_run_writes_results_json(tmp_path, capsys):
     assert set(document["policies"]) == {"fb"}
     _check_policy_entry(document["policies"]["fb"], [8.0])
     assert document["scenario"]["slo"]["ttft_ms"] == 2000.0
+
+
+def test_a_margin_policy_reports_its_mean_margin_on_the_form_asked_for(tmp_path):
+    margins = {}
+    for form in ("linear", "knee"):
+        out = tmp_path / form
+        argv = ["run", "--policy", "fb-anchor-margin", "--rate", "8", *FAST, "--step-form", form,
+                "--out", str(out)]
+        assert main(argv) == 0
+        document = json.loads((out / "results.json").read_text())
+        assert document["scenario"]["step_model"] == form
+        load = document["policies"]["fb-anchor-margin"]["loads"][0]
+        assert load["step_model"]["form"] == form
+        margins[form] = load["mean_margin"]
+    assert 0 < margins["knee"] < margins["linear"] <= 0.5  # the better fit needs less margin
+    fb = tmp_path / "fb"
+    assert main(["run", "--policy", "fb", "--rate", "8", *FAST, "--out", str(fb)]) == 0
+    assert "mean_margin" not in json.loads((fb / "results.json").read_text())["policies"]["fb"]["loads"][0]
 
 
 def test_run_with_budgeted_policy_and_slo_override(tmp_path, capsys):
