@@ -42,8 +42,8 @@ rows: ``fb`` after ``gc.freeze()`` (as SGLang does after warm-up) and with gc di
 a split of ``fb`` at 256+64 into its triage and pack phases plus a cProfile of it, and
 ``fb`` on the simulator state with ``now`` a numpy.float64 (the simulator's clock).
 
-Knee against linear: every policy whose step model is the knee form (all but ``fb``,
-``fb-pab`` and ``fb-tb``, which keep the paper's linear model) is timed a second time as
+Knee against linear: every FairBatching-family policy whose step model is the knee form
+(all but ``fb``, ``fb-pab`` and ``fb-tb``, which keep the paper's linear model) is timed a second time as
 ``LABEL [linear]``, the same policy started from the profile's linear fit and trained on the
 same 200 steps, in the same interleaved rounds; the table of ratios checks the issue's limits
 (p50 at most +5 %, p99 at most +10 % against the linear model).
@@ -285,12 +285,14 @@ def trained_policy(scenario: Scenario, label: str, steps: Sequence[StepRecord]) 
 
 def linear_twins(scenario: Scenario, policies: dict[str, BatchPolicy],
                  steps: Sequence[StepRecord]) -> dict[str, BatchPolicy]:
-    """``LABEL [linear]`` for every policy whose step model is not the linear one: the same
-    policy started from the profile's linear fit, trained on the same steps."""
+    """``LABEL [linear]`` for every FairBatching-family policy whose step model is not the
+    linear one: the same policy started from the profile's linear fit, trained on the same
+    steps. The baselines own a step model too (a rank's PAB is read whatever the policy),
+    but never consult it to form a batch, so they get no twin."""
     linear = replace(scenario, step_form="linear")
     return {f"{label}{LINEAR_TWIN}": trained_policy(linear, label, steps)
             for label, policy in policies.items()
-            if policy.step_model.coefficients.form != "linear"}
+            if policy.takes_admission and policy.step_model.coefficients.form != "linear"}
 
 
 def form_comparison(results: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
@@ -436,10 +438,11 @@ def form_table(doc: dict) -> list[str]:
     limits = doc["form_limits"]
     lines = [
         "", "## Knee step model against the linear one", "",
-        "Every policy whose step model is the knee form (`fb`, `fb-pab` and `fb-tb` keep the "
-        f"linear model) was also timed as `LABEL{LINEAR_TWIN}`: the same policy started from "
-        "the profile's linear fit and trained on the same steps, in the same interleaved "
-        "rounds. Cells: knee p50 / linear p50 - 1, knee p99 / linear p99 - 1. Limits (issue): "
+        "Every FairBatching-family policy whose step model is the knee form (`fb`, `fb-pab` "
+        "and `fb-tb` keep the linear model; the baselines never consult theirs) was also "
+        f"timed as `LABEL{LINEAR_TWIN}`: the same policy started from the profile's linear "
+        "fit and trained on the same steps, in the same interleaved rounds. Cells: knee p50 "
+        "/ linear p50 - 1, knee p99 / linear p99 - 1. Limits (issue): "
         f"p50 at most {limits['p50'] - 1:+.0%}, p99 at most {limits['p99'] - 1:+.0%}.", "",
         "| policy | " + " | ".join(f"{state} p50 / p99" for state in states)
         + " | within limits |",
