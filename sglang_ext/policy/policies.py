@@ -96,6 +96,12 @@ class BatchPolicy:
             raise ValueError(f"policy {self.name!r} plans tokens at their deadlines and takes no "
                              "delivery allowance; use a -margin variant (fb-anchor-margin, fb-smooth)")
 
+    @classmethod
+    def default_setting(cls, name: str, context: PolicyContext, token_budget: int) -> float:
+        """The value of tunable ``name`` (one of ``setting_names``) when none is given, at
+        ``token_budget``; a sweep tunes the setting around it."""
+        raise KeyError(f"policy {cls.name!r} has no setting {name!r}")
+
     def admit(
         self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,
         arrival: float | None = None,

@@ -62,6 +62,9 @@ class BatchDecision:
     time_budget_s: float | None = None
     # requests the policy ends before the step (a queue timeout); engines abort them
     abort_ids: tuple[Hashable, ...] = ()
+    # > 0: the GPU idles on purpose this many seconds (a batch still forming), unless a
+    # request arrives first; an engine runs nothing instead of its fallback for an empty batch
+    hold_s: float = 0.0
 
     @classmethod
     def make_empty(cls) -> BatchDecision:

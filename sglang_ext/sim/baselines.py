@@ -157,7 +157,13 @@ class SarathiQueueCap(Sarathi):
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
-        self.cap = context.setting("cap") or default_queue_cap(context, self.token_budget)
+        self.cap = context.setting("cap") or self.default_setting("cap", context, self.token_budget)
+
+    @classmethod
+    def default_setting(cls, name: str, context: PolicyContext, token_budget: int) -> float:
+        if name != "cap":
+            return super().default_setting(name, context, token_budget)
+        return default_queue_cap(context, token_budget)
 
     def admit(
         self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,
@@ -183,7 +189,15 @@ class SarathiQueueTimeout(Sarathi):
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
-        self.timeout_s = context.setting("timeout") or context.global_slo.ttft_s
+        self.timeout_s = context.setting("timeout") or self.default_setting(
+            "timeout", context, self.token_budget
+        )
+
+    @classmethod
+    def default_setting(cls, name: str, context: PolicyContext, token_budget: int) -> float:
+        if name != "timeout":
+            return super().default_setting(name, context, token_budget)
+        return context.global_slo.ttft_s
 
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         expired = tuple(

@@ -2,8 +2,9 @@
 and the knee model's.
 
 Runs a grid of prefill-only, decode-only and mixed steps through a *separately
-seeded* noisy GPU (only measured times, as a profiler on real hardware sees) and fits
-the step model by least squares. The online model starts from this fit.
+seeded* noisy GPU, the profile's (roofline or service curve), and fits the step model
+by least squares to the measured times only, as a profiler on real hardware sees them.
+The online model starts from this fit.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import functools
 from sglang_ext.policy.step_model import (
     StepCoefficients, StepModelFile, StepSample, fit_least_squares, fit_step_model,
 )
-from sglang_ext.sim.gpu import RooflineGpu, StepShape
+from sglang_ext.sim.gpu import StepShape
 from sglang_ext.sim.profile import HardwareProfile
+from sglang_ext.sim.service_curve import make_gpu
 
 PROFILING_SEED = 0xFB
 
@@ -39,7 +41,7 @@ def profile_steps(
     profile: HardwareProfile, repeats: int = 3, seed: int = PROFILING_SEED
 ) -> tuple[list[StepShape], list[float]]:
     """The profiling grid's shapes (each ``repeats`` times) and their measured times."""
-    gpu = RooflineGpu(profile, seed)
+    gpu = make_gpu(profile, seed)
     shapes = [shape for shape in profiling_grid() for _ in range(repeats)]
     return shapes, [gpu.measure_step_s(shape) for shape in shapes]
 

@@ -1,4 +1,7 @@
-"""A single simulated rank in virtual time: one scheduler, one roofline GPU, one KV pool.
+"""A single simulated rank in virtual time: one scheduler, one GPU model, one KV pool.
+
+The GPU is the profile's (``sglang_ext.sim.service_curve.make_gpu``): the roofline, or the
+batching study's service curve for a profile with a ``[service]`` table.
 
 Steppable: ``submit`` a request when it arrives, ``advance_to(t)`` runs every step
 that starts before ``t`` (a step in flight at ``t`` finishes first, as on a GPU),
@@ -13,6 +16,9 @@ are all blocked this way runs every decode instead, or with none, continues the 
 prefills); when decodes cannot
 grow, requests are retracted (fewest outputs first, then longest prompt) and later
 recomputed from prompt + emitted tokens, counted as ``recomputed_tokens``.
+A held decision (``BatchDecision.hold_s``: a batch still forming) idles instead: until the
+hold ends or the caller's horizon (``advance_to``'s target, ``run_until_idle``'s deadline),
+whichever is first; one tick when ``step`` is called without a horizon.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from sglang_ext.policy.admission import (
 from sglang_ext.policy.policies import BatchPolicy
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.view import BatchDecision
-from sglang_ext.sim.gpu import RooflineGpu, StepShape
+from sglang_ext.sim.gpu import StepShape
 from sglang_ext.sim.metrics import RequestRecord
 from sglang_ext.sim.profile import HardwareProfile
+from sglang_ext.sim.service_curve import make_gpu
 
 IDLE_TICK_S = 1e-3
+MIN_HOLD_S = 1e-6  # a held idle period is at least this long (the clock always moves)
 
 
 class SimRequest:
@@ -92,7 +100,7 @@ class SimEngine:
     ) -> None:
         self.profile = profile
         self.policy = policy
-        self.gpu = RooflineGpu(profile, seed)
+        self.gpu = make_gpu(profile, seed)
         self.kv_capacity = profile.kv_capacity_tokens
         self.now = 0.0
         self.records: dict[Hashable, RequestRecord] = {}
@@ -165,11 +173,11 @@ class SimEngine:
             if not self._active:
                 self.now = time_s
                 return
-            self.step()
+            self.step(time_s)
 
     def run_until_idle(self, deadline_s: float) -> None:
         while self._active and self.now < deadline_s:
-            self.step()
+            self.step(deadline_s)
 
     def drain_tokens(self) -> list[TokenEvent]:
         events, self._events = self._events, []
@@ -210,7 +218,9 @@ class SimEngine:
         return True
 
     # ---------------------------------------------------------------- one step
-    def step(self) -> None:
+    def step(self, horizon_s: float | None = None) -> None:
+        """Run one step of the policy's batch (or idle); ``horizon_s``: when the caller next
+        needs the engine (an arrival), which ends a held idle period."""
         if self._admission_mode is AdmissionMode.DEFER:
             self._share_kv_outlook()
         decision = self.policy.form_batch(self._active, self.now)
@@ -222,7 +232,7 @@ class SimEngine:
         decodes, chunks = self._validated(decision)
         decodes = self._reserve_decode_memory(decodes)
         chunks = self._fit_prefills(chunks, len(decodes))
-        if not decodes and not chunks:
+        if not decodes and not chunks and not decision.hold_s:
             # NOTE: as in SGLang, a prefill that memory blocks yields the step to decodes.
             decodes = self._reserve_decode_memory(
                 [r for r in self._active if r.pending_prefill == 0]
@@ -238,8 +248,7 @@ class SimEngine:
         if not decodes and not chunks:
             if decision.abort_ids:
                 return
-            self.now += IDLE_TICK_S
-            self.idle_ticks += 1
+            self._idle(decision.hold_s, horizon_s)
             return
         shape, context = self._shape(decodes, chunks)
         duration = self.gpu.measure_step_s(shape)
@@ -256,6 +265,15 @@ class SimEngine:
         self._apply(decodes, chunks)
         if self._check:
             self.check_integrity()
+
+    def _idle(self, hold_s: float, horizon_s: float | None) -> None:
+        self.idle_ticks += 1
+        if hold_s > 0 and horizon_s is not None:
+            wake = min(self.now + max(hold_s, MIN_HOLD_S), horizon_s)
+            if wake > self.now:
+                self.now = wake
+                return
+        self.now += IDLE_TICK_S
 
     def _validated(
         self, decision: BatchDecision

@@ -2,8 +2,10 @@
 
 A profile is a TOML file with a top-level ``name`` and three tables, ``[model]``, ``[gpu]`` and
 ``[runtime]``, whose keys are exactly the fields of :class:`ModelSpec`, :class:`GpuSpec` and
-:class:`RuntimeSpec`.  Every field is documented (meaning, unit, where to find the number) in
-``configs/profiles/README.md``.
+:class:`RuntimeSpec`, and optionally a ``[service]`` table (:class:`ServiceSpec`): with it, step
+times come from the batching study's service curve instead of the roofline
+(``sglang_ext.sim.service_curve``), and the other tables still size the KV pool.  Every field
+is documented (meaning, unit, where to find the number) in ``configs/profiles/README.md``.
 
 Loading is strict, because a silently ignored typo in a profile silently changes every result:
 
@@ -39,6 +41,8 @@ __all__ = [
     "ModelSpec",
     "ProfileError",
     "RuntimeSpec",
+    "SERVICE_MARGINALS",
+    "ServiceSpec",
     "available_profiles",
     "bundled_profile_path",
     "load_profile",
@@ -66,6 +70,9 @@ _PROBABILITY = (0.0, True, 1.0)  # [0, 1]
 
 #: Values of ``runtime.attention_kernels``.
 ATTENTION_KERNELS = ("batch", "split")
+
+#: Values of ``service.marginal``.
+SERVICE_MARGINALS = ("fixed", "exponential")
 
 _RULES: dict[str, dict[str, tuple[str, Any]]] = {
     "model": {
@@ -104,6 +111,12 @@ _RULES: dict[str, dict[str, tuple[str, Any]]] = {
         "stall_ms_max": ("float", _NONNEG),
         "prefill_overhead_ms": ("float", _NONNEG),
         "attention_kernels": ("choice", ATTENTION_KERNELS),
+    },
+    "service": {
+        "setup_ms": ("float", _POS),
+        "per_token_us": ("float", _NONNEG),
+        "threshold_tokens": ("int", _NONNEG),
+        "marginal": ("choice", SERVICE_MARGINALS),
     },
 }
 
@@ -293,6 +306,21 @@ class RuntimeSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """The batching study's service curve ``S(b) = c + a * max(0, b - b0)`` of a batch of ``b``
+    tokens (``shared/seeds/des_batching_study.txt``), replacing the roofline's step time."""
+
+    setup_ms: float  # c: fixed cost of every batch, ms (> 0)
+    per_token_us: float  # a: cost of each token of the batch past threshold_tokens, us
+    threshold_tokens: int  # b0: tokens a batch carries at no marginal cost
+    # "fixed": a as given; "exponential": a is the mean of one exponential draw per batch
+    marginal: str = "fixed"
+
+    def __post_init__(self) -> None:
+        _check_instance(self, "service")
+
+
+@dataclass(frozen=True, slots=True)
 class HardwareProfile:
     """One model served on one GPU with one runtime configuration."""
 
@@ -300,6 +328,8 @@ class HardwareProfile:
     model: ModelSpec
     gpu: GpuSpec
     runtime: RuntimeSpec
+    # the study's service curve; None (the default): the roofline of model, gpu and runtime
+    service: ServiceSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -338,7 +368,9 @@ class HardwareProfile:
 # Loading
 # --------------------------------------------------------------------------------------------
 
-_SECTIONS: dict[str, type] = {"model": ModelSpec, "gpu": GpuSpec, "runtime": RuntimeSpec}
+_SECTIONS: dict[str, type] = {
+    "model": ModelSpec, "gpu": GpuSpec, "runtime": RuntimeSpec, "service": ServiceSpec,
+}
 
 
 def _build_section(data: Mapping[str, Any], section: str, source: str) -> Any:
@@ -388,7 +420,7 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Hardwar
     if unknown:
         raise ProfileError(
             f"{source}: unknown field(s) {', '.join(unknown)} "
-            f"(allowed at top level: name, [model], [gpu], [runtime])"
+            f"(allowed at top level: name, [model], [gpu], [runtime], [service])"
         )
     if "name" not in data:
         raise ProfileError(f"{source}: missing field name")
@@ -398,8 +430,9 @@ def parse_profile(data: Mapping[str, Any], source: str = "<profile>") -> Hardwar
     model = _build_section(data, "model", source)
     gpu = _build_section(data, "gpu", source)
     runtime = _build_section(data, "runtime", source)
+    service = _build_section(data, "service", source) if "service" in data else None
     try:
-        return HardwareProfile(name=name, model=model, gpu=gpu, runtime=runtime)
+        return HardwareProfile(name=name, model=model, gpu=gpu, runtime=runtime, service=service)
     except ProfileError as exc:
         raise ProfileError(_relabel(str(exc), source)) from None
 

@@ -278,7 +278,8 @@ def profile_toml(
     marked = set(fitted)
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     lines.append(f"name = {_toml_value(profile.name)}")
-    for section in ("model", "gpu", "runtime"):
+    sections = ("model", "gpu", "runtime") + (("service",) if profile.service else ())
+    for section in sections:
         lines += ["", f"[{section}]"]
         spec = getattr(profile, section)
         for f in fields(spec):

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 import sglang_ext.sim.baselines  # noqa: F401  registers the baselines
+import sglang_ext.sim.study_policies  # noqa: F401  registers the batching study's policies
 from sglang_ext.policy.admission import AdmissionError, AdmissionSettings, GiveUp
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext

@@ -1,7 +1,8 @@
 """Policies x offered loads, in parallel, into ``results.json`` (schema version 1).
 
 A policy with tunables named without them (``sarathi``, ``fb-fb``,
-``sarathi-queue-cap``, ``sarathi-queue-timeout``) is tuned to an interior best by
+``sarathi-queue-cap``, ``sarathi-queue-timeout``, the batching study's ``fixed-batch``,
+``dynamic-batch`` and ``prefill-first``) is tuned to an interior best by
 ``sglang_ext.sim.tuning``: every setting it tries is reported as its own
 ``NAME@...`` entry, and ``NAME`` holds the best one (``best_of`` says which,
 ``tuning`` lists every setting tried and any axis whose best is at a bound).

@@ -15,12 +15,16 @@ One axis at a time:
 
 A best that is still at a bound of its axis is an **edge** best: reports mark it. An axis
 given explicitly (``--budgets``) is searched over exactly those values, never widened or
-refined. Axes: the token budget, 32 to 8192 (grid doubling); vLLM's queued-token cap,
-TTFT x prefill throughput at the budget (vLLM's sizing advice; the throughput is the
-profile's offline step-model fit) x 1/4 .. 4, within x 1/16 .. 16; SGLang's queue
-timeout, the TTFT x 1/4 .. 4, within x 1/16 .. 16. A family with two axes (budget x cap,
-budget x timeout) runs three passes of coordinate search: the second axis at budget
-512, then the budget, then the second axis again.
+refined. Axes: the token budget, 32 to 8192 (grid doubling); every other setting, its
+default at the start budget (the policy's ``default_setting``) x 1/4 .. 4, within
+x 1/16 .. 16, integer for token counts (``cap``, ``chunk``): vLLM's queued-token cap, TTFT x
+prefill throughput at the budget (vLLM's sizing advice; the throughput is the profile's
+offline step-model fit); SGLang's queue timeout, the TTFT; the batching study's policies
+(``sglang_ext.sim.study_policies``): fixed-batch's ``timeout_ms``, dynamic-batch's ``low``,
+``high`` and ``latency_ms``, prefill-first's ``chunk``. A family with settings runs
+coordinate search: each setting in ``setting_names`` order at budget 512 (the others at
+their defaults), then the budget, then each setting again around its best. With one
+setting (budget x cap, budget x timeout, budget x chunk) that is three passes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 from sglang_ext.policy.policies import POLICIES, PolicyContext
-from sglang_ext.sim.baselines import default_queue_cap
 from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS, PolicySpec
 
 REFINE_STEP = 0.25
@@ -37,6 +40,7 @@ START_BUDGET = 512
 BUDGET_BOUNDS = (32, 8192)
 SETTING_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
 SETTING_BOUNDS = (1 / 16, 16.0)
+INTEGER_SETTINGS = ("cap", "chunk")  # token counts
 
 Score = tuple[float, float]  # (peak effective RPS, mean effective RPS over the loads)
 #: the driver sends the scores of every label asked for, and gets the next labels to run
@@ -121,6 +125,13 @@ def _neighbourhood(axis: Axis, value: float) -> list[float]:
     return [value / 2, value, value * 2]
 
 
+def setting_axis(setting: str, default: float) -> Axis:
+    """``setting``'s axis: ``default`` x the grid, within ``default`` x the bounds."""
+    return Axis(setting, tuple(default * m for m in SETTING_GRID),
+                (default * SETTING_BOUNDS[0], default * SETTING_BOUNDS[1]),
+                integer=setting in INTEGER_SETTINGS)
+
+
 def tune(name: str, context: PolicyContext, budgets: Sequence[int] | None) -> Search:
     """The search for family ``name`` (a registered policy with tunables)."""
     factory = POLICIES.get(name)
@@ -131,29 +142,36 @@ def tune(name: str, context: PolicyContext, budgets: Sequence[int] | None) -> Se
         result.best = _label(name, best)
         result.edge = ["budget"] if budget.at_edge(best) else []
         return result
-    (setting,) = factory.setting_names
     start_budget = min(budget.grid, key=lambda b: abs(b - START_BUDGET))
-    base = (
-        default_queue_cap(context, int(start_budget)) if setting == "cap"
-        else context.global_slo.ttft_s
-    )
-    second = Axis(setting, tuple(base * m for m in SETTING_GRID),
-                  (base * SETTING_BOUNDS[0], base * SETTING_BOUNDS[1]), integer=setting == "cap")
-    value = yield from _axis_search(
-        second, second.grid, lambda v: _label(name, start_budget, setting, v), result
-    )
-    best_budget = yield from _axis_search(
-        budget, _neighbourhood(budget, start_budget),
-        lambda b: _label(name, b, setting, value), result,
-    )
-    value = yield from _axis_search(
-        second, _neighbourhood(second, value), lambda v: _label(name, best_budget, setting, v), result
-    )
-    result.best = _label(name, best_budget, setting, value)
-    result.edge = [axis.name for axis, v in ((budget, best_budget), (second, value)) if axis.at_edge(v)]
+    best_budget = start_budget if factory.takes_token_budget else None
+    defaults = {setting: factory.default_setting(setting, context, int(start_budget))
+                for setting in factory.setting_names}
+    axes = [setting_axis(setting, default) for setting, default in defaults.items()]
+    values = {axis.name: axis.snap(defaults[axis.name]) for axis in axes}
+
+    def label_of(axis: Axis, at_budget: float | None) -> Callable[[float], str]:
+        return lambda v: _label(name, at_budget, {**values, axis.name: v})
+
+    for axis in axes:
+        values[axis.name] = yield from _axis_search(
+            axis, axis.grid, label_of(axis, best_budget), result
+        )
+    if factory.takes_token_budget:
+        best_budget = yield from _axis_search(
+            budget, _neighbourhood(budget, start_budget),
+            lambda b: _label(name, b, values), result,
+        )
+    for axis in axes:
+        values[axis.name] = yield from _axis_search(
+            axis, _neighbourhood(axis, values[axis.name]), label_of(axis, best_budget), result
+        )
+    result.best = _label(name, best_budget, values)
+    tuned = [(budget, best_budget)] if factory.takes_token_budget else []
+    tuned += [(axis, values[axis.name]) for axis in axes]
+    result.edge = [axis.name for axis, v in tuned if axis.at_edge(v)]
     return result
 
 
-def _label(name: str, budget: float, setting: str | None = None, value: float | None = None) -> str:
-    settings = () if setting is None else ((setting, value),)
-    return PolicySpec(name, int(budget), settings).label
+def _label(name: str, budget: float | None, settings: dict[str, float] | None = None) -> str:
+    pairs = tuple(sorted((settings or {}).items()))
+    return PolicySpec(name, None if budget is None else int(budget), pairs).label
