@@ -28,6 +28,7 @@ TPOT, never below the serviceable minimum).
 
 from __future__ import annotations
 
+import itertools
 import math
 from bisect import bisect_left
 from collections.abc import Hashable, Sequence
@@ -236,18 +237,7 @@ def pack(
             decode_ids.extend([request.req_id for _, request in deferrable])
             step.add_decodes(len(deferrable), context, predicted)
         else:
-            model = step.model
-            floor = model.min_decode_cost_s(step.new_tokens, step.decodes)
-            for _, request in deferrable:
-                if tokens_left < 1 or budget - step.predicted < floor:
-                    break  # no decode costs less than floor
-                predicted = step.with_decodes(1, request.context)
-                if predicted <= budget:
-                    decode_ids.append(request.req_id)
-                    step.add_decodes(1, request.context, predicted)
-                    tokens_left -= 1
-                    if not floor:
-                        floor = model.min_decode_cost_s(step.new_tokens, step.decodes)
+            _pack_deferrable(deferrable, step, budget, tokens_left, decode_ids)
 
     return BatchDecision(tuple(decode_ids), tuple(chunks), step.predicted, time_budget_s)
 
@@ -283,6 +273,46 @@ class _Step:
         self.new_tokens += chunk
         self.prefill_context += prefix
         self.pairs += chunk * (prefix + (chunk + 1) / 2.0)
+
+
+def _pack_deferrable(
+    deferrable: list[tuple[float, RequestState]], step: _Step, budget: float, tokens_left: int,
+    decode_ids: list[Hashable],
+) -> None:
+    """Adds the deferrable decodes in order while each still fits the budget. Each one's
+    exact prediction while the model says a decode may cost less than its increment (below
+    the knee or the saturation, a decode can be free or even lower the mean-context
+    estimate); from where every further decode costs exactly ``fixed + per_kv_token *
+    context`` (``decode_increment``), that sum, and the loop stops once not even ``fixed``
+    is left."""
+    model = step.model
+    position = 0
+    increment = model.decode_increment(step.new_tokens, step.decodes)
+    while increment is None:
+        if position == len(deferrable) or tokens_left < 1:
+            return
+        request = deferrable[position][1]
+        position += 1
+        predicted = step.with_decodes(1, request.context)
+        if predicted <= budget:
+            decode_ids.append(request.req_id)
+            step.add_decodes(1, request.context, predicted)
+            tokens_left -= 1
+            increment = model.decode_increment(step.new_tokens, step.decodes)
+    fixed, per_kv_token = increment
+    predicted = step.predicted
+    count = context = 0
+    for _, request in itertools.islice(deferrable, position, None):
+        if count == tokens_left or budget - predicted < fixed:
+            break
+        cost = fixed + per_kv_token * request.context
+        if predicted + cost <= budget:
+            decode_ids.append(request.req_id)
+            predicted += cost
+            count += 1
+            context += request.context
+    if count:
+        step.add_decodes(count, context, predicted)
 
 
 def _pack_prefills(

@@ -114,15 +114,20 @@ class KneeStepModel:
         :meth:`prefill_cost_s` only when it lies within rounding of an integer."""
         if limit < 1:
             return 0
-        if self.prefill_cost_s(limit, prefix, base_tokens) <= time_left_s:
-            return limit  # the cost grows with the chunk: the whole limit fits
-        b, e = self.b_s_per_token, self.e_s_per_pair
+        b, e, knee = self.b_s_per_token, self.e_s_per_pair, self.knee_tokens
         fixed = self.c_s_per_prefill_context_token * prefix
-        free = self.knee_tokens - base_tokens  # tokens the floor already pays for
+        # prefill_cost_s(limit, prefix, base_tokens), inline (this is the packing hot path)
+        before = base_tokens if base_tokens > knee else knee
+        after = base_tokens + limit
+        if after < knee:
+            after = knee
+        if b * (after - before) + fixed + e * limit * (prefix + (limit + 1) / 2.0) <= time_left_s:
+            return limit  # the cost grows with the chunk: the whole limit fits
+        free = knee - base_tokens  # tokens the floor already pays for
         if free > 0 and fixed + e * free * (prefix + (free + 1) / 2.0) > time_left_s:
             root = _largest_root(e / 2.0, e * (prefix + 0.5), fixed - time_left_s)
         else:
-            shift = b * min(base_tokens - self.knee_tokens, 0.0)
+            shift = b * min(base_tokens - knee, 0.0)
             root = _largest_root(e / 2.0, b + e * (prefix + 0.5), fixed + shift - time_left_s)
         chunk = int(min(root, limit - 1))
         if (chunk + 1 - root < _ROUNDING and chunk + 1 < limit
@@ -138,13 +143,14 @@ class KneeStepModel:
         the knee."""
         return self.b_s_per_token + self.d_s_per_decode_context_token * kv_tokens * self._scale(decodes)
 
-    def min_decode_cost_s(self, new_tokens: float, decodes: int) -> float:
-        """A lower bound on what any further decode adds to this step: ``b`` past the knee
-        and the saturation; below either, a decode can be free (the floor pays for it) or
-        even lower the mean-context estimate."""
+    def decode_increment(self, new_tokens: float, decodes: int) -> tuple[float, float] | None:
+        """``(fixed, per KV token)``: exactly what each further decode adds to a step of
+        ``new_tokens`` tokens and ``decodes`` decodes, once past the knee and the
+        saturation (adding decodes keeps it there); ``None`` below either, where a decode
+        can be free (the floor pays for it) or even lower the mean-context estimate."""
         if new_tokens >= self.knee_tokens and decodes >= self.decode_saturation:
-            return self.b_s_per_token
-        return 0.0
+            return self.b_s_per_token, self.d_s_per_decode_context_token
+        return None
 
     def prefill_work(self, pending: int, prefix: int) -> float:
         """A queued prefill in prompt-token equivalents: its time past the knee over ``b``

@@ -92,9 +92,10 @@ class StepCoefficients:
         """What one decode over ``kv_tokens`` adds to a step of ``decodes`` decodes."""
         return self.b_s_per_token + self.c_s_per_context_token * kv_tokens
 
-    def min_decode_cost_s(self, new_tokens: float, decodes: int) -> float:
-        """A lower bound on what any further decode adds to this step."""
-        return self.b_s_per_token
+    def decode_increment(self, new_tokens: float, decodes: int) -> tuple[float, float] | None:
+        """``(fixed, per KV token)``: exactly what each further decode adds to a step, from
+        any step on."""
+        return self.b_s_per_token, self.c_s_per_context_token
 
     def prefill_work(self, pending: int, prefix: int) -> float:
         """A queued prefill in prompt-token equivalents (seconds over ``b``): the linear
