@@ -268,8 +268,9 @@ class _Step:
         self.decodes += count
         self.decode_context += context
 
-    def add_chunk(self, chunk: int, prefix: int) -> None:
-        self.predicted += self.model.prefill_cost_s(chunk, prefix, self.new_tokens)
+    def add_chunk(self, chunk: int, prefix: int, cost: float | None = None) -> None:
+        """Adds a chunk; ``cost``: its ``prefill_cost_s`` when already computed."""
+        self.predicted += self.model.prefill_cost_s(chunk, prefix, self.new_tokens) if cost is None else cost
         self.new_tokens += chunk
         self.prefill_context += prefix
         self.pairs += chunk * (prefix + (chunk + 1) / 2.0)
@@ -325,16 +326,19 @@ def _pack_prefills(
     for _, request in prefills:
         pending = request.pending_prefill
         limit = pending if pending < tokens_left else tokens_left
-        if budget == math.inf:
+        time_left = budget - step.predicted
+        cost = model.prefill_cost_s(limit, request.context, step.new_tokens)
+        if cost <= time_left:
             chunk = limit
         else:
-            chunk = model.max_chunk(budget - step.predicted, request.context, step.new_tokens, limit)
+            cost = None
+            chunk = model.max_chunk(time_left, request.context, step.new_tokens, limit - 1)
             if chunk < 1:
-                if model.max_chunk(budget - step.predicted, 0, step.new_tokens, 1) < 1:
+                if model.max_chunk(time_left, 0, step.new_tokens, 1) < 1:
                     return False, tokens_left  # nothing that costs at least one token fits
                 continue
         chunks.append((request.req_id, chunk))
-        step.add_chunk(chunk, request.context)
+        step.add_chunk(chunk, request.context, cost)
         tokens_left -= chunk
         if tokens_left <= 0 or chunk < pending:
             return False, tokens_left  # only the last chunk of a step may be partial

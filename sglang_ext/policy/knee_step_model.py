@@ -91,8 +91,8 @@ class KneeStepModel:
 
     @property
     def smallest_step_s(self) -> float:
-        """One decode token with no context."""
-        return self.step_s(1, 0, 1, 0, 0.0)
+        """One decode token with no context (``step_s(1, 0, 1, 0, 0.0)``)."""
+        return self.a_s + self.b_s_per_token * (1 if 1 > self.knee_tokens else self.knee_tokens)
 
     def prefill_cost_s(self, chunk: int, prefix: int, base_tokens: float) -> float:
         """What a chunk of ``chunk`` tokens after ``prefix`` cached ones adds to a step that
@@ -123,13 +123,19 @@ class KneeStepModel:
             after = knee
         if b * (after - before) + fixed + e * limit * (prefix + (limit + 1) / 2.0) <= time_left_s:
             return limit  # the cost grows with the chunk: the whole limit fits
+        # the largest root of (e / 2) x^2 + beta x + gamma, in the form without cancellation
         free = knee - base_tokens  # tokens the floor already pays for
         if free > 0 and fixed + e * free * (prefix + (free + 1) / 2.0) > time_left_s:
-            root = _largest_root(e / 2.0, e * (prefix + 0.5), fixed - time_left_s)
+            beta, gamma = e * (prefix + 0.5), fixed - time_left_s
         else:
-            shift = b * min(base_tokens - knee, 0.0)
-            root = _largest_root(e / 2.0, b + e * (prefix + 0.5), fixed + shift - time_left_s)
-        chunk = int(min(root, limit - 1))
+            shift = b * (base_tokens - knee) if base_tokens < knee else 0.0
+            beta, gamma = b + e * (prefix + 0.5), fixed + shift - time_left_s
+        if gamma >= 0.0:
+            root = 0.0
+        else:
+            denominator = beta + math.sqrt(beta * beta - 2.0 * e * gamma)
+            root = -2.0 * gamma / denominator if denominator > 0.0 else math.inf
+        chunk = int(root) if root < limit - 1 else limit - 1
         if (chunk + 1 - root < _ROUNDING and chunk + 1 < limit
                 and self.prefill_cost_s(chunk + 1, prefix, base_tokens) <= time_left_s):
             chunk += 1
@@ -209,15 +215,6 @@ class KneeStepModel:
             return cls(*(data[name] for name in names))
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
-
-
-def _largest_root(alpha: float, beta: float, gamma: float) -> float:
-    """The largest ``x`` with ``alpha x^2 + beta x + gamma <= 0`` for alpha, beta >= 0 (0
-    when ``gamma`` >= 0), in the form without cancellation: ``-2 gamma / (beta + sqrt(disc))``."""
-    if gamma >= 0.0:
-        return 0.0
-    denominator = beta + math.sqrt(beta * beta - 4.0 * alpha * gamma)
-    return -2.0 * gamma / denominator if denominator > 0.0 else math.inf
 
 
 # ---------------------------------------------------------------------- offline fit

@@ -159,6 +159,7 @@ class _LatenessGuarded(BatchPolicy):
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
         self.admission = _resolved_admission(self.name, self.implied_admission, context.admission)
+        self._floor: tuple[StepPredictor, ServiceFloor] | None = None  # of the model it was for
 
     def admit(
         self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,
@@ -185,7 +186,7 @@ class _LatenessGuarded(BatchPolicy):
     def _triage(self, requests: Sequence[RequestState], now: float, anchored: bool = False):
         floor = None
         if self.context.lateness_guard:
-            floor = ServiceFloor.of(self.step_model.coefficients, self.context.global_slo.tpot_s)
+            floor = self._service_floor()
         hopeless: frozenset = frozenset()
         if self.admission.mode is AdmissionMode.DEFER:
             hopeless = forecast(
@@ -196,6 +197,14 @@ class _LatenessGuarded(BatchPolicy):
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,
             deadline_guard_s=self._deadline_guard_s(),
         )
+
+    def _service_floor(self) -> ServiceFloor:
+        """The lateness guard's floor, recomputed only when the step model has changed
+        (after a step, not at every decision)."""
+        coefficients = self.step_model.coefficients
+        if self._floor is None or self._floor[0] is not coefficients:
+            self._floor = coefficients, ServiceFloor.of(coefficients, self.context.global_slo.tpot_s)
+        return self._floor[1]
 
     def _deadline_guard_s(self) -> float:
         return 0.0
