@@ -1,10 +1,11 @@
-"""The emulated GPU: roofline step times on an in-order device timeline, every step recorded."""
+"""The emulated GPU: the profile's step times (its roofline, or the batching study's service
+curve for a profile with ``[service]``) on an in-order device timeline, every step recorded."""
 
 from __future__ import annotations
 
 import time
 
-from sglang_ext.sim.gpu import RooflineGpu
+from sglang_ext.sim.service_curve import make_gpu
 
 from .settings import EmulationSettings
 from sglang_ext.batch_shape import BatchShape
@@ -22,7 +23,7 @@ class EmulatedDevice:
 
     def __init__(self, settings: EmulationSettings, seed: int, log: StepLog) -> None:
         self.settings = settings
-        self.gpu = RooflineGpu(settings.profile, seed=seed)
+        self.gpu = make_gpu(settings.profile, seed=seed)
         self.timeline = DeviceTimeline()
         self.log = log
         self._scale = settings.time_scale

@@ -184,6 +184,17 @@ def test_device_charges_the_profiles_step_time_scaled():
     assert all(b.start == a.end for a, b in itertools.pairwise(steps))
 
 
+def test_device_with_a_service_curve_profile_charges_that_curve():
+    s = EmulationSettings.from_environment("des-study", {ENV_TIME_SCALE: "2"})
+    service = s.profile.service
+    device = EmulatedDevice(s, seed=0, log=StepLog())
+    for contexts in ([100] * 8, [100] * 100):
+        tokens = len(contexts)
+        expected_s = (service.setup_ms / 1e3
+                      + service.per_token_us / 1e6 * max(0, tokens - service.threshold_tokens))
+        assert device.step_seconds(decode_shape(contexts)) == pytest.approx(2 * expected_s)
+
+
 def test_device_step_without_tokens_takes_no_time():
     device = EmulatedDevice(settings(), seed=0, log=StepLog())
     idle = BatchShape("idle", StepShape(0, 0.0, 0, 0, 0, 0), 0, 0)
