@@ -90,3 +90,16 @@ def synthetic_workload(n: int = 40, *, seed: int = 3) -> Workload:
     return Workload(
         tuple(TraceRequest(r.arrival, r.prompt, r.output) for r in reqs), "synthetic"
     )
+
+
+def drive_search(search, score_of) -> object:
+    """Run a tuning search (``sglang_ext.sim.tuning``) against a score function of each
+    label's parsed spec; returns its result."""
+    from sglang_ext.sim.runner import parse_policy
+
+    labels = next(search)
+    while True:
+        try:
+            labels = search.send({label: score_of(parse_policy(label)) for label in labels})
+        except StopIteration as stop:
+            return stop.value

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sim_helpers import SLO, llama
+from sim_helpers import SLO, llama, drive_search as drive
 
 from sglang_ext.policy.policies import POLICIES, PolicyContext
 from sglang_ext.policy.step_model import StepCoefficients
@@ -377,13 +377,6 @@ def test_service_profile_round_trips_through_toml(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ tuning axes
-def drive(search, score_of):
-    labels = next(search)
-    while True:
-        try:
-            labels = search.send({label: score_of(parse_policy(label)) for label in labels})
-        except StopIteration as stop:
-            return stop.value
 
 
 def bump(value: float, best: float) -> float:

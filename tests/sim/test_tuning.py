@@ -6,22 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from sim_helpers import SLO, context_for, llama, make_policy
+from sim_helpers import SLO, context_for, llama, make_policy, drive_search as drive
 
 from sglang_ext.policy.view import RequestView
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.runner import PolicySpecError, parse_policy
 from sglang_ext.sim.tuning import REFINE_STEP, Axis, best_value, budget_axis, tune
-
-
-def drive(search, score_of) -> object:
-    """Run a search against a score function of the label; returns its result."""
-    labels = next(search)
-    while True:
-        try:
-            labels = search.send({label: score_of(parse_policy(label)) for label in labels})
-        except StopIteration as stop:
-            return stop.value
 
 
 def peaked(best: float, width: float = 1.0):
