@@ -85,6 +85,7 @@ class BatchPolicy:
     takes_admission = False  # applies PolicyContext.admission
     takes_delivery_allowance = False  # applies PolicyContext.delivery_allowance_s
     keeps_linear_model = False  # the paper's linear step model whatever the file's form
+    disaggregated = False  # runs on prefill and decode ranks apart (sglang_ext.sim.disagg)
 
     def __init__(self, context: PolicyContext) -> None:
         self.context = context

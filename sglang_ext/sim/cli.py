@@ -17,6 +17,9 @@ from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 from sglang_ext.policy.step_model import STEP_FORMS, StepModelError, StepModelFile
 from sglang_ext.sim.calibration import offline_step_model, profile_steps
+from sglang_ext.sim.disagg import (
+    DEFAULT_LINK_GBPS, DEFAULT_SPLIT, DisaggConfig, DisaggConfigError,
+)
 from sglang_ext.sim.cluster import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_QUEUE_TTL_S,
@@ -38,6 +41,7 @@ from sglang_ext.sim.profile import (
 from sglang_ext.sim.profile_fit import fitted_profile_toml
 from sglang_ext.sim.runner import (
     DEFAULT_TOKEN_BUDGETS,
+    PolicySpec,
     PolicySpecError,
     RunResult,
     Scenario,
@@ -154,6 +158,46 @@ def _add_admission(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _split(text: str) -> tuple[int, int]:
+    try:
+        return DisaggConfig.parse_split(text)
+    except DisaggConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_disagg(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "disaggregated policies (kairos, kairos-fcfs, kairos-online; sglang_ext.sim.disagg)"
+    )
+    group.add_argument(
+        "--split", type=_split, metavar="P:D",
+        help="prefill and decode ranks, one GPU each (default: 1:1)",
+    )
+    group.add_argument(
+        "--link-gbps", type=_positive_float, metavar="GBPS",
+        help=f"each prefill rank's KV-transfer link, Gb/s (default: {DEFAULT_LINK_GBPS:g})",
+    )
+
+
+def _disagg_config(args: argparse.Namespace, specs: Sequence[PolicySpec]) -> DisaggConfig:
+    """``--split`` / ``--link-gbps``, refused unless a disaggregated policy is named."""
+    given = [flag for flag, value in (("--split", args.split), ("--link-gbps", args.link_gbps))
+             if value is not None]
+    if given and not any(POLICIES.get(spec.base).disaggregated for spec in specs):
+        names = ", ".join(spec.label for spec in specs)
+        raise CliError(
+            f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to "
+            "disaggregated policies "
+            f"({', '.join(_disaggregated_names())}); {names} run colocated"
+        )
+    prefill, decode = args.split or DEFAULT_SPLIT
+    return DisaggConfig(prefill, decode, args.link_gbps or DEFAULT_LINK_GBPS)
+
+
+def _disaggregated_names() -> list[str]:
+    return [name for name in POLICIES.names() if POLICIES.get(name).disaggregated]
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     workload = parser.add_argument_group("workload")
     workload.add_argument("--trace", type=Path, help="trace file (default: the bundled Azure sample)")
@@ -211,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rate", type=_positive_float,
                      help="offered load, req/s (default: the trace's own rate)")
     _add_admission(run)
+    _add_disagg(run)
     _common(run)
     sweep = commands.add_parser("sweep", help="policies x offered loads (bundled sample by default)")
     sweep.add_argument("--policy", action="append", dest="policies",
@@ -229,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--jobs", type=int, help="worker processes (default: all cores)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_admission(sweep)
+    _add_disagg(sweep)
     _common(sweep)
     cluster = commands.add_parser(
         "cluster",
@@ -336,11 +382,12 @@ def _workload(args: argparse.Namespace, catalog: SloCatalog) -> Workload:
     return workload
 
 
-def _scenario(args: argparse.Namespace) -> Scenario:
+def _scenario(args: argparse.Namespace, disagg: DisaggConfig = DisaggConfig()) -> Scenario:
     if args.max_token_budget < 1:
         raise CliError("--max-token-budget must be >= 1")
     catalog = _catalog(args)
     return Scenario(
+        disagg=disagg,
         workload=_workload(args, catalog),
         profile=_load_profile(args.profile),
         catalog=catalog,
@@ -376,16 +423,30 @@ def _with_admission(texts: Sequence[str], admission: AdmissionSettings | None) -
 
 def _cmd_run(args: argparse.Namespace) -> int:
     spec = parse_policy(_with_admission([args.policy], args.admission)[0])
-    scenario = _scenario(args)
+    disagg = _disagg_config(args, [spec])
+    scenario = _scenario(args, disagg)
     rate = args.rate or scenario.workload.mean_rate
     result = simulate(scenario, spec, rate)
     plan = SweepPlan((spec.label,), (spec,))
     # the same schema-1 document as a one-policy, one-rate sweep (scenario and rates included)
     document, _ = assemble(scenario, plan, (rate,), rate, [result])
     print(summary_table(document, plan.requested))
+    if POLICIES.get(spec.base).disaggregated:
+        document["disaggregated"] = _disagg_entry(disagg)
+        load = result.load
+        print(
+            f"\n{disagg.gpus} GPUs ({disagg.prefill_ranks} prefill + {disagg.decode_ranks} "
+            f"decode, KV link {disagg.link_gbps:g} Gb/s): effective RPS "
+            f"{load['effective_rps']:.2f} total, {load['effective_rps_per_gpu']:.2f} per GPU"
+        )
     path = write_results(document, _out_dir(args))
     print(f"\nwrote {path}")
     return 0
+
+
+def _disagg_entry(config: DisaggConfig) -> dict:
+    return {"gpus": config.gpus, "split": config.split, "prefill_ranks": config.prefill_ranks,
+            "decode_ranks": config.decode_ranks, "link_gbps": config.link_gbps}
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -396,7 +457,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     plan = plan_sweep(
         _with_admission(args.policies or DEFAULT_POLICIES, args.admission), args.budgets
     )
-    scenario = _scenario(args)
+    disagg = _disagg_config(args, plan.runs + tuple(parse_policy(n) for n in plan.tuned))
+    scenario = _scenario(args, disagg)
     rates = args.rates
     cdf_rate = args.cdf_rate or rates[len(rates) // 2]
     if cdf_rate not in rates:
@@ -413,6 +475,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             scenario, plan, rates, cdf_rate=cdf_rate, jobs=args.jobs, progress=bar.update,
             planned=lambda n: (setattr(bar, "total", bar.total + n), bar.refresh()),
         )
+    if any(POLICIES.get(spec.base).disaggregated for spec in plan.runs) or any(
+        POLICIES.get(parse_policy(name).base).disaggregated for name in plan.tuned
+    ):
+        document["disaggregated"] = _disagg_entry(disagg)
     out = _out_dir(args)
     path = write_results(document, out)
     plot_effective_rps(document, plan.requested, out / "effective_rps.png")
@@ -424,6 +490,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
     spec = parse_policy(args.policy)
+    if POLICIES.get(spec.base).disaggregated:
+        raise CliError(f"policy {spec.base!r} runs disaggregated (prefill and decode ranks "
+                       f"apart), not on data-parallel ranks: use `run --policy {spec.base} "
+                       "--split P:D`")
     config = ClusterConfig(
         ranks=args.ranks,
         balancer=args.balancer,
@@ -515,7 +585,7 @@ def _cmd_fit_grid(args: argparse.Namespace) -> int:
 
 USER_ERRORS = (
     CliError, WorkloadError, ProfileError, SloError, PolicySpecError, StepModelError,
-    ClusterConfigError, GridError, json.JSONDecodeError,
+    ClusterConfigError, DisaggConfigError, GridError, json.JSONDecodeError,
 )
 
 

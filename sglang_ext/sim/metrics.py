@@ -94,7 +94,7 @@ class RequestRecord:
         return self.ttft_s <= self.slo.ttft_s and self.max_tpot_s <= self.slo.tpot_s
 
 
-def _percentiles_ms(values: Sequence[float]) -> dict[str, float | None]:
+def percentiles_ms(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
     array = np.asarray(values, dtype=float) * 1e3
@@ -141,10 +141,10 @@ def summarize(records: Iterable[RequestRecord], offered_rate: float, duration_s:
         "preemptions": sum(r.preemptions for r in records),
         "recomputed_tokens": sum(r.recomputed_tokens for r in records),
         "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else math.nan,
-        "ttft_ms": _percentiles_ms(ttfts),
-        "tpot_ms": _percentiles_ms(tpots),
-        "mean_tpot_ms": _percentiles_ms(mean_tpots),
-        "max_tbt_ms": _percentiles_ms(max_tbts),
+        "ttft_ms": percentiles_ms(ttfts),
+        "tpot_ms": percentiles_ms(tpots),
+        "mean_tpot_ms": percentiles_ms(mean_tpots),
+        "max_tbt_ms": percentiles_ms(max_tbts),
         "by_prompt_tokens": attainment_by_prompt_tokens(records),
     }
 

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 import sglang_ext.sim.baselines  # noqa: F401  registers the baselines
+import sglang_ext.sim.kairos  # noqa: F401  registers Kairos and its baseline (disaggregated)
 import sglang_ext.sim.study_policies  # noqa: F401  registers the batching study's policies
 from sglang_ext.policy.admission import AdmissionError, AdmissionSettings, GiveUp
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
@@ -16,8 +17,9 @@ from sglang_ext.policy.slo import SloCatalog
 from sglang_ext.policy.step_model import StepModelFile
 from sglang_ext.policy.variants import FairBatchingWithMargin  # also registers the variants
 from sglang_ext.sim.calibration import offline_step_model
+from sglang_ext.sim.disagg import Arrival, DisaggConfig, run_disaggregated
 from sglang_ext.sim.engine import SimEngine
-from sglang_ext.sim.metrics import LatencySamples, latency_samples, summarize
+from sglang_ext.sim.metrics import LatencySamples, latency_samples, percentiles_ms, summarize
 from sglang_ext.sim.profile import HardwareProfile
 from sglang_ext.sim.workloads import Workload
 
@@ -142,6 +144,8 @@ class Scenario:
     # a step-model file's models; None: the offline fit of ``step_form`` on the profile
     step_model: StepModelFile | None = None
     step_form: str = "knee"
+    # the prefill/decode split and link of the policies that run disaggregated
+    disagg: DisaggConfig = DisaggConfig()
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,8 @@ def replay(scenario: Scenario, policy: BatchPolicy, rate: float) -> tuple[SimEng
 def simulate(
     scenario: Scenario, spec: PolicySpec, rate: float, *, keep_samples: bool = False
 ) -> RunResult:
+    if POLICIES.get(spec.base).disaggregated:
+        return simulate_disaggregated(scenario, spec, rate, keep_samples=keep_samples)
     engine, duration = replay(scenario, build_policy(scenario, spec), rate)
     records = engine.records.values()
     load = summarize(records, rate, duration)
@@ -200,4 +206,41 @@ def simulate(
     load["step_model"] = {"form": learned.form, **learned.fields()}
     if isinstance(engine.policy, FairBatchingWithMargin):
         load["mean_margin"] = engine.policy.mean_margin
+    return RunResult(spec.label, load, latency_samples(records) if keep_samples else None)
+
+
+def simulate_disaggregated(
+    scenario: Scenario, spec: PolicySpec, rate: float, *, keep_samples: bool = False
+) -> RunResult:
+    """A disaggregated policy on ``scenario.disagg``'s prefill and decode ranks
+    (``sglang_ext.sim.disagg``); the load point adds the GPU count, effective RPS per GPU
+    and the transfer figures to a colocated run's."""
+    config = scenario.disagg
+    workload = scenario.workload.with_arrivals(scenario.arrivals, rate, scenario.seed)
+    resolve = scenario.catalog.resolve
+    arrivals = [
+        Arrival(index, r.arrival_s, r.prompt_tokens, r.output_tokens,
+                resolve({"class": r.slo_class} if r.slo_class else None))
+        for index, r in enumerate(workload.requests)
+    ]
+    run = run_disaggregated(arrivals, scenario.profile, lambda: build_policy(scenario, spec),
+                            config, seed=scenario.seed, drain_s=scenario.drain_s)
+    records = run.records.values()
+    load = summarize(records, rate, run.duration_s)
+    prefill_busy = sum(e.busy_s for e in run.prefill_engines)
+    decode_busy = sum(r.busy_s for r in run.decode_ranks)
+    load["steps"] = run.steps
+    load["gpu_busy_fraction"] = (prefill_busy + decode_busy) / (run.duration_s * config.gpus)
+    load["gpus"] = config.gpus
+    load["effective_rps_per_gpu"] = load["effective_rps"] / config.gpus
+    load["disaggregated"] = {
+        "prefill_ranks": config.prefill_ranks,
+        "decode_ranks": config.decode_ranks,
+        "link_gbps": config.link_gbps,
+        "prefill_busy_fraction": prefill_busy / (run.duration_s * config.prefill_ranks),
+        "decode_busy_fraction": decode_busy / (run.duration_s * config.decode_ranks),
+        "partial_decode_steps": sum(r.partial_steps for r in run.decode_ranks),
+        "kv_transfer_ms": percentiles_ms(run.transfer_s),
+        "decode_queue_ms": percentiles_ms(run.decode_wait_s),
+    }
     return RunResult(spec.label, load, latency_samples(records) if keep_samples else None)
