@@ -102,6 +102,10 @@ def _best(points: list[dict], family: str, gpus: int) -> tuple[str, list[dict]] 
         prefill, decode = map(int, next(iter(splits)).split(":"))
         if min(prefill, decode) == 1:
             label += " [edge]"
+    elif "@" in label and len(by_config) > 1:
+        budgets = [int(name.split("@")[1]) for name in by_config]
+        if int(label.split("@")[1]) in (min(budgets), max(budgets)):
+            label += " [edge]"
     return label, sorted(by_config[label.removesuffix(" [edge]")], key=lambda p: p["rate"])
 
 
@@ -115,7 +119,8 @@ def render(points: list[dict], args: argparse.Namespace, seconds: float) -> str:
         "cluster's rate is G times it. Disaggregated rows show the best prefill:decode "
         "split of G GPUs (`[edge]`: the best split is 1:G-1 or G-1:1 while others exist); "
         "colocated rows run G data-parallel ranks behind the `request_count` balancer; "
-        "sarathi's budget is the best of " + ", ".join(map(str, args.sarathi_budgets)) + ".",
+        "sarathi's budget is the best of " + ", ".join(map(str, args.sarathi_budgets))
+        + " (`[edge]` at either end).",
         "",
     ]
     rates = args.rates_per_gpu
@@ -140,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=lambda t: [int(x) for x in t.split(",")], default=[2, 4])
     parser.add_argument("--rates-per-gpu", type=lambda t: [float(x) for x in t.split(",")],
-                        default=[8.0, 16.0, 24.0, 32.0])
+                        default=[6.0, 10.0, 14.0, 18.0, 22.0])
     parser.add_argument("--sarathi-budgets", type=lambda t: [int(x) for x in t.split(",")],
-                        default=[256, 512, 1024])
-    parser.add_argument("--head-seconds", type=float, default=120.0)
+                        default=[256, 512, 1024, 2048])
+    parser.add_argument("--head-seconds", type=float, default=600.0)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
