@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 from sglang_ext.policy.batch_former import Triage, pack, smooth_step
 from sglang_ext.policy.policies import (
-    POLICIES, FairBatching, FairBatchingWithAdmission, PolicyContext,
+    POLICIES, BatchPolicy, FairBatching, FairBatchingWithAdmission, PolicyContext,
 )
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
@@ -102,10 +102,11 @@ class FairBatchingWithMargin(FairBatching):
         return min(self._margin_guard_s() + self.context.delivery_allowance_s, MAX_GUARD_SHARE * tpot)
 
 
-@POLICIES.register("fb-kairos")
-class FairBatchingKairosPrefills(FairBatching):
-    name = "fb-kairos"
-    keeps_linear_model = False
+class KairosPrefillRate(BatchPolicy):
+    """Kairos's running prefill throughput (``prefill_tokens_per_s``), mixed in before a
+    policy class: it starts at ``1 / b`` of the initial step model and follows each
+    measured step with prefill tokens by an EWMA (``THROUGHPUT_EWMA``) of its tokens per
+    second."""
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
@@ -116,6 +117,12 @@ class FairBatchingKairosPrefills(FairBatching):
         if shape.prefill_tokens > 0:
             sample = shape.prefill_tokens / measured_s
             self.prefill_tokens_per_s += THROUGHPUT_EWMA * (sample - self.prefill_tokens_per_s)
+
+
+@POLICIES.register("fb-kairos")
+class FairBatchingKairosPrefills(KairosPrefillRate, FairBatching):
+    name = "fb-kairos"
+    keeps_linear_model = False
 
     def _reorder(self, groups: Triage, now: float) -> Triage:
         if len(groups.prefills) < 2:

@@ -48,7 +48,7 @@ import numpy as np
 
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.step_shape import StepShape
-from sglang_ext.policy.variants import THROUGHPUT_EWMA, kairos_order
+from sglang_ext.policy.variants import KairosPrefillRate, kairos_order
 from sglang_ext.policy.view import BatchDecision, RequestState
 
 TABLE_BATCH_SIZES = (*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
@@ -228,21 +228,11 @@ class KairosFcfs(DisaggregatedPolicy):
 
 
 @POLICIES.register("kairos")
-class Kairos(DisaggregatedPolicy):
+class Kairos(KairosPrefillRate, DisaggregatedPolicy):
     """Urgency-ordered prefill (Algorithms 1-2), slack-guided decode (Algorithm 3) over the
     offline table."""
 
     name = "kairos"
-
-    def __init__(self, context: PolicyContext) -> None:
-        super().__init__(context)
-        self.prefill_tokens_per_s = 1.0 / self.initial_step_model.usable().b_s_per_token
-
-    def observe_step(self, shape: StepShape, measured_s: float) -> None:
-        super().observe_step(shape, measured_s)
-        if shape.prefill_tokens > 0:
-            sample = shape.prefill_tokens / measured_s
-            self.prefill_tokens_per_s += THROUGHPUT_EWMA * (sample - self.prefill_tokens_per_s)
 
     def prefill_batch(self, prefills, now):
         return urgency_chunks(prefills, now, self.prefill_tokens_per_s, self.chunk_tokens)
