@@ -18,7 +18,7 @@ from sglang_ext.policy.view import BatchDecision, RequestState
 _arrival_order = attrgetter("arrival_seq")
 
 
-def _fifo_prefills(
+def fifo_prefills(
     prefills: Sequence[RequestState], token_budget: int, chunks: list[tuple[Hashable, int]]
 ) -> int:
     """Append chunks in the given order until ``token_budget`` is spent; returns what is left."""
@@ -56,7 +56,7 @@ class SglangDefault(BatchPolicy):
         if prefills:
             prefills.sort(key=lambda r: (r.context == 0, r.arrival_seq))
             chunks: list[tuple[Hashable, int]] = []
-            _fifo_prefills(prefills, min(self.chunked_prefill_size, self.max_prefill_tokens), chunks)
+            fifo_prefills(prefills, min(self.chunked_prefill_size, self.max_prefill_tokens), chunks)
             return BatchDecision((), tuple(chunks))
         return BatchDecision(tuple(r.req_id for r in requests), ())
 
@@ -97,7 +97,7 @@ class VllmDefault(BatchPolicy):
                 chunks.append((request.req_id, take))
                 budget -= take
         room = max(0, self.max_num_seqs - len(running))
-        _fifo_prefills(waiting[:room], budget, chunks)
+        fifo_prefills(waiting[:room], budget, chunks)
         return BatchDecision(tuple(decodes), tuple(chunks))
 
 
@@ -131,7 +131,7 @@ class Sarathi(BatchPolicy):
             key=lambda r: (r.context == 0, r.arrival_seq),
         )
         chunks: list[tuple[Hashable, int]] = []
-        _fifo_prefills(prefills, self.token_budget - len(decodes), chunks)
+        fifo_prefills(prefills, self.token_budget - len(decodes), chunks)
         return BatchDecision(decodes, tuple(chunks))
 
 

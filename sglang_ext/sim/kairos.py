@@ -50,6 +50,7 @@ from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.variants import KairosPrefillRate, kairos_order
 from sglang_ext.policy.view import BatchDecision, RequestState
+from sglang_ext.sim.baselines import fifo_prefills
 
 TABLE_BATCH_SIZES = (*range(1, 17), 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
                      1536, 2048, 4096)
@@ -67,14 +68,8 @@ Chunks = tuple[tuple[Hashable, int], ...]  # (req_id, prompt tokens) of one pref
 def fill_chunks(ordered: Sequence[RequestState], chunk_tokens: int) -> Chunks:
     """``chunk_tokens`` of pending prompt in the given order, only the last request partial
     (Algorithm 1 lines 12-20)."""
-    chunks = []
-    left = chunk_tokens
-    for request in ordered:
-        if left <= 0:
-            break
-        take = min(request.pending_prefill, left)
-        chunks.append((request.req_id, take))
-        left -= take
+    chunks: list[tuple[Hashable, int]] = []
+    fifo_prefills(ordered, chunk_tokens, chunks)
     return tuple(chunks)
 
 
