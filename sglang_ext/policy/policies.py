@@ -103,6 +103,11 @@ class BatchPolicy:
         ``token_budget``; a sweep tunes the setting around it."""
         raise KeyError(f"policy {cls.name!r} has no setting {name!r}")
 
+    def setting_value(self, name: str, token_budget: int) -> float:
+        """Tunable ``name`` as configured (``NAME@...,name=value``), else its
+        :meth:`default_setting` at ``token_budget``."""
+        return self.context.setting(name) or self.default_setting(name, self.context, token_budget)
+
     def admit(
         self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,
         arrival: float | None = None,

@@ -157,7 +157,7 @@ class SarathiQueueCap(Sarathi):
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
-        self.cap = context.setting("cap") or self.default_setting("cap", context, self.token_budget)
+        self.cap = self.setting_value("cap", self.token_budget)
 
     @classmethod
     def default_setting(cls, name: str, context: PolicyContext, token_budget: int) -> float:
@@ -189,9 +189,7 @@ class SarathiQueueTimeout(Sarathi):
 
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
-        self.timeout_s = context.setting("timeout") or self.default_setting(
-            "timeout", context, self.token_budget
-        )
+        self.timeout_s = self.setting_value("timeout", self.token_budget)
 
     @classmethod
     def default_setting(cls, name: str, context: PolicyContext, token_budget: int) -> float:

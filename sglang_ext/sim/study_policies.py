@@ -146,8 +146,7 @@ class FixedBatch(BatchPolicy):
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
         self.token_budget = context.token_budget or STUDY_TOKEN_BUDGET
-        self.timeout_s = (context.setting("timeout_ms") or self.default_setting(
-            "timeout_ms", context, self.token_budget)) / 1e3
+        self.timeout_s = self.setting_value("timeout_ms", self.token_budget) / 1e3
         self.clock = JobClock()
 
     @classmethod
@@ -191,7 +190,7 @@ class DynamicBatch(BatchPolicy):
         super().__init__(context)
         self.token_budget = context.token_budget or 2 * STUDY_TOKEN_BUDGET
         value = {
-            name: context.setting(name) or self.default_setting(name, context, self.token_budget)
+            name: self.setting_value(name, self.token_budget)
             for name in self.setting_names
         }
         self.low, self.high = value["low"], value["high"]
@@ -263,8 +262,7 @@ class PrefillFirst(BatchPolicy):
     def __init__(self, context: PolicyContext) -> None:
         super().__init__(context)
         self.token_budget = context.token_budget or STUDY_TOKEN_BUDGET
-        chunk = context.setting("chunk") or self.default_setting(
-            "chunk", context, self.token_budget)
+        chunk = self.setting_value("chunk", self.token_budget)
         self.chunk = max(1, math.floor(chunk))
 
     @classmethod
