@@ -10,6 +10,12 @@ current PAB, ``abort`` drops a request. The policy sees requests through
 :class:`SimRequest`, which carries no output length; it learns step times only from
 the noisy measured steps.
 
+Output lengths are learnt as a scheduler could: per task (the request's SLO class, or
+its SLO when it names none) a Gaussian fitted online to the finished requests
+(``sglang_ext.policy.output_length``). Each request carries its task and the estimate
+at its arrival; an end-to-end SLO's token envelope is paced for the estimate's mean
+(``Slo.with_expected_output``), and the record keeps that envelope.
+
 Memory follows SGLang: KV is allocated as tokens are computed; a new prefill starts
 only when its whole prompt fits beside the unfinished prefills (a step whose prefills
 are all blocked this way runs every decode instead, or with none, continues the started
@@ -26,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from sglang_ext.policy.output_length import OutputEstimate, OutputLengthModel
 from sglang_ext.policy.admission import (
     AdmissionMode, AdmissionRule, KvOutlook, last_token_due, release_time,
 )
@@ -47,10 +54,14 @@ class SimRequest:
     __slots__ = (
         "req_id", "arrival", "slo", "prompt_tokens", "arrival_seq",
         "next_output_index", "pending_prefill", "context", "first_token_time",
+        "task", "output_estimate",
     )
 
-    def __init__(self, req_id: Hashable, arrival: float, slo: Slo, prompt_tokens: int, seq: int):
+    def __init__(self, req_id: Hashable, arrival: float, slo: Slo, prompt_tokens: int, seq: int,
+                 task: Hashable = None, output_estimate: OutputEstimate | None = None):
         self.req_id = req_id
+        self.task = slo if task is None else task  # what output lengths are learnt per
+        self.output_estimate = output_estimate  # the task's output length at arrival
         self.arrival = arrival
         self.slo = slo
         self.prompt_tokens = prompt_tokens
@@ -111,6 +122,7 @@ class SimEngine:
         self._active: list[SimRequest] = []
         self._by_id: dict[Hashable, SimRequest] = {}
         self._output_target: dict[Hashable, int] = {}
+        self.output_lengths = OutputLengthModel()
         self._kv_used = 0
         self._seq = 0
         self._events: list[TokenEvent] = []
@@ -136,19 +148,24 @@ class SimEngine:
         return tuple(self._active)
 
     def submit(
-        self, req_id: Hashable, arrival: float, prompt_tokens: int, output_tokens: int, slo: Slo
+        self, req_id: Hashable, arrival: float, prompt_tokens: int, output_tokens: int, slo: Slo,
+        slo_class: str | None = None,
     ) -> bool:
         """A request arrives; returns whether it was admitted (rejections are recorded).
 
         An arrival later than the engine's clock first advances the clock to it, so a
-        request is never scheduled before it exists."""
+        request is never scheduled before it exists. ``slo_class`` names the request's
+        class (its task) for per-class metrics and output-length learning."""
         if req_id in self.records:
             raise ValueError(f"request id {req_id!r} was already submitted")
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError(f"request {req_id!r}: prompt and output must be >= 1 token")
         if arrival > self.now:
             self.advance_to(arrival)
-        record = RequestRecord(req_id, arrival, slo, prompt_tokens, output_tokens)
+        task = slo if slo_class is None else slo_class
+        estimate = self.output_lengths.estimate(task)
+        slo = slo.with_expected_output(estimate.expected_tokens)
+        record = RequestRecord(req_id, arrival, slo, prompt_tokens, output_tokens, slo_class)
         self.records[req_id] = record
         too_long = prompt_tokens + output_tokens > self.kv_capacity
         if not too_long and self._admission_mode is AdmissionMode.REJECT:
@@ -160,7 +177,7 @@ class SimEngine:
         ):
             record.rejected = True
             return False
-        request = SimRequest(req_id, arrival, slo, prompt_tokens, self._seq)
+        request = SimRequest(req_id, arrival, slo, prompt_tokens, self._seq, task, estimate)
         self._seq += 1
         self._active.append(request)
         self._by_id[req_id] = request
@@ -415,6 +432,7 @@ class SimEngine:
         if self._record_tokens:
             self._events.append(TokenEvent(request.req_id, index, self.now, done))
         if done:
+            self.output_lengths.observe(request.task, request.next_output_index)
             self._release(request)
         return done
 

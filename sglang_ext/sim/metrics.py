@@ -31,6 +31,7 @@ class RequestRecord:
     slo: Slo
     prompt_tokens: int
     output_tokens: int
+    slo_class: str | None = None
     rejected: bool = False
     aborted: bool = False
     first_token_s: float | None = None

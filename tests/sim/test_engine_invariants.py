@@ -22,6 +22,7 @@ TINY_KV = 4000
 STATE_FIELDS = {
     "req_id", "arrival", "slo", "next_output_index", "pending_prefill", "context",
     "prompt_tokens", "arrival_seq", "first_token_time",
+    "task", "output_estimate",  # learnt from finished requests, never this one's length
 }
 MAX_STEPS = 200_000
 
