@@ -236,8 +236,8 @@ class DispatcherCore:
         slo = submit.slo
         if slo is None:
             return None
-        ttft_s = None if slo.ttft_ms is None else slo.ttft_ms / 1e3
-        return routing_class(class_ttfts, slo.slo_class, ttft_s)
+        ttft_ms = slo.first_token_ms
+        return routing_class(class_ttfts, slo.slo_class, None if ttft_ms is None else ttft_ms / 1e3)
 
     def _place(self, request_id: str, pending: Pending, now: float) -> list[Send]:
         views, fresh = self._views(now)

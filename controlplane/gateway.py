@@ -5,8 +5,10 @@
 - ``POST /v1/completions``: one prompt (text, or token ids) per request; ``stream``
   (server-sent events, ``stream_options.include_usage``), ``max_tokens``,
   ``temperature``, ``top_p``, ``stop``, ``seed``, and SGLang's ``top_k``, ``min_tokens``,
-  ``ignore_eos``. The SLO: ``"slo": "tight"`` or ``{"ttft_ms": .., "tpot_ms": ..}``, or
-  SGLang's shape ``"custom_params": {"slo": ...}``. ``deadline_s`` bounds the request.
+  ``ignore_eos``. The SLO: ``"slo": "tight"``, ``{"ttft_ms": .., "tpot_ms": ..}``,
+  ``{"e2e_ms": ..}`` (end-to-end, optionally with ``ttft_ms``; not with ``tpot_ms``) or
+  a ``"class"`` with targets overridden, or SGLang's shape ``"custom_params": {"slo":
+  ...}``. ``deadline_s`` bounds the request.
   What it cannot honour (``n`` > 1, ``best_of`` > 1, ``logprobs``, ``echo``, ``suffix``,
   several prompts) is a 400, never silently ignored. The ``X-Request-Id`` header names
   the request (else a fresh id); retries inside the SDK keep it.

@@ -33,6 +33,9 @@ misread never joins. A ``Hello`` without the field is version 1.
 - 2: :attr:`Report.class_budgets`, the PAB of each SLO class; the daemon routes a
   request on its class's budget. A version-1 rank reports none, and routing its
   requests on the default class's budget would silently ignore their classes.
+- 3: :attr:`SloSpec.e2e_ms`, the end-to-end SLO, in ``Dispatch``. A version-2 agent
+  cannot decode a ``Dispatch`` that carries it and would drop it: the request would
+  hang at the daemon until its deadline.
 """
 
 from __future__ import annotations
@@ -48,13 +51,16 @@ from msgspec import Meta, Struct
 MAGIC: Final = b"\xfb"
 SCHEMA_VERSION: Final = 1
 HEADER: Final = MAGIC + bytes([SCHEMA_VERSION])
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 LEGACY_PROTOCOL_VERSION: Final = 1  # a Hello without ``protocol``
 UNSUPPORTED_PROTOCOL: Final = "unsupported protocol"  # Fenced.detail prefix
 MAX_SLO_CLASSES: Final = 64
 MAX_SLO_CLASS_NAME: Final = 64
 BUDGET_LIMIT: Final = float(2**31 - 1)  # reported budgets are clamped to +-this
 DEFAULT_MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+#: an e2e SLO's first-token share of ``e2e_ms`` when it states no ``ttft_ms``: the ranks'
+#: (``sglang_ext.policy.slo.E2E_TTFT_SHARE``; a test keeps the two equal)
+E2E_TTFT_SHARE: Final = 0.25
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 RankId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
@@ -99,11 +105,32 @@ class SamplingParams(Struct, frozen=True, forbid_unknown_fields=True, omit_defau
 
 
 class SloSpec(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """Either a class name (resolved by the rank's SLO catalog) or explicit targets."""
+    """A class name (resolved by the rank's SLO catalog), explicit targets, or a class
+    with targets overridden. ``e2e_ms`` (protocol version 3) makes the SLO end-to-end:
+    the last token within ``e2e_ms`` of arrival, the first within ``ttft_ms`` if given;
+    it excludes ``tpot_ms``. Contradictory targets are refused when the spec is built or
+    decoded (a ``ValueError``; in a frame, ``FrameError`` ``invalid``)."""
 
     slo_class: Annotated[str, Meta(max_length=64)] | None = msgspec.field(default=None, name="class")
     ttft_ms: Annotated[float, Meta(gt=0.0)] | None = None
     tpot_ms: Annotated[float, Meta(gt=0.0)] | None = None
+    e2e_ms: Annotated[float, Meta(gt=0.0)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.e2e_ms is None:
+            return
+        if self.tpot_ms is not None:
+            raise ValueError("give e2e_ms (an end-to-end target) or tpot_ms, not both")
+        if self.ttft_ms is not None and self.ttft_ms >= self.e2e_ms:
+            raise ValueError(f"ttft_ms {self.ttft_ms:g} must be below e2e_ms {self.e2e_ms:g}")
+
+    @property
+    def first_token_ms(self) -> float | None:
+        """The first-token target the spec itself sets: ``ttft_ms``, else an ``e2e_ms``'s
+        share (``E2E_TTFT_SHARE``, as the ranks resolve it); None: its class's."""
+        if self.ttft_ms is not None or self.e2e_ms is None:
+            return self.ttft_ms
+        return E2E_TTFT_SHARE * self.e2e_ms
 
     def as_custom_params(self) -> dict[str, object]:
         """The shape SGLang's extension and the simulator read from ``custom_params["slo"]``."""
@@ -266,8 +293,8 @@ def protocol_refusal(version: int) -> str | None:
         return None
     upgrade = "the rank agent" if version < PROTOCOL_VERSION else "the daemon"
     return (f"{UNSUPPORTED_PROTOCOL}: the rank speaks protocol version {version}, the daemon "
-            f"speaks version {PROTOCOL_VERSION} (per-SLO-class budgets in Report since 2); "
-            f"upgrade {upgrade}")
+            f"speaks version {PROTOCOL_VERSION} (per-SLO-class budgets in Report since 2, "
+            f"end-to-end SLOs in Dispatch since 3); upgrade {upgrade}")
 
 
 class Goodbye(Struct, frozen=True, tag="goodbye", forbid_unknown_fields=True):

@@ -7,9 +7,10 @@ HTTP process reads those snapshots (:mod:`sglang_ext.admission_http`) and asks
 :meth:`BudgetGate.check`:
 
 - the budget of the request's class; a request whose SLO is no class's (explicit
-  ``ttft_ms``) gets ``admission.budget_for`` over the classes' TTFTs, with the
-  largest prefill rate the initial step model allows (``1 / b``: the most
-  conservative extrapolation below the smallest class TTFT);
+  ``ttft_ms`` or ``e2e_ms``) gets ``admission.budget_for`` over the classes' TTFTs, with
+  the largest prefill rate the initial step model allows (``1 / b``: the most
+  conservative extrapolation below the smallest class TTFT). An end-to-end SLO's TTFT,
+  its class's or its own, is its envelope's first-token budget (``Slo.ttft_s``);
 - less a local debit: the prompt tokens admitted to that rank that its snapshot does
   not count yet, so a burst between two publications is not all admitted on one value.
   Each admission the gate checked is numbered (``ADMISSION_STAMP_KEY`` in the request's

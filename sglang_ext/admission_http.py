@@ -47,7 +47,7 @@ from sglang_ext.admission_gate import ADMISSION_STAMP_KEY, BudgetGate, Published
 from sglang_ext.config import ExtensionConfig
 from sglang_ext.custom_params import set_custom_param
 from sglang_ext.policy.admission import AdmissionMode
-from sglang_ext.policy.slo import SloError
+from sglang_ext.policy.slo import Slo, SloError
 
 logger = logging.getLogger("sglang_ext.fairbatching")
 
@@ -156,12 +156,12 @@ class HttpGate:
             if pending is not None and pending.decided is not None and not pending.decided.done():
                 pending.decided.set_result(True)
             return verdict
-        refusal = self._refusal(verdict, len(input_ids), slo.ttft_s)
+        refusal = self._refusal(verdict, len(input_ids), slo)
         if pending is not None:
             pending.refusal = refusal
         raise refusal
 
-    def _refusal(self, verdict: Verdict, prompt_tokens: int, ttft_s: float) -> AdmissionRefused:
+    def _refusal(self, verdict: Verdict, prompt_tokens: int, slo: Slo) -> AdmissionRefused:
         slo_class = verdict.slo_class
         self.refused[slo_class] = self.refused.get(slo_class, 0) + 1
         if self.metrics is not None:
@@ -170,13 +170,20 @@ class HttpGate:
         retry_after_s = self.gate.settings.retry_after_s
         message = (
             f"admission refused: the prompt's {prompt_tokens} tokens exceed the {budget} that "
-            f"DP rank {verdict.rank} can still prefill within the TTFT of SLO class "
-            f"{slo_class!r} ({ttft_s * 1e3:g} ms); retry after {retry_after_s:g} s"
+            f"DP rank {verdict.rank} can still prefill within the {_first_token(slo)} of "
+            f"SLO class {slo_class!r}; retry after {retry_after_s:g} s"
         )
         self.log.warning(f"refused:{slo_class}", "FairBatching admission refused a request",
                          slo_class=slo_class, prompt_tokens=prompt_tokens, budget=budget,
                          rank=verdict.rank, total=self.refused[slo_class])
         return AdmissionRefused(message, retry_after_s, slo_class, verdict.rank)
+
+
+def _first_token(slo: Slo) -> str:
+    if slo.e2e_s is None:
+        return f"TTFT ({slo.ttft_s * 1e3:g} ms)"
+    return (f"first-token budget ({slo.ttft_s * 1e3:g} ms of the {slo.e2e_s * 1e3:g} ms "
+            "end-to-end target)")
 
 
 def install_admission_gate(config: ExtensionConfig) -> bool:

@@ -23,10 +23,11 @@ and the controller's two hook points). What the hooks do:
   back with ``dispatch_seq_of``).
 - The request's class is its ``custom_params["slo"]``, as the control-plane daemon
   reads a ``Submit``'s SLO (``controlplane.balancer.routing_class``): the class it
-  names; with an explicit ``ttft_ms``, the class of the config's catalog with the
-  largest TTFT not above it (below every class, the smallest); neither, or an SLO the
-  catalog refuses: the default class's PAB (``fairbatching_pab_tokens``). So is a rank
-  that publishes no budget for the class.
+  names; with an explicit ``ttft_ms`` or ``e2e_ms``, the class of the config's catalog
+  with the largest TTFT not above the request's first-token budget (``e2e_ms`` without
+  ``ttft_ms``: its share of ``e2e_ms``; below every class, the smallest); neither, or
+  an SLO the catalog refuses: the default class's PAB (``fairbatching_pab_tokens``). So
+  is a rank that publishes no budget for the class.
 - A rank that has not reported yet (start-up timed out, or an elastic rank that just
   joined) makes that request go round robin, with one warning per rank.
 - Requests pinned with ``routed_dp_rank`` go where they are pinned, undebited and
@@ -107,14 +108,15 @@ def request_class(catalog: SloCatalog | None, req: Any) -> str | None:
     custom_params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     try:
         spec = slo_spec_of(custom_params)
-        catalog.resolve(spec)
+        slo = catalog.resolve(spec)
     except SloError:
         return None  # the front door refuses it; routing is no place to fail it
     if not spec:
         return None
-    ttft_ms = spec.get("ttft_ms")
-    ttfts = {name: slo.ttft_s for name, slo in catalog.classes.items()}
-    return routing_class(ttfts, spec.get("class"), None if ttft_ms is None else ttft_ms / 1e3)
+    # an explicit ttft_ms or e2e_ms sets the first-token budget (e2e_ms alone: its share)
+    explicit = "ttft_ms" in spec or "e2e_ms" in spec
+    ttfts = {name: class_slo.ttft_s for name, class_slo in catalog.classes.items()}
+    return routing_class(ttfts, spec.get("class"), slo.ttft_s if explicit else None)
 
 
 def prompt_tokens_of(req: Any) -> int:

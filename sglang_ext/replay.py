@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_ext.policy.slo import SloCatalog, SloError
+from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 from sglang_ext.sim.metrics import RequestRecord, summarize
 from sglang_ext.sim.workloads import Workload, WorkloadError, bundled_sample, load_workload
 
@@ -102,8 +102,8 @@ async def replay(
             if delay > 0:
                 await asyncio.sleep(delay)
             record = RequestRecord(
-                request.rid, time.perf_counter() - origin, catalog.classes[request.slo_class],
-                request.prompt_tokens, request.output_tokens,
+                request.rid, time.perf_counter() - origin, _server_slo(catalog, request),
+                request.prompt_tokens, request.output_tokens, request.slo_class,
             )
             records.append(record)
             arrivals = None
@@ -113,6 +113,12 @@ async def replay(
                 _one(session, url, request, record, origin, max_prompt_tokens, arrivals)))
         await asyncio.gather(*tasks)
     return records
+
+
+def _server_slo(catalog: SloCatalog, request: ReplayRequest) -> Slo:
+    """The request's SLO as the server holds it: an end-to-end class's envelope is paced
+    for the request's ``max_new_tokens`` (here its trace output length)."""
+    return catalog.classes[request.slo_class].with_expected_output(request.output_tokens)
 
 
 async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRecord,
@@ -214,9 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration = time.perf_counter() - started
     summary = summarize(records, args.rate, duration)
     summary["per_class"] = {
-        name: summarize([r for r in records if r.slo == catalog.classes[name]], args.rate, duration)
+        name: summarize([r for r in records if r.slo_class == name], args.rate, duration)
         for name, _ in mix
-        if any(r.slo == catalog.classes[name] for r in records)
+        if any(r.slo_class == name for r in records)
     }
     if token_times is not None:
         write_token_times(Path(args.token_times), requests, token_times)

@@ -36,7 +36,7 @@ class LiveRequestView:
                  dispatch_seq: int | None, prompt_tokens: int) -> None:
         self.req_id = req_id
         self.arrival = arrival  # ingress_time.arrival_time: the HTTP process's receive time
-        self.slo = slo
+        self.slo = slo  # an e2e SLO: its envelope paced for max_new_tokens (paced_for_output)
         self.arrival_seq = arrival_seq
         self.dispatch_seq = dispatch_seq  # stamped by the DP controller's pab method
         self.prompt_tokens = prompt_tokens
@@ -74,6 +74,7 @@ class RequestRecords:
             # reached the scheduler another way falls back rather than crash it.
             logger.warning("request %s: %s; using the default SLO class", req.rid, exc)
             slo = self.catalog.default
+        slo = paced_for_output(slo, req.sampling_params)
         dispatch_seq = dispatch_seq_of(req)
         if dispatch_seq is not None:
             self.highest_dispatch_seq = max(self.highest_dispatch_seq, dispatch_seq)
@@ -122,6 +123,18 @@ class RequestRecords:
         view.context = cached
         view.first_token_time = req.time_stats.prefill_finished_time or None
         return view
+
+
+def paced_for_output(slo: Slo, sampling_params: Any) -> Slo:
+    """An end-to-end SLO's envelope paced for the request's ``max_new_tokens``: the only
+    bound on its output the server knows at arrival. By the time a request is queued,
+    SGLang's scheduler has set it (``Scheduler.init_req_max_new_tokens``: the client's
+    value, else up to the context, cut to ``SGLANG_MAX_NEW_TOKENS_LIMIT`` and to what KV
+    memory holds). Not an integer (never, past that point): the nominal envelope."""
+    max_new_tokens = getattr(sampling_params, "max_new_tokens", None)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        return slo
+    return slo.with_expected_output(max_new_tokens)
 
 
 def must_decode(req: Any) -> bool:

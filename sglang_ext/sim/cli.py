@@ -14,7 +14,7 @@ from pathlib import Path
 from controlplane.balancer import BALANCERS
 from sglang_ext.policy.admission import AdmissionSettings
 from sglang_ext.policy.policies import POLICIES
-from sglang_ext.policy.slo import Slo, SloCatalog, SloError
+from sglang_ext.policy.slo import SloCatalog, SloError
 from sglang_ext.policy.step_model import STEP_FORMS, StepModelError, StepModelFile
 from sglang_ext.sim.calibration import offline_step_model, profile_steps
 from sglang_ext.sim.disagg import (
@@ -223,8 +223,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help=f"GPU profile: a bundled name ({', '.join(available_profiles())}) or a TOML path",
     )
     system.add_argument("--slo-config", type=Path, default=DEFAULT_SLO_CONFIG, help="SLO classes TOML")
-    system.add_argument("--ttft-ms", type=_positive_float, help="override the default class's TTFT")
-    system.add_argument("--tpot-ms", type=_positive_float, help="override the default class's TPOT")
+    system.add_argument(
+        "--ttft-ms", type=_positive_float,
+        help="override the default class's TTFT (an end-to-end class's: its first-token budget)",
+    )
+    system.add_argument("--tpot-ms", type=_positive_float,
+                        help="override the default class's TPOT (a TTFT+TPOT class)")
+    system.add_argument("--e2e-ms", type=_positive_float,
+                        help="override the default class's end-to-end target (an e2e class)")
     system.add_argument(
         "--max-token-budget", type=int, default=8192, help="FairBatching's MAX_TOKEN_BUDGET"
     )
@@ -348,13 +354,29 @@ def _load_profile(name: str) -> HardwareProfile:
 
 
 def _catalog(args: argparse.Namespace) -> SloCatalog:
+    """The SLO file's catalog, its default class's targets overridden by ``--ttft-ms``,
+    ``--tpot-ms`` (a TTFT+TPOT class) or ``--e2e-ms`` (an end-to-end class); an override
+    never changes the class's kind."""
     catalog = SloCatalog.from_toml(args.slo_config)
-    if args.ttft_ms is None and args.tpot_ms is None:
+    overrides = {key: value for key, value in (
+        ("ttft_ms", args.ttft_ms), ("tpot_ms", args.tpot_ms), ("e2e_ms", args.e2e_ms),
+    ) if value is not None}
+    if not overrides:
         return catalog
-    base = catalog.default
-    overridden = Slo.from_ms(args.ttft_ms or base.ttft_s * 1e3, args.tpot_ms or base.tpot_s * 1e3)
-    classes = dict(catalog.classes, **{catalog.default_class: overridden})
-    return SloCatalog(catalog.default_class, classes)
+    name = catalog.default_class
+    end_to_end = catalog.default.is_end_to_end
+    foreign = "tpot_ms" if end_to_end else "e2e_ms"
+    if foreign in overrides:
+        kind, fits = ("end-to-end", "--e2e-ms") if end_to_end else ("TTFT+TPOT", "--tpot-ms")
+        raise CliError(
+            f"--{foreign.replace('_', '-')}: the default class {name!r} of {args.slo_config} "
+            f"is {kind}; override its targets with --ttft-ms and {fits}"
+        )
+    try:
+        overridden = catalog.resolve({"class": name, **overrides})
+    except SloError as exc:
+        raise CliError(f"SLO override of the default class {name!r}: {exc}") from None
+    return SloCatalog(name, dict(catalog.classes, **{name: overridden}))
 
 
 def _workload(args: argparse.Namespace, catalog: SloCatalog) -> Workload:
@@ -428,7 +450,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     rate = args.rate or scenario.workload.mean_rate
     result = simulate(scenario, spec, rate)
     plan = SweepPlan((spec.label,), (spec,))
-    # the same schema-1 document as a one-policy, one-rate sweep (scenario and rates included)
+    # the same results.json document as a one-policy, one-rate sweep (scenario and rates included)
     document, _ = assemble(scenario, plan, (rate,), rate, [result])
     print(summary_table(document, plan.requested))
     if POLICIES.get(spec.base).disaggregated:

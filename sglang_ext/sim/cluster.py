@@ -44,7 +44,7 @@ from controlplane.ledger import DispatchLedger
 from sglang_ext.policy.slo import Slo
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.metrics import LatencySamples, RequestRecord, latency_samples, summarize
-from sglang_ext.sim.runner import PolicySpec, Scenario, build_policy
+from sglang_ext.sim.runner import PolicySpec, Scenario, build_policy, request_slo
 from sglang_ext.sim.workloads import TraceRequest
 
 _DAEMON_DEFAULTS = DaemonConfig()
@@ -107,6 +107,7 @@ class _Queued:
     index: int
     request: TraceRequest
     slo: Slo
+    slo_class: str  # the request's class, else the catalog's default class
 
 
 class _Rank:
@@ -198,7 +199,6 @@ class ClusterSimulation:
         requests = workload.requests
         self.last_arrival_s = requests[-1].arrival_s
         self._deadline = self.last_arrival_s + scenario.drain_s
-        resolve = scenario.catalog.resolve
         for rank in self.ranks:
             self._apply_report(rank.report())
         next_arrival = 0
@@ -216,8 +216,8 @@ class ClusterSimulation:
                 self._drain_queue(time_s)
             else:
                 request = requests[next_arrival]
-                slo = resolve({"class": request.slo_class} if request.slo_class else None)
-                self._arrive(time_s, _Queued(next_arrival, request, slo))
+                slo, slo_class = request_slo(scenario.catalog, request.slo_class)
+                self._arrive(time_s, _Queued(next_arrival, request, slo, slo_class))
                 next_arrival += 1
                 if next_arrival < len(requests):
                     self._push(requests[next_arrival].arrival_s, _ARRIVAL, None)
@@ -297,7 +297,7 @@ class ClusterSimulation:
             engine.advance_to(now)
         engine.submit(
             queued.index, request.arrival_s, request.prompt_tokens, request.output_tokens,
-            queued.slo,
+            queued.slo, queued.slo_class,
         )
         rank.ingested_seq = seq
         if engine.has_work:
@@ -309,7 +309,7 @@ class ClusterSimulation:
         request = queued.request
         record = RequestRecord(
             queued.index, request.arrival_s, queued.slo, request.prompt_tokens,
-            request.output_tokens, rejected=True,
+            request.output_tokens, queued.slo_class, rejected=True,
         )
         self.rejected_by_dispatcher[queued.index] = record
         self.counters[reason] += 1

@@ -19,6 +19,11 @@ instance of the policy (a :class:`~sglang_ext.sim.kairos.DisaggregatedPolicy`).
 - **Decode.** A decode rank steps whenever it holds requests: the policy picks the
   decodes, each emits its next token at the step's end. A request the decode side can
   never hold (prompt + output - 1 over a decode rank's capacity) is rejected on arrival.
+- **Output lengths** are learnt per task as a colocated engine learns them (the
+  request's SLO class, else its SLO; ``sglang_ext.policy.output_length``), from the
+  requests finished by then in virtual time. An end-to-end SLO's envelope is paced for
+  the estimate when the request's prefill ends (its first token's deadline does not
+  depend on it); the record keeps that envelope, the decode policy sees it.
 
 NOTE: the prefill rank frees a request's KV when its prefill ends (the transfer reads a
 staged copy), so a full decode side never blocks prefills; requests wait in the transfer
@@ -33,6 +38,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from sglang_ext.policy.output_length import OutputLengthModel
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.sim.engine import SimEngine, TokenEvent
@@ -44,7 +50,8 @@ from sglang_ext.sim.service_curve import make_gpu
 DEFAULT_LINK_GBPS = 400.0  # a 400 Gb/s-class NIC per GPU (InfiniBand NDR, 400GbE)
 DEFAULT_SPLIT = (1, 1)
 
-_STEP_END, _READY, _ARRIVE = 0, 1, 2  # tie order at equal times: freed memory first
+# tie order at equal times: freed memory first, finished output lengths before arrivals
+_STEP_END, _FINISHED, _READY, _ARRIVE = 0, 1, 2, 3
 
 
 class DisaggConfigError(ValueError):
@@ -187,6 +194,12 @@ class Arrival:
     prompt_tokens: int
     output_tokens: int
     slo: Slo
+    slo_class: str | None = None  # the request's class: per-class metrics, its task
+
+    @property
+    def task(self) -> Hashable:
+        """What its output length is learnt per (as ``SimEngine.submit`` keys it)."""
+        return self.slo if self.slo_class is None else self.slo_class
 
 
 @dataclass(frozen=True)
@@ -225,25 +238,28 @@ def run_disaggregated(
         policy.use_decode_table(table)
         ranks.append(DecodeRank(j, profile, policy, seed + config.prefill_ranks + j))
     records: dict[Hashable, RequestRecord] = {}
+    tasks: dict[Hashable, Hashable] = {}
     source: dict[Hashable, int] = {}
     for arrival in arrivals:
         for engine in engines:
             engine.advance_to(arrival.arrival_s)
         record = RequestRecord(arrival.req_id, arrival.arrival_s, arrival.slo,
-                               arrival.prompt_tokens, arrival.output_tokens)
+                               arrival.prompt_tokens, arrival.output_tokens, arrival.slo_class)
         records[arrival.req_id] = record
+        tasks[arrival.req_id] = arrival.task
         if arrival.prompt_tokens + arrival.output_tokens - 1 > ranks[0].capacity:
             record.rejected = True
             continue
         index = min(range(len(engines)), key=lambda i: (_pending(engines[i]), i))
         source[arrival.req_id] = index
         if not engines[index].submit(arrival.req_id, arrival.arrival_s, arrival.prompt_tokens,
-                                     1, arrival.slo):
+                                     1, arrival.slo, arrival.slo_class):
             record.rejected = True
     last = arrivals[-1].arrival_s if arrivals else 0.0
     deadline = last + drain_s
     tokens: list[TokenEvent] = []
     ready: list[tuple[float, Hashable]] = []
+    finished_at_prefill: list[tuple[float, Hashable]] = []
     for engine in engines:
         engine.run_until_idle(deadline)
         for event in engine.drain_tokens():
@@ -252,14 +268,14 @@ def run_disaggregated(
             record.on_token(0, event.time_s)
             if record_tokens:
                 tokens.append(TokenEvent(event.req_id, 0, event.time_s, record.finished))
-            if not record.finished:
-                ready.append((event.time_s, event.req_id))
+            pending = finished_at_prefill if record.finished else ready
+            pending.append((event.time_s, event.req_id))
         for req_id, prefill_record in engine.records.items():
             if prefill_record.aborted:
                 records[req_id].aborted = True
-    decode = _DecodeSide(records, ranks, source, profile.model.kv_bytes_per_token, config,
+    decode = _DecodeSide(records, tasks, ranks, source, profile.model.kv_bytes_per_token, config,
                          tokens if record_tokens else None, check_invariants)
-    end = decode.run(sorted(ready, key=lambda pair: pair[0]), deadline)
+    end = decode.run(sorted(ready, key=lambda pair: pair[0]), finished_at_prefill, deadline)
     tokens.sort(key=lambda event: event.time_s)
     duration = max(last, end, *(engine.now for engine in engines))
     return DisaggRun(records, tuple(engines), tuple(ranks), tuple(decode.transfers),
@@ -280,10 +296,13 @@ def _copy_prefill(prefill: RequestRecord, record: RequestRecord) -> None:
 class _DecodeSide:
     """The transfer queue, the links and the decode ranks, as one event loop."""
 
-    def __init__(self, records: dict[Hashable, RequestRecord], ranks: list[DecodeRank],
-                 source: dict[Hashable, int], kv_bytes_per_token: float, config: DisaggConfig,
+    def __init__(self, records: dict[Hashable, RequestRecord], tasks: dict[Hashable, Hashable],
+                 ranks: list[DecodeRank], source: dict[Hashable, int],
+                 kv_bytes_per_token: float, config: DisaggConfig,
                  tokens: list[TokenEvent] | None, check: bool) -> None:
         self.records = records
+        self.tasks = tasks
+        self.output_lengths = OutputLengthModel()
         self.ranks = ranks
         self.source = source
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -301,18 +320,26 @@ class _DecodeSide:
         heapq.heappush(self.events, (time_s, kind, self.order, payload))
         self.order += 1
 
-    def run(self, ready: list[tuple[float, Hashable]], deadline: float) -> float:
-        """Returns the time of the last event handled."""
+    def run(self, ready: list[tuple[float, Hashable]],
+            finished_at_prefill: list[tuple[float, Hashable]], deadline: float) -> float:
+        """``ready``: requests whose prefill ended with tokens left to decode;
+        ``finished_at_prefill``: one-token requests (their lengths are learnt then).
+        Returns the time of the last event handled."""
         for seq, (time_s, req_id) in enumerate(ready):
-            self._push(time_s, _READY, DecodeRequest(self.records[req_id], seq))
+            self._push(time_s, _READY, (seq, req_id))
+        for time_s, req_id in finished_at_prefill:
+            self._push(time_s, _FINISHED, req_id)
         now = 0.0
         while self.events:
             time_s, kind, _, payload = heapq.heappop(self.events)
+            if kind == _FINISHED:
+                self._observe(self.records[payload])
+                continue
             if kind != _STEP_END and time_s >= deadline:
                 continue
             now = time_s
             if kind == _READY:
-                self.waiting.append((now, payload))
+                self.waiting.append((now, self._decode_request(*payload)))
             elif kind == _ARRIVE:
                 rank, request = payload
                 rank.active.append(request)
@@ -324,6 +351,17 @@ class _DecodeSide:
                     if not rank.running and rank.active:
                         self._push(rank.start_step(now), _STEP_END, rank)
         return now
+
+    def _decode_request(self, seq: int, req_id: Hashable) -> DecodeRequest:
+        """The request as its decode rank holds it, its envelope paced for its task's
+        output length as learnt by now."""
+        record = self.records[req_id]
+        estimate = self.output_lengths.estimate(self.tasks[req_id])
+        record.slo = record.slo.with_expected_output(estimate.expected_tokens)
+        return DecodeRequest(record, seq)
+
+    def _observe(self, record: RequestRecord) -> None:
+        self.output_lengths.observe(self.tasks[record.req_id], record.tokens_emitted)
 
     def _admit(self, now: float) -> None:
         while self.waiting:
@@ -353,5 +391,6 @@ class _DecodeSide:
                                               now, record.finished))
             if record.finished:
                 rank.release(request)
+                self._observe(record)
         if self.check:
             rank.check_integrity()

@@ -5,16 +5,26 @@ Definitions (FairBatching §5.1):
 - TPOT (the SLO metric) = max over tokens j >= 1 of ``(t_j - t_0) / j``: the worst
   average rate the user saw at any point after the first token.
 - mean TPOT = ``(t_last - t_0) / (n - 1)``; TBT = gaps between consecutive tokens.
-- SLO met = TTFT <= target and max TPOT <= target. A rejected or unfinished request
-  is violated. Envelope met = every token j before ``arrival + ttft + tpot * j``.
+- e2e latency = last token time - arrival (finished requests).
+- SLO met, by the request's SLO kind (``sglang_ext.policy.slo``): TTFT+TPOT, TTFT <=
+  target and max TPOT <= target; end-to-end, e2e latency <= target (its TTFT and TPOT
+  are those of a derived envelope, not targets, and are not required). A rejected,
+  aborted or unfinished request is violated. Envelope met = every token j before
+  ``arrival + ttft + tpot * j`` (an e2e request's: its derived envelope's).
 - effective RPS = offered RPS x attainment.
+- TTFT and TPOT attainment count TTFT+TPOT requests only (an e2e request has no TTFT
+  or TPOT target): met / TTFT+TPOT requests, ``None`` when there are none. Attainment
+  and envelope attainment count every request. Latency percentiles (TTFT, TPOT, e2e)
+  are measurements and include every request that qualifies, whatever its kind.
+- ``by_slo_class``: the same per SLO class (``RequestRecord.slo_class``; a record
+  without one is grouped under ``UNCLASSED``).
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,9 +99,15 @@ class RequestRecord:
         return self.mean_tpot_s
 
     @property
+    def e2e_s(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s - self.arrival
+
+    @property
     def slo_met(self) -> bool:
         if self.rejected or self.aborted or not self.finished:
             return False
+        if self.slo.is_end_to_end:
+            return self.e2e_s <= self.slo.e2e_s
         return self.ttft_s <= self.slo.ttft_s and self.max_tpot_s <= self.slo.tpot_s
 
 
@@ -110,6 +126,11 @@ class LatencySamples:
 
     ttft_ms: tuple[float, ...]
     tpot_ms: tuple[float, ...]
+    e2e_ms: tuple[float, ...] = ()
+
+
+UNCLASSED = "(no class)"  # by_slo_class's group for records without an SLO class
+TTFT_TPOT, END_TO_END, MIXED = "ttft+tpot", "e2e", "mixed"  # by_slo_class's kinds
 
 
 def summarize(records: Iterable[RequestRecord], offered_rate: float, duration_s: float) -> dict:
@@ -122,8 +143,6 @@ def summarize(records: Iterable[RequestRecord], offered_rate: float, duration_s:
     finished = [r for r in served if r.finished]
     met = sum(r.slo_met for r in records)
     envelope = sum(r.envelope_met and r.finished and not r.rejected for r in records)
-    ttfts = [r.ttft_s for r in served if r.ttft_s is not None]
-    tpots = [r.max_tpot_s for r in finished if r.tokens_emitted >= 2]
     mean_tpots = [r.mean_tpot_s for r in finished if r.tokens_emitted >= 2]
     max_tbts = [r.max_tbt_s for r in finished if r.tokens_emitted >= 2]
     attainment = met / total
@@ -134,25 +153,78 @@ def summarize(records: Iterable[RequestRecord], offered_rate: float, duration_s:
         "attainment": attainment,
         "effective_rps": offered_rate * attainment,
         "envelope_attainment": envelope / total,
-        "ttft_attainment": sum(map(_ttft_met, records)) / total,
-        "tpot_attainment": sum(r.max_tpot_s <= r.slo.tpot_s for r in finished) / total,
+        "ttft_attainment": ttft_attainment(records),
+        "tpot_attainment": _share(_tpot_met, _ttft_tpot(records)),
         "rejected": sum(r.rejected for r in records),
         "aborted": sum(r.aborted for r in records),
         "unfinished": len(served) - len(finished),
         "preemptions": sum(r.preemptions for r in records),
         "recomputed_tokens": sum(r.recomputed_tokens for r in records),
         "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else math.nan,
-        "ttft_ms": percentiles_ms(ttfts),
-        "tpot_ms": percentiles_ms(tpots),
+        "ttft_ms": percentiles_ms(_ttfts(served)),
+        "tpot_ms": percentiles_ms(_max_tpots(finished)),
         "mean_tpot_ms": percentiles_ms(mean_tpots),
         "max_tbt_ms": percentiles_ms(max_tbts),
+        "e2e_ms": percentiles_ms([r.e2e_s for r in finished]),
         "by_prompt_tokens": attainment_by_prompt_tokens(records),
+        "by_slo_class": attainment_by_slo_class(records),
     }
+
+
+def _ttfts(served: Iterable[RequestRecord]) -> list[float]:
+    return [r.ttft_s for r in served if r.ttft_s is not None]
+
+
+def _max_tpots(finished: Iterable[RequestRecord]) -> list[float]:
+    return [r.max_tpot_s for r in finished if r.tokens_emitted >= 2]
+
+
+def _ttft_tpot(records: Iterable[RequestRecord]) -> list[RequestRecord]:
+    return [r for r in records if not r.slo.is_end_to_end]
+
+
+def _share(predicate: Callable[[RequestRecord], bool],
+           records: Sequence[RequestRecord]) -> float | None:
+    return sum(map(predicate, records)) / len(records) if records else None
 
 
 def _ttft_met(record: RequestRecord) -> bool:
     return (not record.rejected and not record.aborted and record.ttft_s is not None
             and record.ttft_s <= record.slo.ttft_s)
+
+
+def _tpot_met(record: RequestRecord) -> bool:
+    return (not record.rejected and not record.aborted and record.finished
+            and record.max_tpot_s <= record.slo.tpot_s)
+
+
+def ttft_attainment(records: Iterable[RequestRecord]) -> float | None:
+    """TTFT met over the TTFT+TPOT requests; ``None`` when there are none."""
+    return _share(_ttft_met, _ttft_tpot(records))
+
+
+def attainment_by_slo_class(records: Iterable[RequestRecord]) -> dict[str, dict]:
+    """Per SLO class, by name (``UNCLASSED`` for records without one): its kind (``"ttft+tpot"``,
+    ``"e2e"``, ``"mixed"`` for an unclassed group of both), requests, attainment and the
+    TTFT, TPOT and e2e latency percentiles."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        groups.setdefault(record.slo_class or UNCLASSED, []).append(record)
+    return {name: _class_summary(groups[name]) for name in sorted(groups)}
+
+
+def _class_summary(members: list[RequestRecord]) -> dict:
+    kinds = {END_TO_END if r.slo.is_end_to_end else TTFT_TPOT for r in members}
+    served = [r for r in members if not r.rejected and not r.aborted]
+    finished = [r for r in served if r.finished]
+    return {
+        "kind": kinds.pop() if len(kinds) == 1 else MIXED,
+        "requests": len(members),
+        "attainment": sum(r.slo_met for r in members) / len(members),
+        "ttft_ms": percentiles_ms(_ttfts(served)),
+        "tpot_ms": percentiles_ms(_max_tpots(finished)),
+        "e2e_ms": percentiles_ms([r.e2e_s for r in finished]),
+    }
 
 
 PROMPT_TOKEN_EDGES = (512, 1024, 2048, 4096)
@@ -172,7 +244,7 @@ def attainment_by_prompt_tokens(
         label: {
             "requests": len(members),
             "attainment": sum(r.slo_met for r in members) / len(members),
-            "ttft_attainment": sum(map(_ttft_met, members)) / len(members),
+            "ttft_attainment": ttft_attainment(members),
         }
         for label, members in buckets.items()
         if members
@@ -184,4 +256,5 @@ def latency_samples(records: Iterable[RequestRecord]) -> LatencySamples:
     return LatencySamples(
         tuple(r.ttft_s * 1e3 for r in records),
         tuple(r.max_tpot_s * 1e3 for r in records if r.finished and r.tokens_emitted >= 2),
+        tuple(r.e2e_s * 1e3 for r in records if r.finished),
     )

@@ -163,7 +163,9 @@ class SimRank:
         now = self.virtual_now()
         if not self.engine.has_work:
             self.engine.advance_to(now)  # an idle engine's clock jumps to the present
-        if not self.engine.submit(engine_id, min(now, self.engine.now), prompt, output, slo):
+        slo_class = (dispatch.slo and dispatch.slo.slo_class) or self.catalog.default_class
+        if not self.engine.submit(engine_id, min(now, self.engine.now), prompt, output, slo,
+                                  slo_class):
             del self.engine.records[engine_id]
             raise NoBudget(f"rank refused admission: a prompt of {prompt} tokens exceeds its "
                            "admission budget for the request's SLO")

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 import sglang_ext.sim.baselines  # noqa: F401  registers the baselines
 import sglang_ext.sim.kairos  # noqa: F401  registers Kairos and its baseline (disaggregated)
+import sglang_ext.sim.slo_anneal  # noqa: F401  registers slo-anneal (SLO-aware annealing)
 import sglang_ext.sim.study_policies  # noqa: F401  registers the batching study's policies
 from sglang_ext.policy.admission import AdmissionError, AdmissionSettings, GiveUp
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.registry import UnknownNameError
-from sglang_ext.policy.slo import SloCatalog
+from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.policy.step_model import StepModelFile
 from sglang_ext.policy.variants import FairBatchingWithMargin  # also registers the variants
 from sglang_ext.sim.calibration import offline_step_model
@@ -174,16 +175,22 @@ def build_policy(scenario: Scenario, spec: PolicySpec, **context_overrides) -> B
         raise PolicySpecError(f"{spec.label}: {exc}") from None
 
 
+def request_slo(catalog: SloCatalog, slo_class: str | None) -> tuple[Slo, str]:
+    """A workload request's SLO and its effective class: its own, else the default class."""
+    slo = catalog.resolve({"class": slo_class} if slo_class else None)
+    return slo, slo_class or catalog.default_class
+
+
 def replay(scenario: Scenario, policy: BatchPolicy, rate: float) -> tuple[SimEngine, float]:
     """Run the scenario's workload at ``rate`` through ``policy``; request ids are the
     workload's indices. Returns the engine and the run's duration."""
     workload = scenario.workload.with_arrivals(scenario.arrivals, rate, scenario.seed)
     engine = SimEngine(scenario.profile, policy, seed=scenario.seed)
-    resolve = scenario.catalog.resolve
     for index, request in enumerate(workload.requests):
         engine.advance_to(request.arrival_s)
-        slo = resolve({"class": request.slo_class} if request.slo_class else None)
-        engine.submit(index, request.arrival_s, request.prompt_tokens, request.output_tokens, slo)
+        slo, slo_class = request_slo(scenario.catalog, request.slo_class)
+        engine.submit(index, request.arrival_s, request.prompt_tokens, request.output_tokens, slo,
+                      slo_class)
     last_arrival = workload.requests[-1].arrival_s
     engine.run_until_idle(last_arrival + scenario.drain_s)
     return engine, max(engine.now, last_arrival)
@@ -217,10 +224,9 @@ def simulate_disaggregated(
     and the transfer figures to a colocated run's."""
     config = scenario.disagg
     workload = scenario.workload.with_arrivals(scenario.arrivals, rate, scenario.seed)
-    resolve = scenario.catalog.resolve
     arrivals = [
         Arrival(index, r.arrival_s, r.prompt_tokens, r.output_tokens,
-                resolve({"class": r.slo_class} if r.slo_class else None))
+                *request_slo(scenario.catalog, r.slo_class))
         for index, r in enumerate(workload.requests)
     ]
     run = run_disaggregated(arrivals, scenario.profile, lambda: build_policy(scenario, spec),

@@ -1,4 +1,4 @@
-"""Policies x offered loads, in parallel, into ``results.json`` (schema version 1).
+"""Policies x offered loads, in parallel, into ``results.json`` (schema version 2).
 
 A policy with tunables named without them (``sarathi``, ``fb-fb``,
 ``sarathi-queue-cap``, ``sarathi-queue-timeout``, the batching study's ``fixed-batch``,
@@ -6,17 +6,26 @@ A policy with tunables named without them (``sarathi``, ``fb-fb``,
 ``sglang_ext.sim.tuning``: every setting it tries is reported as its own
 ``NAME@...`` entry, and ``NAME`` holds the best one (``best_of`` says which,
 ``tuning`` lists every setting tried and any axis whose best is at a bound).
+
+Schema version 2 added, for end-to-end SLOs (``sglang_ext.policy.slo``): each load's
+``e2e_ms`` percentiles and ``by_slo_class`` (per SLO class: kind, requests, attainment,
+TTFT, TPOT and e2e percentiles); the scenario's ``slo`` records its default class by
+kind (``ttft_ms`` + ``tpot_ms``, or ``e2e_ms`` + ``ttft_ms``, the first-token budget)
+and every class the same way under ``classes``. A load's ``ttft_attainment`` and
+``tpot_attainment`` count TTFT+TPOT requests only (``null`` when there are none); for
+a run without an e2e request every version-1 field keeps its value.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_ext.policy.slo import SloCatalog
 from sglang_ext.sim.metrics import LatencySamples
 from sglang_ext.sim.runner import (
     PolicySpec,
@@ -28,7 +37,7 @@ from sglang_ext.sim.runner import (
 )
 from sglang_ext.sim.tuning import Search, TuningResult, tune
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_POLICIES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
     "fb-fb", "fb-tb", "fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab",
@@ -180,7 +189,6 @@ def assemble(
         )
         if best in samples:
             samples[name] = samples[best]
-    slo = scenario.catalog.default
     document = {
         "schema_version": SCHEMA_VERSION,
         "scenario": {
@@ -194,11 +202,7 @@ def assemble(
                            else scenario.step_form),
             "drain_s": scenario.drain_s,
             "max_token_budget": scenario.max_token_budget,
-            "slo": {
-                "default_class": scenario.catalog.default_class,
-                "ttft_ms": slo.ttft_s * 1e3,
-                "tpot_ms": slo.tpot_s * 1e3,
-            },
+            "slo": slo_entry(scenario.catalog),
         },
         "rates": list(rates),
         "cdf_rate": cdf_rate,
@@ -206,6 +210,15 @@ def assemble(
         "policies": policies,
     }
     return document, samples
+
+
+def slo_entry(catalog: SloCatalog) -> dict:
+    """The scenario's ``slo``: the default class's name and targets, and every class's."""
+    return {
+        "default_class": catalog.default_class,
+        **catalog.default.as_spec(),
+        "classes": {name: slo.as_spec() for name, slo in catalog.classes.items()},
+    }
 
 
 def write_results(document: dict, out_dir: Path) -> Path:
@@ -257,28 +270,33 @@ def ratio_text(entry: dict, base: dict) -> str:
 
 def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
     """A fixed-width table: peak effective RPS per policy, the ratio to the best baseline,
-    latencies at the CDF load."""
+    latencies at the CDF load; with several SLO classes, each class's attainment there."""
     cdf_rate = document["cdf_rate"]
     policies = document["policies"]
     names = list(names or document["requested"])
     width = max(22, *(len(display_label(n, policies[n])) + 2 for n in names))
     base = best_baseline(policies)
     top = max(document["rates"])
+    at_cdf = {name: next((load for load in policies[name]["loads"] if load["rate"] == cdf_rate),
+                         None) for name in names}
+    classes = _classes_at(at_cdf.values())
     header = (
         f"{'policy':<{width}}{'peak eff RPS':>13}{'@ rate':>8}{'vs best':>10}"
         f"{f'eff @ {top:g}':>12}  |  "
         f"{f'at {cdf_rate:g} req/s:':<16}"
         f"{'attain':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
+        + "".join(f"{name:>{_class_width(name)}}" for name in classes)
     )
     lines = [header, "-" * len(header)]
     for name in names:
         entry = policies[name]
-        at = next((load for load in entry["loads"] if load["rate"] == cdf_rate), None)
+        at = at_cdf[name]
         cells = ""
         if at is not None:
             cells = (
                 f"{at['attainment']:>8.3f}{_ms(at['ttft_ms']['p50']):>10}{_ms(at['ttft_ms']['p99']):>8}"
                 f"{_ms(at['tpot_ms']['p50']):>10}{_ms(at['tpot_ms']['p99']):>8}"
+                + "".join(_class_cell(at, slo_class) for slo_class in classes)
             )
         versus = ratio_text(entry, base[1]) if base else "-"
         at_top = next((load for load in entry["loads"] if load["rate"] == top), None)
@@ -295,7 +313,36 @@ def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
             "plateau instead of collapsing, so compare them at the highest load: the eff @ "
             "column). [edge: X]: the tuned best sits at a bound of axis X."
         )
+    if classes:
+        lines.append(
+            f"\n{', '.join(classes)}: the SLO attainment of each class's requests at "
+            f"{cdf_rate:g} req/s ({_kinds_text(at_cdf.values(), classes)})."
+        )
     return "\n".join(lines)
+
+
+def _classes_at(loads: Iterable[dict | None]) -> list[str]:
+    """The SLO classes of ``loads`` (by name) when there are several, else none."""
+    names = {name for load in loads if load for name in load.get("by_slo_class", {})}
+    return sorted(names) if len(names) > 1 else []
+
+
+def _class_width(name: str) -> int:
+    return max(8, len(name) + 2)
+
+
+def _class_cell(load: dict, slo_class: str) -> str:
+    group = load.get("by_slo_class", {}).get(slo_class)
+    text = "-" if group is None else f"{group['attainment']:.3f}"
+    return f"{text:>{_class_width(slo_class)}}"
+
+
+def _kinds_text(loads: Iterable[dict | None], classes: Sequence[str]) -> str:
+    kinds = {}
+    for load in loads:
+        for name, group in (load or {}).get("by_slo_class", {}).items():
+            kinds.setdefault(name, group["kind"])
+    return ", ".join(f"{name}: {kinds[name]}" for name in classes)
 
 
 def _ms(value: float | None) -> str:

@@ -19,8 +19,8 @@ from controlplane.config import DaemonConfig
 from controlplane.protocol import (
     PROTOCOL_VERSION,
     Cancel, Chunk, Dispatch, Dispatched, Done, Fenced, Finish, FinishReason, Heartbeat, Hello,
-    Output, Ping, Pong, Reject, RejectReason, Report, SamplingParams, StatusReply, StatusRequest,
-    Submit, Welcome, client_request_channel, daemon_to_agent_channel, encode,
+    Output, Ping, Pong, Reject, RejectReason, Report, SamplingParams, SloSpec, StatusReply,
+    StatusRequest, Submit, Welcome, client_request_channel, daemon_to_agent_channel, encode,
 )
 
 from live import ThreadDaemon, free_ports, loopback_config, start_thread_daemon
@@ -459,6 +459,9 @@ async def test_a_finish_reason_cancelled_or_error_raises(address: str) -> None:
     dict(prompt="x", request_id="has space"),
     dict(prompt="x", sampling=SamplingParams(top_p=2.0)),
     dict(prompt="x", slo={"nonsense": 1}),
+    dict(prompt="x", slo={"e2e_ms": 20_000, "tpot_ms": 50}),
+    dict(prompt="x", slo={"e2e_ms": 500, "ttft_ms": 500}),
+    dict(prompt="x", slo={"e2e_ms": 0}),
     dict(prompt="x", deadline_s=0),
 ])
 @run_in_loop
@@ -794,3 +797,17 @@ async def test_against_the_daemon_a_handler_failure_is_an_internal_error(monkeyp
         assert status.in_flight == 0 and status.ranks[0].in_flight == 0
     finally:
         running.stop()
+
+
+@run_in_loop
+async def test_a_contradictory_e2e_slo_is_refused_locally_saying_why(address: str) -> None:
+    daemon = await FakeDaemon(address, serve_ok).start()
+    try:
+        async with AsyncClient(address, **FAST) as client:
+            with pytest.raises(errors.InvalidRequest, match="give e2e_ms .* or tpot_ms, not both"):
+                await client.generate("x", slo={"e2e_ms": 20_000, "tpot_ms": 50})
+            result = await client.generate("x", slo={"class": "code", "e2e_ms": 20_000})
+            assert result.finish_reason is not None
+        assert [s.slo for s in daemon.submits] == [SloSpec("code", e2e_ms=20_000)]
+    finally:
+        await daemon.stop()

@@ -610,6 +610,23 @@ def test_a_request_is_routed_and_refused_on_its_slo_class_budget(policy):
     assert ranks["fit"].class_pab_tokens == {"interactive": 100.0, "relaxed": 7_600.0}
 
 
+def test_an_e2e_request_routes_on_its_first_token_budget():
+    core = make_core(policy="pab")
+    join(core, "roomy", pab=20_000)
+    join(core, "fit", pab=4_000)
+    class_report(core, "roomy", 20_000, {"interactive": (0.5, 200.0), "code": (5.0, 40_000.0)}, seq=2)
+    class_report(core, "fit", 4_000, {"interactive": (0.5, 9_000.0), "code": (5.0, 9_000.0)}, seq=2)
+    routed = {}
+    for request_id, slo in (("share", SloSpec(e2e_ms=2_400)),  # a quarter: 600 ms, interactive
+                            ("own-ttft", SloSpec(e2e_ms=60_000, ttft_ms=900)),  # interactive
+                            ("long", SloSpec(e2e_ms=20_000)),  # 5000 ms: code
+                            ("named", SloSpec(slo_class="code"))):
+        (dispatch,) = dispatches(submit(core, request_id, tokens=100, slo=slo))
+        routed[request_id] = dispatch.rank
+        assert dispatch.slo == slo  # passed on as given: the rank resolves and paces it
+    assert routed == {"share": "fit", "own-ttft": "fit", "long": "roomy", "named": "roomy"}
+
+
 def test_a_version_1_agent_is_fenced_at_hello_naming_both_versions():
     core = make_core()
     (fence,) = core.on_agent(b"old", Hello("old", "r0", 3), 0.0)  # no protocol field: version 1

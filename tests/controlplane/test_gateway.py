@@ -82,13 +82,17 @@ def test_completion_models_and_health(cluster):
                 "prompt": ["Hello there"], "max_tokens": 3, "ignore_eos": True,
                 "custom_params": {"slo": {"ttft_ms": 5000, "tpot_ms": 500}}}) as response:
             text_prompt = (response.status, await response.json())
+        async with session.post(f"{url}/v1/completions", json={
+                "prompt": [3] * 20, "max_tokens": 5, "ignore_eos": True,
+                "slo": {"e2e_ms": 60_000}}) as response:
+            end_to_end = (response.status, await response.json())
         async with session.get(f"{url}/v1/models") as response:
             listed = await response.json()
         async with session.get(f"{url}/health") as response:
             healthy = (response.status, await response.json())
-        return completion, text_prompt, listed, healthy
+        return completion, text_prompt, end_to_end, listed, healthy
 
-    completion, text_prompt, listed, healthy = with_gateway(cluster, scenario)
+    completion, text_prompt, end_to_end, listed, healthy = with_gateway(cluster, scenario)
     status, body = completion
     assert status == 200 and body["id"] == "cmpl-gw-1" and body["object"] == "text_completion"
     assert body["model"] == MODEL
@@ -96,6 +100,7 @@ def test_completion_models_and_health(cluster):
     assert choice["finish_reason"] == "length" and choice["text"] == " tok" * 7
     assert body["usage"] == {"prompt_tokens": 40, "completion_tokens": 7, "total_tokens": 47}
     assert text_prompt[0] == 200 and text_prompt[1]["usage"]["completion_tokens"] == 3
+    assert end_to_end[0] == 200 and end_to_end[1]["usage"]["completion_tokens"] == 5
     assert [m["id"] for m in listed["data"]] == [MODEL]
     assert healthy[0] == 200 and healthy[1]["status"] == "ok"
 
@@ -127,6 +132,11 @@ def test_streamed_completion_sends_chunks_usage_and_done(cluster):
     (b'{"prompt": "hi", "temperature": -1}', 400, "temperature"),
     (b'{"prompt": "hi", "model": "other"}', 404, "not served here"),
     (b'{"prompt": "hi", "slo": "no-such-class", "max_tokens": 2}', 400, "no-such-class"),
+    (b'{"prompt": "hi", "slo": {"e2e_ms": 2000, "tpot_ms": 50}}', 400,
+     "invalid request body: give e2e_ms (an end-to-end target) or tpot_ms, not both"),
+    (b'{"prompt": "hi", "custom_params": {"slo": {"e2e_ms": 500, "ttft_ms": 600}}}', 400,
+     "ttft_ms 600 must be below e2e_ms 500"),
+    (b'{"prompt": "hi", "slo": {"e2e_ms": -1}}', 400, "e2e_ms"),
 ])
 def test_bad_requests_get_openai_errors(cluster, body, status, fragment):
     async def scenario(session, url, _):

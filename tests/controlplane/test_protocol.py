@@ -14,6 +14,8 @@ SAMPLES_BY_CHANNEL = {
         p.Submit("req-1", p.Prompt(text="Hello"), p.SamplingParams(max_new_tokens=8, temperature=0.0, stop=["\n"]),
                  p.SloSpec(slo_class="tight"), deadline_s=2.5, stream=False),
         p.Submit("req-2", p.Prompt(token_ids=[1, 2, 3]), slo=p.SloSpec(ttft_ms=500, tpot_ms=50)),
+        p.Submit("req-3", p.Prompt(text="def f():"), slo=p.SloSpec(e2e_ms=20_000)),
+        p.Submit("req-4", p.Prompt(text="def g():"), slo=p.SloSpec("code", ttft_ms=800, e2e_ms=9_000.5)),
         p.Cancel("req-1"),
         p.Ping(42),
         p.StatusRequest(),
@@ -47,6 +49,7 @@ SAMPLES_BY_CHANNEL = {
         p.Welcome("rank-0", 3, "d1", "tcp://127.0.0.1:5562", 0.5),
         p.Dispatch("req-1", "rank-0", 3, 11, p.Prompt(token_ids=[1]), p.SamplingParams(ignore_eos=True),
                    p.SloSpec(slo_class="relaxed"), False),
+        p.Dispatch("req-3", "rank-0", 3, 12, p.Prompt(text="x"), slo=p.SloSpec(e2e_ms=20_000, ttft_ms=900)),
         p.Abort("rank-0", 3, "req-1"),
         p.Fenced("rank-0", 2, "older epoch"),
     ],
@@ -76,6 +79,48 @@ def test_messages_are_refused_on_other_channels(factory, message):
 def test_slo_spec_is_the_custom_params_shape():
     assert p.SloSpec(slo_class="tight").as_custom_params() == {"class": "tight"}
     assert p.SloSpec(ttft_ms=100, tpot_ms=20).as_custom_params() == {"ttft_ms": 100.0, "tpot_ms": 20.0}
+    assert p.SloSpec("code", e2e_ms=20_000).as_custom_params() == {"class": "code", "e2e_ms": 20_000.0}
+
+
+def test_an_e2e_spec_resolves_at_the_ranks_as_the_daemon_routes_it():
+    from sglang_ext.policy.slo import E2E_TTFT_SHARE, Slo, SloCatalog
+
+    assert p.E2E_TTFT_SHARE == E2E_TTFT_SHARE
+    catalog = SloCatalog.single(Slo(0.5, 0.05), "chat")
+    for spec in (p.SloSpec(e2e_ms=20_000), p.SloSpec(e2e_ms=9_000, ttft_ms=700),
+                 p.SloSpec(ttft_ms=300, tpot_ms=20)):
+        resolved = catalog.resolve(spec.as_custom_params())
+        assert resolved.ttft_s * 1e3 == pytest.approx(spec.first_token_ms)
+    assert p.SloSpec(slo_class="chat").first_token_ms is None  # its class's
+    assert p.SloSpec(slo_class="chat", tpot_ms=20).first_token_ms is None
+
+
+@pytest.mark.parametrize(("slo", "detail"), [
+    ({"e2e_ms": 20_000, "tpot_ms": 50},
+     "give e2e_ms (an end-to-end target) or tpot_ms, not both - at `$.slo`"),
+    ({"class": "code", "e2e_ms": 20_000, "tpot_ms": 50}, "not both"),
+    ({"e2e_ms": 2_000, "ttft_ms": 2_000}, "ttft_ms 2000 must be below e2e_ms 2000 - at `$.slo`"),
+    ({"e2e_ms": 0}, "Expected `float` > 0.0 - at `$.slo.e2e_ms`"),
+    ({"e2e_ms": "20s"}, "Expected `float | null`, got `str` - at `$.slo.e2e_ms`"),
+])
+def test_a_contradictory_or_malformed_e2e_spec_is_an_invalid_frame_saying_why(slo, detail):
+    frame = p.HEADER + msgspec.msgpack.encode(
+        {"type": "submit", "request_id": "r", "prompt": {"text": "x"}, "slo": slo})
+    with pytest.raises(p.FrameError) as refused:
+        p.client_request_channel().decode(frame)
+    assert refused.value.kind == "invalid" and detail in refused.value.detail
+    dispatch = p.HEADER + msgspec.msgpack.encode({"type": "dispatch", "request_id": "r", "rank": "a",
+                                                  "epoch": 1, "dispatch_seq": 1, "prompt": {"text": "x"},
+                                                  "slo": slo})
+    with pytest.raises(p.FrameError, match="invalid"):
+        p.daemon_to_agent_channel().decode(dispatch)
+
+
+def test_a_contradictory_e2e_spec_is_refused_where_it_is_built():
+    with pytest.raises(ValueError, match="or tpot_ms, not both"):
+        p.SloSpec(e2e_ms=20_000, tpot_ms=50)
+    with pytest.raises(msgspec.ValidationError, match="ttft_ms 500 must be below e2e_ms 400"):
+        msgspec.convert({"e2e_ms": 400, "ttft_ms": 500}, p.SloSpec)
 
 
 @pytest.mark.parametrize(
@@ -244,3 +289,10 @@ def test_class_budgets_are_clamped_and_bounded_for_a_report():
         p.class_budgets({f"c{i}": 1.0 for i in range(65)}, {f"c{i}": 1.0 for i in range(65)})
     with pytest.raises(ValueError, match="1-64 characters"):
         p.class_budgets({"x" * 65: 1.0}, {"x" * 65: 1.0})
+
+
+def test_a_version_2_agent_is_refused_now_that_a_dispatch_may_carry_an_e2e_slo():
+    assert p.PROTOCOL_VERSION == 3
+    refusal = p.protocol_refusal(2)
+    assert "protocol version 2" in refusal and "end-to-end SLOs in Dispatch since 3" in refusal
+    assert "upgrade the rank agent" in refusal

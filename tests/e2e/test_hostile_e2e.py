@@ -42,6 +42,25 @@ def test_a_tpot_below_the_floor_is_a_400_that_says_why(fb_server) -> None:
     assert "below this server's minimum" in reply.text
 
 
+def test_an_e2e_slo_that_cannot_cover_the_output_bound_is_a_400_that_says_why(fb_server) -> None:
+    """An e2e SLO is paced for the request's max_new_tokens (SGLang's default without
+    one; the context's room when it is null) and refused in those terms."""
+    def generate(max_new_tokens: dict, e2e_ms: float) -> requests.Response:
+        params = {**max_new_tokens, "custom_params": {"slo": {"e2e_ms": e2e_ms}}}
+        return requests.post(f"{fb_server.url}/generate", timeout=60,
+                             json={"text": "hello", "sampling_params": params})
+
+    reply = generate({"max_new_tokens": 4096}, 2000)
+    assert reply.status_code == 400 and "e2e_ms 2000 cannot cover max_new_tokens 4096" in reply.text
+    assert "it needs e2e_ms >= " in reply.text
+    reply = generate({}, 200)
+    assert reply.status_code == 400 and "cannot cover max_new_tokens 128 (the default)" in reply.text
+    reply = generate({"max_new_tokens": None}, 2000)
+    assert reply.status_code == 400 and "cannot cover the context's room of" in reply.text
+    reply = generate({"max_new_tokens": 4}, 60_000)
+    assert reply.status_code == 200, reply.text
+
+
 def test_late_hostile_prompts_do_not_stop_other_prefills(fb_server) -> None:
     """Three long prompts that are late on arrival (TTFT 1 ms) and ask for the tightest
     TPOT the door accepts, sent with six short ordinary prompts. In the printed algorithm

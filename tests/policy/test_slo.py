@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.policy.slo import Slo, SloCatalog, SloError, slack
+from sglang_ext.policy.slo import (
+    E2E_TTFT_SHARE, NOMINAL_OUTPUT_TOKENS, Slo, SloCatalog, SloError, slack,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -250,3 +252,224 @@ def test_from_toml_round_trip_of_a_small_file(tmp_path: Path) -> None:
     catalog = SloCatalog.from_toml(path)
     assert catalog.default == Slo(0.2505, 0.02)
     assert set(catalog.classes) == {"a", "b"}
+
+
+# --------------------------------------------------------------------------- the e2e kind
+
+
+def test_e2e_slo_kind() -> None:
+    assert Slo(0.5, 0.1, 2.0).is_end_to_end
+    assert not Slo(0.5, 0.1).is_end_to_end
+    assert Slo(0.5, 0.1).e2e_s is None
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "2", [2.0]])
+def test_slo_rejects_bad_e2e_targets(bad: object) -> None:
+    with pytest.raises(SloError, match="e2e_s"):
+        Slo(0.5, 0.1, bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ttft_s", [2.0, 3.0])
+def test_an_e2e_slo_needs_its_first_token_budget_below_its_target(ttft_s: float) -> None:
+    with pytest.raises(SloError, match=r"first-token budget .* must be below its e2e target"):
+        Slo(ttft_s, 0.1, 2.0)
+
+
+def test_end_to_end_ms_defaults_the_first_token_budget_to_a_share_of_the_target() -> None:
+    slo = Slo.end_to_end_ms(16_000)
+    assert slo.e2e_s == 16.0
+    assert slo.ttft_s == E2E_TTFT_SHARE * 16.0 == 4.0
+    # NOMINAL_OUTPUT_TOKENS expected: the remaining 255 tokens paced over the last 12 s
+    assert slo.tpot_s == pytest.approx(12.0 / (NOMINAL_OUTPUT_TOKENS - 1))
+    assert Slo.end_to_end_ms(16_000, 1000).ttft_s == 1.0
+
+
+@pytest.mark.parametrize("expected", [2, 3, 100, 256, 257, 1000, 4097])
+def test_the_last_expected_token_is_due_at_arrival_plus_e2e(expected: int) -> None:
+    slo = Slo.end_to_end_ms(14_000, expected_output_tokens=expected)
+    arrival = 7.5
+    assert slo.token_deadline(arrival, 0) == arrival + slo.ttft_s
+    assert slo.token_deadline(arrival, expected - 1) == pytest.approx(arrival + 14.0, abs=1e-12)
+    steps = [slo.token_deadline(arrival, j + 1) - slo.token_deadline(arrival, j)
+             for j in range(expected - 1)]
+    assert steps == pytest.approx([slo.tpot_s] * (expected - 1))  # evenly paced
+
+
+def test_pacing_is_exact_in_binary_fractions() -> None:
+    slo = Slo(4.0, 1.0, 16.0).with_expected_output(257)  # 12 s over 256 gaps
+    assert slo.tpot_s == 12.0 / 256
+    assert slo.token_deadline(0.0, 256) == 16.0
+
+
+def test_with_expected_output_keeps_the_targets_and_is_idempotent() -> None:
+    base = Slo.end_to_end_ms(10_000, 2000)
+    paced = base.with_expected_output(81)
+    assert (paced.ttft_s, paced.e2e_s) == (base.ttft_s, base.e2e_s)
+    assert paced.tpot_s == pytest.approx(8.0 / 80)
+    assert paced.with_expected_output(81) == paced
+    assert base.with_expected_output(NOMINAL_OUTPUT_TOKENS) == base
+    # one expected token (or fewer): the first token alone, the rest due by the target
+    for tokens in (1, 0.5, 0):
+        assert base.with_expected_output(tokens).tpot_s == pytest.approx(8.0)
+
+
+def test_with_expected_output_leaves_a_ttft_tpot_slo_alone() -> None:
+    slo = Slo(2.0, 0.05)
+    assert slo.with_expected_output(17) is slo
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"e2e_ms": 0}, "e2e_ms"),
+        ({"e2e_ms": -5}, "e2e_ms"),
+        ({"e2e_ms": "fast"}, "e2e_ms"),
+        ({"e2e_ms": math.nan}, "e2e_ms"),
+        ({"e2e_ms": 1000, "ttft_ms": 0}, "ttft_ms"),
+        ({"e2e_ms": 1000, "ttft_ms": 1000}, "ttft_ms 1000 must be below e2e_ms 1000"),
+        ({"e2e_ms": 1000, "ttft_ms": 1500}, "must be below"),
+    ],
+)
+def test_end_to_end_ms_rejects_bad_values(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(SloError, match=fragment):
+        Slo.end_to_end_ms(**kwargs)
+
+
+@pytest.mark.parametrize("slo", [Slo.from_ms(500, 40), Slo.end_to_end_ms(9000),
+                                 Slo.end_to_end_ms(9000, 700)])
+def test_as_spec_resolves_back_to_the_slo(slo: Slo) -> None:
+    assert SloCatalog.single(Slo(1.0, 0.1)).resolve(slo.as_spec()) == slo
+
+
+def test_as_spec_of_each_kind() -> None:
+    assert Slo.from_ms(500, 40).as_spec() == {"ttft_ms": 500.0, "tpot_ms": 40.0}
+    assert Slo.end_to_end_ms(8000).as_spec() == {"e2e_ms": 8000.0, "ttft_ms": 2000.0}
+
+
+@pytest.fixture
+def mixed() -> SloCatalog:
+    """chat (TTFT+TPOT, the default), code (e2e with no TTFT), doc (e2e with a TTFT)."""
+    return SloCatalog("chat", {
+        "chat": Slo.from_ms(2000, 50),
+        "code": Slo.end_to_end_ms(12_000),
+        "doc": Slo.end_to_end_ms(20_000, 1000),
+    })
+
+
+def test_resolve_an_e2e_class(mixed: SloCatalog) -> None:
+    assert mixed.resolve({"class": "code"}) == Slo.end_to_end_ms(12_000)
+    doc = mixed.resolve({"class": "doc"})
+    assert doc.is_end_to_end and (doc.ttft_s, doc.e2e_s) == (1.0, 20.0)
+
+
+def test_resolve_e2e_ms_makes_the_slo_end_to_end(mixed: SloCatalog) -> None:
+    # on the TTFT+TPOT default: the first-token budget is the e2e share, not chat's TTFT
+    slo = mixed.resolve({"e2e_ms": 12_000})
+    assert slo.is_end_to_end and (slo.ttft_s, slo.e2e_s) == (3.0, 12.0)
+    assert mixed.resolve({"e2e_ms": 12_000, "ttft_ms": 1000}) == Slo.end_to_end_ms(12_000, 1000)
+
+
+def test_resolve_overrides_of_an_e2e_class(mixed: SloCatalog) -> None:
+    # ttft_ms alone keeps the class's target; e2e_ms alone keeps no stated TTFT
+    assert mixed.resolve({"class": "code", "ttft_ms": 1000}) == Slo.end_to_end_ms(12_000, 1000)
+    assert mixed.resolve({"class": "doc", "ttft_ms": 500}) == Slo.end_to_end_ms(20_000, 500)
+    assert mixed.resolve({"class": "doc", "e2e_ms": 8000}) == Slo.end_to_end_ms(8000)
+    assert mixed.resolve({"class": "doc", "e2e_ms": 8000, "ttft_ms": 100}) == \
+        Slo.end_to_end_ms(8000, 100)
+
+
+def test_resolve_tpot_ms_makes_the_slo_ttft_tpot(mixed: SloCatalog) -> None:
+    # an e2e class given a TPOT: TTFT+TPOT, its TTFT the class's first-token budget
+    assert mixed.resolve({"class": "doc", "tpot_ms": 40}) == Slo.from_ms(1000, 40)
+    assert mixed.resolve({"class": "code", "tpot_ms": 40}) == Slo.from_ms(3000, 40)
+
+
+def test_resolve_refuses_e2e_ms_with_tpot_ms(mixed: SloCatalog) -> None:
+    for spec in ({"e2e_ms": 9000, "tpot_ms": 50}, {"class": "code", "e2e_ms": 9000, "tpot_ms": 5}):
+        with pytest.raises(SloError, match="give 'e2e_ms' .* or 'tpot_ms', not both"):
+            mixed.resolve(spec)
+
+
+def test_resolve_unknown_keys_list_every_accepted_key(mixed: SloCatalog) -> None:
+    expected = r"\['e2e'\]; expected 'class', 'ttft_ms', 'tpot_ms', 'e2e_ms'"
+    with pytest.raises(SloError, match=expected):
+        mixed.resolve({"e2e": 9000})
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ({"e2e_ms": 0}, "e2e_ms"),
+        ({"e2e_ms": True}, "e2e_ms"),
+        ({"e2e_ms": None}, "e2e_ms"),
+        ({"class": "code", "e2e_ms": math.inf}, "e2e_ms"),
+        ({"class": "code", "ttft_ms": 12_000}, "ttft_ms 12000 must be below e2e_ms 12000"),
+        ({"e2e_ms": 1000, "ttft_ms": 2000}, "must be below"),
+    ],
+)
+def test_resolve_bad_e2e_values(mixed: SloCatalog, spec: dict, fragment: str) -> None:
+    with pytest.raises(SloError, match=fragment):
+        mixed.resolve(spec)
+
+
+def test_an_e2e_default_class(mixed: SloCatalog) -> None:
+    catalog = SloCatalog("code", dict(mixed.classes))
+    assert catalog.resolve(None) == catalog.default == Slo.end_to_end_ms(12_000)
+    assert catalog.resolve({"ttft_ms": 500}) == Slo.end_to_end_ms(12_000, 500)
+    assert catalog.resolve({"tpot_ms": 30}) == Slo.from_ms(3000, 30)
+
+
+def test_bundled_multi_slo_toml() -> None:
+    catalog = SloCatalog.from_toml(REPO / "configs" / "slo-multi.toml")
+    assert catalog.default_class == "chat"
+    assert catalog.default == Slo.from_ms(2000, 50)
+    code = catalog.classes["code"]
+    assert code == Slo.end_to_end_ms(14_000)
+    assert (code.ttft_s, code.e2e_s) == (3.5, 14.0)
+
+
+MIXED_TOML = (
+    "default_class = 'chat'\n"
+    "[classes.chat]\nttft_ms = 2000\ntpot_ms = 50\n"
+    "[classes.code]\ne2e_ms = 30000\n"
+    "[classes.doc]\ne2e_ms = 20000\nttft_ms = 1000\n"
+)
+
+
+def test_from_toml_of_both_kinds(tmp_path: Path) -> None:
+    path = tmp_path / "slo.toml"
+    path.write_text(MIXED_TOML)
+    catalog = SloCatalog.from_toml(path)
+    assert catalog.classes["code"] == Slo.end_to_end_ms(30_000)
+    assert catalog.classes["doc"] == Slo.end_to_end_ms(20_000, 1000)
+    assert not catalog.default.is_end_to_end
+    path.write_text(MIXED_TOML.replace("'chat'", "'code'"))
+    assert SloCatalog.from_toml(path).default == Slo.end_to_end_ms(30_000)
+
+
+LAYOUT = "[classes.c] must have exactly 'ttft_ms' and 'tpot_ms' (TTFT+TPOT), or 'e2e_ms'"
+
+
+@pytest.mark.parametrize(
+    "table, fragment",
+    [
+        ("e2e_ms = 9000\ntpot_ms = 50\n", LAYOUT),
+        ("e2e_ms = 9000\nttft_ms = 500\ntpot_ms = 50\n", LAYOUT),
+        ("ttft_ms = 500\n", LAYOUT),
+        ("e2e_ms = 9000\ndeadline = 1\n", LAYOUT),
+        ("", LAYOUT),
+        ("e2e_ms = 0\n", "[classes.c]: e2e_ms must be > 0"),
+        ("e2e_ms = 'soon'\n", "[classes.c]: e2e_ms must be a number"),
+        ("e2e_ms = 9000\nttft_ms = 9000\n", "[classes.c]: ttft_ms 9000 must be below e2e_ms 9000"),
+        ("e2e_ms = 9000\nttft_ms = -1\n", "[classes.c]: ttft_ms must be > 0"),
+    ],
+    ids=["e2e+tpot", "e2e+ttft+tpot", "ttft-only", "unknown-key", "empty", "zero-e2e",
+         "string-e2e", "ttft-at-e2e", "negative-ttft"],
+)
+def test_from_toml_e2e_class_errors(tmp_path: Path, table: str, fragment: str) -> None:
+    path = tmp_path / "slo.toml"
+    path.write_text(f"default_class = 'c'\n[classes.c]\n{table}")
+    with pytest.raises(SloError) as info:
+        SloCatalog.from_toml(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and fragment in message, message

@@ -66,6 +66,25 @@ def test_custom_ttft_uses_the_classes_around_it() -> None:
     assert g.budget(BUDGETS, Slo(0.45, 0.05)) == pytest.approx(2_000 - 40_000 * 0.05)
 
 
+E2E_CATALOG = SloCatalog.from_mapping({"default_class": "standard", "classes": {
+    "standard": {"ttft_ms": 2_000, "tpot_ms": 50}, "interactive": {"ttft_ms": 500, "tpot_ms": 50},
+    "code": {"e2e_ms": 20_000}}})
+E2E_BUDGETS = {**BUDGETS, "code": 30_000}
+
+
+def test_an_e2e_slo_is_admitted_on_its_first_token_budget() -> None:
+    g = BudgetGate(E2E_CATALOG, SETTINGS, max_rate_tokens_per_s=40_000)
+    published = [PublishedBudgets(0, 100.0, E2E_BUDGETS)]
+    code = E2E_CATALOG.resolve({"class": "code"})
+    assert g.check(published, 100.0, code, 30_000).slo_class == "code"
+    assert E2E_CATALOG.resolve({"e2e_ms": 20_000}) == code  # the class's targets: the class
+    # explicit targets: between the classes around its first-token budget (a quarter of e2e_ms)
+    explicit = E2E_CATALOG.resolve({"e2e_ms": 4_000})
+    assert explicit.ttft_s == 1.0 and g.class_of(explicit) == "custom"
+    assert g.budget(E2E_BUDGETS, explicit) == g.budget(E2E_BUDGETS, Slo(1.0, 0.05)) == 2_000
+    assert g.budget(E2E_BUDGETS, E2E_CATALOG.resolve({"e2e_ms": 24_000})) == 30_000
+
+
 def test_stale_or_unpublished_budgets_admit_unchecked_but_an_idle_rank_stays_valid() -> None:
     g = gate()
     slo = CATALOG.classes["interactive"]
@@ -133,6 +152,29 @@ def test_http_gate_reads_sglang_snapshots_and_refuses_with_a_429() -> None:
     assert "1001 tokens exceed the 1000" in body["message"] and body["error"]["reason"] == "admission_budget"
     assert http_gate.check(_tokenized(5)) is not None  # no SLO: the default class
     assert http_gate.check(_tokenized(5, {"slo": {"class": "gold"}})) is None  # the 400 is not ours
+
+
+@sglang_only
+@pytest.mark.sglang
+def test_http_gate_refuses_an_e2e_request_naming_its_first_token_budget() -> None:
+    from sglang.srt.managers.load_snapshot import LoadSnapshot
+
+    from sglang_ext.admission_http import AdmissionRefused, HttpGate
+
+    snapshot = LoadSnapshot(dp_rank=0, timestamp=time.time(), num_running_reqs=3,
+                            fairbatching_admission=E2E_BUDGETS)
+    http_gate = HttpGate(BudgetGate(E2E_CATALOG, SETTINGS, 40_000), _Reader([snapshot]))
+    long = _tokenized(30_000, {"slo": {"class": "code"}})
+    long.sampling_params.max_new_tokens = 4096  # the scheduler paces for it; the class stays
+    assert http_gate.check(long).slo_class == "code"
+    with pytest.raises(AdmissionRefused, match=r"the 0 that DP rank 0 can still prefill within "
+                       r"the first-token budget \(5000 ms of the 20000 ms end-to-end target\) "
+                       r"of SLO class 'code'"):
+        http_gate.check(_tokenized(1, {"slo": {"class": "code"}}))
+    with pytest.raises(AdmissionRefused, match=r"within the TTFT \(500 ms\) of SLO class 'interactive'"):
+        http_gate.check(_tokenized(2_001, {"slo": {"class": "interactive"}}))
+    with pytest.raises(AdmissionRefused, match=r"first-token budget \(1000 ms of the 4000 ms .* 'custom'"):
+        http_gate.check(_tokenized(2_001, {"slo": {"e2e_ms": 4_000}}))
 
 
 @sglang_only

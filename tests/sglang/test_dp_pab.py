@@ -240,6 +240,18 @@ def test_request_class_resolution() -> None:
     assert dp_pab.request_class(CATALOG, carrier({"class": "relaxed", "ttft_ms": 50})) == "interactive"
     assert dp_pab.request_class(CATALOG, carrier({"class": "nope"})) is None  # refused at the door
     assert dp_pab.request_class(None, carrier({"class": "relaxed"})) is None
+    # an e2e SLO routes on its first-token budget: ttft_ms, else a quarter of e2e_ms
+    assert dp_pab.request_class(CATALOG, carrier({"e2e_ms": 8_000})) == "standard"  # 2000 ms
+    assert dp_pab.request_class(CATALOG, carrier({"e2e_ms": 7_999})) == "interactive"
+    assert dp_pab.request_class(CATALOG, carrier({"e2e_ms": 40_000})) == "relaxed"
+    assert dp_pab.request_class(CATALOG, carrier({"e2e_ms": 40_000, "ttft_ms": 600})) == "interactive"
+    assert dp_pab.request_class(CATALOG, carrier({"class": "relaxed", "e2e_ms": 9_000})) == "standard"
+    assert dp_pab.request_class(CATALOG, carrier({"e2e_ms": 9_000, "tpot_ms": 5})) is None  # a 400
+    e2e_classes = SloCatalog.from_mapping({"default_class": "chat", "classes": {
+        "chat": {"ttft_ms": 500, "tpot_ms": 50}, "code": {"e2e_ms": 20_000}}})
+    assert dp_pab.request_class(e2e_classes, carrier({"class": "code"})) == "code"
+    assert dp_pab.request_class(e2e_classes, carrier({"e2e_ms": 20_000})) == "code"  # 5000 ms
+    assert dp_pab.request_class(e2e_classes, carrier({"e2e_ms": 1_000})) == "chat"  # below both
 
 
 def test_no_rank_covers_the_prompt_goes_to_the_largest_budget(cluster) -> None:
@@ -384,3 +396,29 @@ def test_scheduler_echoes_the_admission_gates_stamps(sglang_modules, topology) -
         seen({ADMISSION_STAMP_KEY: [f"g{gate}", 1]})
     assert len(records.admission_echo) == MAX_ECHOED_GATES and "a" not in records.admission_echo
 
+
+
+def test_an_e2e_slo_is_paced_for_the_requests_max_new_tokens(sglang_modules, topology) -> None:
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_ext.scheduler.requests import RequestRecords
+
+    catalog = SloCatalog.from_mapping({"default_class": "code", "classes": {
+        "code": {"e2e_ms": 20_000, "ttft_ms": 1_000}, "chat": {"ttft_ms": 500, "tpot_ms": 50}}})
+    records = RequestRecords(catalog)
+
+    def view(rid, max_new_tokens, slo=None):
+        sp = sglang_modules.sampling_params.SamplingParams(
+            max_new_tokens=max_new_tokens, custom_params=None if slo is None else {"slo": slo})
+        return records.prefill_view(Req(rid, None, [1, 2, 3], sp))
+
+    paced = view("code", 96, {"class": "code"}).slo
+    assert (paced.ttft_s, paced.e2e_s) == (1.0, 20.0) and paced.tpot_s == pytest.approx(19.0 / 95)
+    assert paced.token_deadline(0.0, 95) == pytest.approx(20.0)  # the last token, at e2e
+    explicit = view("explicit", 11, {"e2e_ms": 4_000}).slo
+    assert (explicit.ttft_s, explicit.tpot_s) == (1.0, pytest.approx(0.3))
+    assert view("default", 20).slo == catalog.default.with_expected_output(20)
+    # a malformed SLO falls back to the default class, paced all the same
+    assert view("bad", 20, {"e2e_ms": 1_000, "tpot_ms": 5}).slo == view("default", 20).slo
+    assert view("chat", 96, {"class": "chat"}).slo == catalog.classes["chat"]  # not e2e: as is
+    assert view("unset", None, {"class": "code"}).slo == catalog.classes["code"]  # nominal

@@ -19,8 +19,8 @@ TOP_LEVEL = {"schema_version", "scenario", "rates", "cdf_rate", "requested", "po
 LOAD_KEYS = {
     "rate", "requests", "attainment", "effective_rps", "envelope_attainment", "ttft_attainment",
     "tpot_attainment", "rejected", "aborted", "unfinished", "preemptions", "recomputed_tokens",
-    "output_tokens_per_s", "ttft_ms", "tpot_ms", "mean_tpot_ms", "max_tbt_ms", "steps",
-    "gpu_busy_fraction",
+    "output_tokens_per_s", "ttft_ms", "tpot_ms", "mean_tpot_ms", "max_tbt_ms", "e2e_ms",
+    "steps", "gpu_busy_fraction", "by_slo_class",
 }
 PERCENTILES = {"p50", "p90", "p95", "p99", "mean"}
 SCENARIO_KEYS = {
@@ -36,7 +36,7 @@ def _check_policy_entry(entry: dict, rates: list[float]) -> None:
     assert [load["rate"] for load in loads] == rates
     for load in loads:
         assert LOAD_KEYS <= set(load)
-        for name in ("ttft_ms", "tpot_ms", "mean_tpot_ms", "max_tbt_ms"):
+        for name in ("ttft_ms", "tpot_ms", "mean_tpot_ms", "max_tbt_ms", "e2e_ms"):
             assert set(load[name]) == PERCENTILES
         assert 0.0 <= load["attainment"] <= 1.0
         assert load["effective_rps"] == pytest.approx(load["rate"] * load["attainment"])
@@ -73,7 +73,7 @@ def test_run_writes_results_json(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert "peak eff RPS" in stdout and "wrote" in stdout
     document = json.loads((out / "results.json").read_text())
-    assert document["schema_version"] == 1
+    assert document["schema_version"] == 2
     assert TOP_LEVEL <= set(document)  # the same shape as a sweep's
     assert SCENARIO_KEYS <= set(document["scenario"])
     assert document["rates"] == [8.0] and document["cdf_rate"] == 8.0
@@ -108,9 +108,12 @@ def test_run_with_budgeted_policy_and_slo_override(tmp_path, capsys):
     assert main(argv) == 0
     document = json.loads((out / "results.json").read_text())
     assert set(document["policies"]) == {"sarathi@1024"}
-    assert document["scenario"]["slo"] == {
-        "default_class": "standard", "ttft_ms": 500.0, "tpot_ms": 40.0,
+    slo = document["scenario"]["slo"]
+    assert slo | {"classes": None} == {
+        "default_class": "standard", "ttft_ms": 500.0, "tpot_ms": 40.0, "classes": None,
     }
+    assert slo["classes"]["standard"] == {"ttft_ms": 500.0, "tpot_ms": 40.0}
+    assert slo["classes"]["relaxed"] == {"ttft_ms": 5000.0, "tpot_ms": 200.0}
 
 
 # ------------------------------------------------------------------ sweep
@@ -121,7 +124,7 @@ def test_sweep_writes_results_plots_and_table(tmp_path, capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     document = json.loads((out / "results.json").read_text())
-    assert document["schema_version"] == 1
+    assert document["schema_version"] == 2
     assert TOP_LEVEL <= set(document)
     assert document["rates"] == [4.0, 8.0]
     assert document["requested"] == ["fb", "sarathi"]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from sglang_ext.policy.slo import Slo
 from sglang_ext.sim.metrics import (
-    RequestRecord, attainment_by_prompt_tokens, latency_samples, summarize,
+    UNCLASSED, RequestRecord, attainment_by_prompt_tokens, latency_samples, summarize,
 )
 
 # Binary fractions keep every expected value exact.
@@ -185,3 +186,164 @@ def test_latency_samples_skip_rejected_and_single_tokens():
     samples = latency_samples(_mixed_records())
     assert sorted(samples.ttft_ms) == pytest.approx([125, 250, 375, 500, 1500])
     assert sorted(samples.tpot_ms) == pytest.approx([125, 125, 500])
+
+
+# ------------------------------------------------------------------ the e2e kind
+# an e2e SLO of 1 s whose envelope's first token is due at 0.25 s
+E2E = Slo(0.25, 0.25, 1.0)
+
+
+def test_an_e2e_slo_is_met_by_the_last_token_alone():
+    late_first = record([0.75, 1.0], slo=E2E)  # TTFT 0.75 s, past its envelope's 0.25 s
+    assert late_first.slo_met and not late_first.envelope_met
+    assert late_first.e2e_s == 1.0  # inclusive
+    slow_tokens = record([0.125, 0.875, 1.0], slo=E2E)  # max TPOT 0.75 s
+    assert slow_tokens.max_tpot_s > E2E.tpot_s and slow_tokens.slo_met
+    late = record([0.125, 0.25, 1.0 + 2**-10], slo=E2E)  # fast first token, finished late
+    assert late.ttft_s <= E2E.ttft_s and not late.slo_met
+    assert record([5.0, 5.5], arrival=4.5, slo=E2E).slo_met  # relative to its arrival
+    assert not record([5.0, 5.5 + 2**-10], arrival=4.5, slo=E2E).slo_met
+
+
+def test_an_e2e_request_rejected_aborted_or_unfinished_is_violated():
+    unfinished = record([0.125, 0.25], output=3, slo=E2E)
+    assert unfinished.e2e_s is None and not unfinished.slo_met
+    aborted = record([0.125, 0.25], slo=E2E)
+    aborted.aborted = True
+    rejected = RequestRecord("x", 0.0, E2E, 10, 3, rejected=True)
+    assert not aborted.slo_met and not rejected.slo_met
+
+
+def test_a_ttft_tpot_slo_is_unchanged_by_the_e2e_kind():
+    # TPOT 125 ms and TTFT in time, the last token long after arrival: still met
+    assert record([1.0, 1.125, 1.25, 1.375, 1.5, 1.625]).slo_met
+
+
+def _classed(times, slo_class, *, slo=SLO, output=None, req_id="r") -> RequestRecord:
+    rec = record(times, slo=slo, output=output, req_id=req_id)
+    rec.slo_class = slo_class
+    return rec
+
+
+def _chat_and_code() -> list[RequestRecord]:
+    return [
+        _classed([0.125, 0.25], "chat", req_id="c1"),  # met
+        _classed([1.5, 1.625], "chat", req_id="c2"),  # TTFT over: violated
+        _classed([0.75, 0.875, 1.0], "code", slo=E2E, req_id="k1"),  # late TTFT, met by e2e
+        _classed([0.125, 0.25, 1.5], "code", slo=E2E, req_id="k2"),  # quick TTFT, e2e late
+        _classed([0.125, 0.25], "code", slo=E2E, output=4, req_id="k3"),  # unfinished
+    ]
+
+
+def test_summarize_splits_attainment_by_slo_class():
+    summary = summarize(_chat_and_code(), offered_rate=5.0, duration_s=2.0)
+    assert summary["attainment"] == pytest.approx(2 / 5)
+    classes = summary["by_slo_class"]
+    assert list(classes) == ["chat", "code"]
+    chat, code = classes["chat"], classes["code"]
+    assert (chat["kind"], chat["requests"], chat["attainment"]) == ("ttft+tpot", 2, 0.5)
+    assert (code["kind"], code["requests"], code["attainment"]) == ("e2e", 3, pytest.approx(1 / 3))
+    assert code["ttft_ms"]["mean"] == pytest.approx((750 + 125 + 125) / 3)
+    assert code["e2e_ms"]["mean"] == pytest.approx((1000 + 1500) / 2)  # finished ones only
+    assert code["tpot_ms"]["p50"] == pytest.approx((125 + 687.5) / 2)
+    assert chat["e2e_ms"]["mean"] == pytest.approx((250 + 1625) / 2)
+    assert set(chat) == {"kind", "requests", "attainment", "ttft_ms", "tpot_ms", "e2e_ms"}
+
+
+def test_ttft_and_tpot_attainment_count_ttft_tpot_requests_only():
+    summary = summarize(_chat_and_code(), offered_rate=5.0, duration_s=2.0)
+    assert summary["ttft_attainment"] == 0.5  # chat: c1 of c1, c2
+    assert summary["tpot_attainment"] == 1.0  # both chat requests' TPOT is 125 ms
+    # over every request, as the envelope and the latency percentiles are
+    assert summary["envelope_attainment"] == pytest.approx(1 / 5)  # c1 alone
+    assert summary["e2e_ms"]["mean"] == pytest.approx((250 + 1625 + 1000 + 1500) / 4)
+    assert summary["ttft_ms"]["mean"] == pytest.approx((125 + 1500 + 750 + 125 + 125) / 5)
+    only_code = summarize(_chat_and_code()[2:], 3.0, 2.0)
+    assert only_code["ttft_attainment"] is None and only_code["tpot_attainment"] is None
+    assert only_code["by_prompt_tokens"]["<512"]["ttft_attainment"] is None
+
+
+def test_records_without_a_class_are_grouped_under_a_stated_label():
+    records = [record([0.125], req_id="a"), record([0.75, 1.0], slo=E2E, req_id="b"),
+               _classed([0.125], "chat", req_id="c")]
+    classes = summarize(records, 1.0, 1.0)["by_slo_class"]
+    assert UNCLASSED == "(no class)" and list(classes) == [UNCLASSED, "chat"]
+    assert classes[UNCLASSED]["kind"] == "mixed" and classes[UNCLASSED]["requests"] == 2
+    assert classes[UNCLASSED]["attainment"] == 1.0
+
+
+def test_latency_samples_keep_the_e2e_latency_of_finished_requests():
+    samples = latency_samples(_chat_and_code())
+    assert sorted(samples.e2e_ms) == pytest.approx([250, 1000, 1500, 1625])
+
+
+# ------------------------------------------------------------------ schema 1 regression
+def _v1_summary(records, offered_rate, duration_s) -> dict:
+    """summarize() as schema version 1 computed it (before the e2e kind), restated."""
+    total = len(records)
+    served = [r for r in records if not r.rejected and not r.aborted]
+    finished = [r for r in served if r.finished]
+
+    def ttft_met(r):
+        return (not r.rejected and not r.aborted and r.ttft_s is not None
+                and r.ttft_s <= r.slo.ttft_s)
+
+    def met(r):
+        return (not r.rejected and not r.aborted and r.finished and r.ttft_s <= r.slo.ttft_s
+                and r.max_tpot_s <= r.slo.tpot_s)
+
+    def percentiles(values):
+        if not values:
+            return {"p50": None, "p90": None, "p95": None, "p99": None, "mean": None}
+        array = np.asarray(values, dtype=float) * 1e3
+        return {**{f"p{p}": float(np.percentile(array, p)) for p in (50, 90, 95, 99)},
+                "mean": float(array.mean())}
+
+    buckets = {}
+    for r in records:
+        edges = (512, 1024, 2048, 4096)
+        labels = ["<512", "512-1023", "1024-2047", "2048-4095", ">=4096"]
+        buckets.setdefault(labels[sum(r.prompt_tokens >= e for e in edges)], []).append(r)
+    attainment = sum(map(met, records)) / total
+    multi = [r for r in finished if r.tokens_emitted >= 2]
+    return {
+        "rate": offered_rate, "requests": total, "attainment": attainment,
+        "effective_rps": offered_rate * attainment,
+        "envelope_attainment": sum(r.envelope_met and r.finished and not r.rejected
+                                   for r in records) / total,
+        "ttft_attainment": sum(map(ttft_met, records)) / total,
+        "tpot_attainment": sum(r.max_tpot_s <= r.slo.tpot_s for r in finished) / total,
+        "rejected": sum(r.rejected for r in records),
+        "aborted": sum(r.aborted for r in records),
+        "unfinished": len(served) - len(finished),
+        "preemptions": sum(r.preemptions for r in records),
+        "recomputed_tokens": sum(r.recomputed_tokens for r in records),
+        "output_tokens_per_s": sum(r.tokens_emitted for r in records) / duration_s,
+        "ttft_ms": percentiles([r.ttft_s for r in served if r.ttft_s is not None]),
+        "tpot_ms": percentiles([r.max_tpot_s for r in multi]),
+        "mean_tpot_ms": percentiles([r.mean_tpot_s for r in multi]),
+        "max_tbt_ms": percentiles([r.max_tbt_s for r in multi]),
+        "by_prompt_tokens": {
+            label: {"requests": len(members),
+                    "attainment": sum(map(met, members)) / len(members),
+                    "ttft_attainment": sum(map(ttft_met, members)) / len(members)}
+            for label, members in sorted(buckets.items(), key=lambda item: labels.index(item[0]))
+        },
+    }
+
+
+def _assert_v1_fields_unchanged(records, rate, duration):
+    summary = summarize(records, rate, duration)
+    expected = _v1_summary(records, rate, duration)
+    assert {key: summary[key] for key in expected} == expected  # exact, not approximate
+    assert list(summary["by_prompt_tokens"]) == list(expected["by_prompt_tokens"])
+
+
+def test_a_ttft_tpot_only_summary_keeps_every_version_1_value():
+    records = _mixed_records()
+    aborted = record([0.25, 0.5], output=3, req_id="g")
+    aborted.aborted = True
+    _assert_v1_fields_unchanged([*records, aborted], 7.0, 2.5)
+    classed = [_classed([0.125 * (i + 1), 0.25 * (i + 1)], ("a", "b", None)[i % 3], req_id=i)
+               for i in range(9)]
+    _assert_v1_fields_unchanged(classed, 3.0, 2.0)

@@ -46,11 +46,12 @@ def test_report_writes_every_table_and_figure(report_module, tmp_path):
                 "latency_cdf_qwen3-14b-h20.png"):
         assert (out / png).stat().st_size > 1000
     llama = json.loads((out / "results" / "llama3.1-8b-h100" / "results.json").read_text())
-    assert llama["schema_version"] == 1 and llama["rates"] == [8.0, 16.0]
+    assert llama["schema_version"] == 2 and llama["rates"] == [8.0, 16.0]
     grid = json.loads((out / "results" / "slo_grid.json").read_text())
     assert set(grid) == {"500/50", "500/200", "2000/50", "2000/200"}
     assert grid["500/50"]["scenario"]["slo"] == {
         "default_class": "report", "ttft_ms": 500.0, "tpot_ms": 50.0,
+        "classes": {"report": {"ttft_ms": 500.0, "tpot_ms": 50.0}},
     }
 
 
