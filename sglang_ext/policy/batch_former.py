@@ -75,8 +75,12 @@ def unserviceable_slo_reason(slo: Slo, coefficients: StepPredictor) -> str | Non
     if slo.tpot_s >= floor:
         return None
     smallest = coefficients.usable().smallest_step_s
+    subject = f"tpot_ms {slo.tpot_s * 1e3:g}"
+    if slo.is_end_to_end:
+        subject = (f"e2e_ms {slo.e2e_s * 1e3:g} paces its expected output at "
+                   f"{slo.tpot_s * 1e3:.1f} ms per token, which")
     return (
-        f"tpot_ms {slo.tpot_s * 1e3:g} is below this server's minimum of {floor * 1e3:.1f} ms: "
+        f"{subject} is below this server's minimum of {floor * 1e3:.1f} ms: "
         f"{MIN_TPOT_STEP_MULTIPLE:g} x its smallest step (one decode token, "
         f"{smallest * 1e3:.1f} ms predicted), so that no request "
         "takes more than half of every step from the others"

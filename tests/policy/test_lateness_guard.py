@@ -33,6 +33,13 @@ def test_door_refuses_a_tpot_below_the_floor_and_says_why() -> None:
     assert unserviceable_slo_reason(Slo(1.0, 0.0102), COEF) is None
 
 
+def test_door_words_an_e2e_refusal_by_its_target_and_expected_length() -> None:
+    tight = Slo.end_to_end_ms(1000, expected_output_tokens=200)  # 750 ms over 199 tokens
+    reason = unserviceable_slo_reason(tight, COEF)
+    assert reason is not None and "e2e_ms 1000 paces its expected output at 3.8 ms" in reason
+    assert unserviceable_slo_reason(tight.with_expected_output(50), COEF) is None
+
+
 def test_a_late_prefill_no_longer_sets_the_budget_for_everyone() -> None:
     late = request("late", -0.5, prefill=400)
     fresh = request("fresh", 0.8, prefill=400)
