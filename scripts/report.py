@@ -4,6 +4,7 @@ in the simulator, plus the policies that go beyond the paper.
 
     scripts/report.sh                      # the committed (reduced) report, both cores
     scripts/report.sh --full               # the full grid (see --help for its size)
+    scripts/report.sh --seed-systems       # only the seed systems' section (seed_systems.md)
 
 Writes ``OUT/report.md`` with the tables, ``OUT/*.png`` and ``OUT/results/*.json``
 (one ``results.json``-shaped document per sweep). Every number in the report is read
@@ -44,6 +45,10 @@ from sglang_ext.sim.sweep import (
 )
 from sglang_ext.sim.sweep import best_baseline as _best_baseline
 from sglang_ext.sim.workloads import Workload, bundled_sample, load_workload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from seed_systems import SETTINGS as SEED_SETTINGS  # noqa: E402
+from seed_systems import run_section as run_seed_systems  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
@@ -98,6 +103,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--grid-profile", default="llama3.1-8b-h100", help="profile of the SLO grid")
     parser.add_argument("--full", action="store_true", help="longer trace heads and finer rates")
     parser.add_argument("--no-grid", action="store_true", help="skip Table 5")
+    parser.add_argument("--seed-systems", action="store_true",
+                        help="run only the seed systems' section (Kairos, SLO-aware annealing, "
+                        "the batching study's policies beside FairBatching and the baselines) "
+                        "into OUT/seed_systems.md; --profiles picks its profiles")
     parser.add_argument("--from-results", action="store_true",
                         help="simulate nothing: rewrite OUT/report.md from OUT/results/ (the "
                         "figures are left as they are)")
@@ -298,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid_setting = GRID_FULL if args.full else GRID_REDUCED
     trace, trace_label = load_trace(args.trace)
     out = args.out
+    if args.seed_systems:
+        return seed_systems_section(args, trace, out)
     if args.from_results:
         return rerender(args, out, trace_label, settings, grid_setting)
     (out / "results").mkdir(parents=True, exist_ok=True)
@@ -332,6 +343,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.time() - started
     write_report(args, out, trace_label, settings, grid_setting, documents, grid, elapsed)
     print(f"wrote {out / 'report.md'} in {elapsed / 60:.1f} min", file=sys.stderr)
+    return 0
+
+
+def seed_systems_section(args: argparse.Namespace, trace: Workload, out: Path) -> int:
+    profiles = [p for p in args.profiles if p in SEED_SETTINGS]
+    unknown = sorted(set(args.profiles) - set(SEED_SETTINGS))
+    if unknown:
+        print(f"error: the seed systems' section has no setting for {', '.join(unknown)}; "
+              f"profiles: {', '.join(SEED_SETTINGS)}", file=sys.stderr)
+        return 2
+    command = "scripts/report.sh --seed-systems"
+    if tuple(args.profiles) != DEFAULT_PROFILES:
+        command += " --profiles " + " ".join(args.profiles)
+    if args.step_form != "knee":
+        command += f" --step-form {args.step_form}"
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    with tqdm(total=0, unit="sim", file=sys.stderr) as bar:
+        path = run_seed_systems(trace, profiles, seed=args.seed, step_form=args.step_form,
+                                jobs=args.jobs, out=out, command=command, bar=bar,
+                                from_results=args.from_results)
+    print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -417,6 +449,11 @@ def write_report(args, out: Path, trace_label: str, settings, grid_setting, docu
             "",
         ]
     lines += ["## Figure 7: breakdown", "", "![breakdown](breakdown.png)", ""]
+    if (out / "seed_systems.md").exists():
+        lines += ["## The seed systems", "",
+                  "Kairos, SLO-aware annealing and the batching study's policies beside "
+                  "FairBatching and the baselines, on a chat + code workload: "
+                  "[seed_systems.md](seed_systems.md) (`scripts/report.sh --seed-systems`).", ""]
     if grid:
         lines += [
             f"## Table 5: SLO grid ({args.grid_profile})",

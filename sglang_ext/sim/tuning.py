@@ -21,10 +21,13 @@ x 1/16 .. 16, integer for token counts (``cap``, ``chunk``): vLLM's queued-token
 prefill throughput at the budget (vLLM's sizing advice; the throughput is the profile's
 offline step-model fit); SGLang's queue timeout, the TTFT; the batching study's policies
 (``sglang_ext.sim.study_policies``): fixed-batch's ``timeout_ms``, dynamic-batch's ``low``,
-``high`` and ``latency_ms``, prefill-first's ``chunk``. A family with settings runs
-coordinate search: each setting in ``setting_names`` order at budget 512 (the others at
-their defaults), then the budget, then each setting again around its best. With one
-setting (budget x cap, budget x timeout, budget x chunk) that is three passes.
+``high`` and ``latency_ms``, prefill-first's ``chunk``; ``slo-anneal``'s ``batch`` (its
+maximum batch size, integer). A family with settings runs coordinate search: each tuned
+setting in ``setting_names`` order at budget 512 (the others at their defaults), then the
+budget, then each setting again around its best. With one setting (budget x cap, budget
+x timeout, budget x chunk, budget x batch) that is three passes. A policy whose
+``tuned_settings`` names a subset of its settings is tuned over that subset only (the
+annealing's temperatures, window and seed stay at their defaults).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ START_BUDGET = 512
 BUDGET_BOUNDS = (32, 8192)
 SETTING_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
 SETTING_BOUNDS = (1 / 16, 16.0)
-INTEGER_SETTINGS = ("cap", "chunk")  # token counts
+INTEGER_SETTINGS = ("cap", "chunk", "batch")  # token counts, a batch size
 
 Score = tuple[float, float]  # (peak effective RPS, mean effective RPS over the loads)
 #: the driver sends the scores of every label asked for, and gets the next labels to run
@@ -58,7 +61,7 @@ class Axis:
     def snap(self, value: float) -> float:
         low, high = self.bounds
         value = min(max(value, low), high)
-        return float(round(value)) if self.integer else round(value, 3)
+        return float(max(1, round(value))) if self.integer else round(value, 3)
 
     def next_values(self, tried: dict[float, Score]) -> list[float]:
         values = sorted(tried)
@@ -132,12 +135,18 @@ def setting_axis(setting: str, default: float) -> Axis:
                 integer=setting in INTEGER_SETTINGS)
 
 
+def tuned_settings(factory) -> tuple[str, ...]:
+    """The settings a sweep tunes: ``tuned_settings`` where a policy names them, else all
+    of its ``setting_names``."""
+    return tuple(getattr(factory, "tuned_settings", factory.setting_names))
+
+
 def tune(name: str, context: PolicyContext, budgets: Sequence[int] | None) -> Search:
     """The search for family ``name`` (a registered policy with tunables)."""
     factory = POLICIES.get(name)
     result = TuningResult(best="")
     budget = budget_axis(budgets)
-    if not factory.setting_names:
+    if not tuned_settings(factory):
         best = yield from _axis_search(budget, budget.grid, lambda b: _label(name, b), result)
         result.best = _label(name, best)
         result.edge = ["budget"] if budget.at_edge(best) else []
@@ -145,7 +154,7 @@ def tune(name: str, context: PolicyContext, budgets: Sequence[int] | None) -> Se
     start_budget = min(budget.grid, key=lambda b: abs(b - START_BUDGET))
     best_budget = start_budget if factory.takes_token_budget else None
     defaults = {setting: factory.default_setting(setting, context, int(start_budget))
-                for setting in factory.setting_names}
+                for setting in tuned_settings(factory)}
     axes = [setting_axis(setting, default) for setting, default in defaults.items()]
     values = {axis.name: axis.snap(defaults[axis.name]) for axis in axes}
 
