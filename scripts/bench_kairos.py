@@ -21,7 +21,6 @@ max-TPOT both met), reported per GPU. Workload: the bundled Azure sample's first
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -33,6 +32,9 @@ from sglang_ext.sim.disagg import DisaggConfig
 from sglang_ext.sim.profile import PROFILES_DIR, bundled_profile_path, load_profile
 from sglang_ext.sim.runner import Scenario, parse_policy, simulate
 from sglang_ext.sim.workloads import bundled_sample
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decision import write_outputs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench" / "kairos"
@@ -159,13 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     text = render(points, args, time.perf_counter() - start)
     print(text)
     if not args.no_write:
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.with_suffix(".md").write_text(text + "\n")
-        OUT.with_suffix(".json").write_text(json.dumps(
-            {"settings": {k: v for k, v in vars(args).items() if k != "no_write"},
-             "points": points},
-            indent=1) + "\n")
-        print(f"wrote {OUT.with_suffix('.md')}", file=sys.stderr)
+        write_outputs(OUT.parent, OUT.name, text + "\n", {
+            "settings": {k: v for k, v in vars(args).items() if k != "no_write"},
+            "points": points})
     return 0
 
 

@@ -42,7 +42,6 @@ time). Runs go to ``--jobs`` worker processes::
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -57,6 +56,9 @@ from sglang_ext.sim.profile import PROFILES_DIR, bundled_profile_path, load_prof
 from sglang_ext.sim.runner import Scenario, build_policy, parse_policy
 from sglang_ext.sim.slo_anneal import SloAnneal
 from sglang_ext.sim.workloads import ClassMix, bundled_sample
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decision import write_outputs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench" / "slo_anneal"
@@ -317,13 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     text = render(points, sweeps, args, seconds, catalog()[1])
     print(text)
     if not args.no_write:
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.with_suffix(".md").write_text(text + "\n")
-        OUT.with_suffix(".json").write_text(json.dumps(
-            {"settings": {k: v for k, v in vars(args).items() if k != "no_write"},
-             "class_mix": CLASS_MIX, "slo": catalog()[1], "wall_s": seconds,
-             "sweeps": sweeps, "points": points}, indent=1) + "\n")
-        print(f"wrote {OUT.with_suffix('.md')}", file=sys.stderr)
+        write_outputs(OUT.parent, OUT.name, text + "\n", {
+            "settings": {k: v for k, v in vars(args).items() if k != "no_write"},
+            "class_mix": CLASS_MIX, "slo": catalog()[1], "wall_s": seconds,
+            "sweeps": sweeps, "points": points})
     return 0
 
 
