@@ -34,7 +34,7 @@ __all__ = [
     "wait_exit",
 ]
 
-#: Flags the stock server needs on a CPU machine (see the README's emulated-GPU section).
+#: Flags the stock server needs on a CPU machine (see docs/sglang.md, the emulated-GPU section).
 CPU_ARGS: tuple[str, ...] = (
     "--device", "cpu",
     "--load-format", "dummy",
