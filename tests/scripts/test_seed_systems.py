@@ -65,17 +65,18 @@ def test_the_paper_schedule_row_is_the_short_schedules_tuned_setting():
 def test_every_row_reads_per_gpu_and_divides_by_the_best_baseline():
     table = "\n".join(ss.peak_table(_runs()))
     assert "Best baseline: **sarathi (512)** (12.00 req/s on one GPU)" in table
+    assert "without admission control: **sarathi (512)** (12.00)" in table
     kairos = next(line for line in table.splitlines() if line.startswith("| kairos (") or
                   line.startswith("| kairos |"))
     # 2 GPUs at 32 req/s with 0.6 attained: 19.2 effective, 9.6 per GPU at 16 per GPU
-    assert "| 2 | 9.60 | 16 | 0.80x |" in kairos
+    assert "| 2 | 9.60 | 16 | 0.80x | 0.80x | 2.40 | 0.33x |" in kairos
     short = next(line for line in table.splitlines() if line.startswith("| slo-anneal-short"))
-    assert "| 1 | 16.00 | 16 | 1.33x |" in short
+    assert "| 1 | 16.00 | 16 | 1.33x | 1.33x | 12.00 | 1.67x |" in short
     paper = next(line for line in table.splitlines() if line.startswith("| slo-anneal@512"))
     assert ">=16.80" in paper and "n/a (>=)" in paper  # peak at the highest load: no ratio
 
 
-def test_per_class_table_is_at_the_best_baselines_peak_load():
+def test_per_class_table_is_at_the_knee():
     rate, lines = ss.class_table(_runs())
     assert rate == 16.0
     rows = {line.split(" | ")[0]: line for line in lines[2:]}
