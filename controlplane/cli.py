@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.set_defaults(run=_drain, drain=flag)
 
     gateway = _command(commands, "gateway", "serve an OpenAI-compatible HTTP API in front of a daemon",
-                       "Serve POST /v1/completions (streamed or not), GET /v1/models, /health and "
+                       "Serve POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models, /health and "
                        "/metrics (Prometheus) over HTTP, forwarding every request to the daemon "
                        "through the SDK (retries included). Runs until SIGTERM or SIGINT; exits 1 "
                        "when it cannot listen, 2 on a usage error.")
@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="where to serve HTTP (default: %(default)s)")
     gateway.add_argument("--model", default="fairbatching",
                          help="the model name /v1/models lists and requests may name (default: %(default)s)")
+    gateway.add_argument("--chat-max-tokens", type=_positive_int, default=1024, metavar="N",
+                         help="output limit of a chat request that sets neither max_completion_tokens nor "
+                              "max_tokens (default: 1024)")
     gateway.add_argument("--api-key-file", metavar="FILE",
                          help="require 'Authorization: Bearer <the file's first line>' (not on /health)")
     gateway.add_argument("--allow-non-loopback", action="store_true",
@@ -155,7 +158,7 @@ def _gateway(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    settings = gateway.GatewaySettings(model=args.model, api_key=api_key)
+    settings = gateway.GatewaySettings(model=args.model, api_key=api_key, chat_max_tokens=args.chat_max_tokens)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -206,6 +209,16 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be 1 to 1000000, got {text}")
     return value
 
 

@@ -30,7 +30,7 @@ import random
 import threading
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,7 +45,7 @@ from controlplane.errors import (
     rejected,
 )
 from controlplane.protocol import (
-    DEFAULT_MAX_FRAME_BYTES, Cancel, Chunk, Dispatched, DrainRank, DrainReply, Finish, FinishReason,
+    CHAT_PROTOCOL_VERSION, DEFAULT_MAX_FRAME_BYTES, Cancel, ChatMessage, Chunk, Dispatched, DrainRank, DrainReply, Finish, FinishReason,
     FrameError, Ping, Pong, Prompt, RejectReason, SamplingParams, SloSpec, StatusReply, StatusRequest,
     Submit, client_reply_channel, client_request_channel, encode, retryable,
 )
@@ -171,6 +171,7 @@ class AsyncClient:
         self._drains: deque[tuple[str, asyncio.Future[DrainReply]]] = deque()
         self._nonces = itertools.count(1)
         self._daemon_id: str | None = None  # None: not yet known on this connection
+        self._daemon_protocol: int | None = None  # from its latest Pong on this connection
         self._incarnation = 0  # bumped on a disconnect or a new daemon id
         self._failure: ControlPlaneError | None = None
         self._closed = False
@@ -188,7 +189,7 @@ class AsyncClient:
     # ------------------------------------------------------------------ public calls
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Prompt,
         *,
         sampling: SamplingParams | None = None,
         max_new_tokens: int | None = None,
@@ -200,7 +201,45 @@ class AsyncClient:
 
         Raises a :class:`RequestRejected` subclass (:class:`InvalidRequest` before sending
         anything), :class:`DaemonUnavailable`, :class:`Cancelled` or :class:`RequestFailed`."""
-        submit = self._submit(prompt, sampling, max_new_tokens, slo, request_id, stream=False)
+        submit = self._submit(lambda: _text_or_ids(prompt), sampling, max_new_tokens, slo, request_id,
+                              stream=False)
+        return await self._complete(submit, deadline_s)
+
+    async def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int | None = None,
+        slo: SloSpec | str | dict | None = None,
+        deadline_s: float | None = None,
+        request_id: str | None = None,
+    ) -> Result:
+        """:meth:`generate` for a conversation: ``messages`` are :class:`ChatMessage` objects or
+        ``{"role", "content"[, "name"]}`` dicts (roles system, developer, user, assistant;
+        text content). The rank renders them with its model's chat template and the
+        result is the assistant's reply. Needs a daemon of protocol version 4 or later:
+        an older one raises :class:`InvalidRequest` before anything is sent."""
+        submit = self._submit(lambda: _messages(messages), sampling, max_new_tokens, slo, request_id,
+                              stream=False)
+        return await self._complete(submit, deadline_s)
+
+    def chat_stream(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        sampling: SamplingParams | None = None,
+        max_new_tokens: int | None = None,
+        slo: SloSpec | str | dict | None = None,
+        deadline_s: float | None = None,
+        request_id: str | None = None,
+    ) -> Stream:
+        """:meth:`stream` for a conversation (as :meth:`chat`)."""
+        submit = self._submit(lambda: _messages(messages), sampling, max_new_tokens, slo, request_id,
+                              stream=True)
+        return Stream(submit.request_id, self._exchange(submit, deadline_s))
+
+    async def _complete(self, submit: Submit, deadline_s: float | None) -> Result:
         exchange = self._exchange(submit, deadline_s)
         try:
             async for item in exchange:
@@ -212,7 +251,7 @@ class AsyncClient:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Prompt,
         *,
         sampling: SamplingParams | None = None,
         max_new_tokens: int | None = None,
@@ -230,7 +269,8 @@ class AsyncClient:
         Leaving early (break, an exception, task cancellation) cancels the request at the
         daemon: at once inside ``async with`` or on :meth:`Stream.aclose`, else when the
         stream is garbage-collected. Errors are raised by the iteration, as in :meth:`generate`."""
-        submit = self._submit(prompt, sampling, max_new_tokens, slo, request_id, stream=True)
+        submit = self._submit(lambda: _text_or_ids(prompt), sampling, max_new_tokens, slo, request_id,
+                              stream=True)
         return Stream(submit.request_id, self._exchange(submit, deadline_s))
 
     async def cancel(self, request_id: str) -> None:
@@ -294,14 +334,14 @@ class AsyncClient:
             self._socket.close(linger=0)
 
     # ------------------------------------------------------------------ one request
-    def _submit(self, prompt: str | Sequence[int], sampling: SamplingParams | None,
+    def _submit(self, prompt: Callable[[], Prompt], sampling: SamplingParams | None,
                 max_new_tokens: int | None, slo: SloSpec | str | dict | None,
                 request_id: str | None, *, stream: bool) -> Submit:
         """The request, checked as the daemon will check it (it drops, unanswered, a frame
         it cannot decode)."""
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         try:
-            body = Prompt(text=prompt) if isinstance(prompt, str) else Prompt(token_ids=[int(t) for t in prompt])
+            body = prompt()
             sampling = sampling if sampling is not None else SamplingParams()
             if max_new_tokens is not None:
                 sampling = msgspec.structs.replace(sampling, max_new_tokens=max_new_tokens)
@@ -339,7 +379,7 @@ class AsyncClient:
                 attempts += 1
                 if inbox.items and isinstance(stop := inbox.items[0], _Stop):
                     raise stop.error  # cancelled or closed during the backoff
-                await self._ensure_daemon(deadline_at, request_id)
+                await self._ensure_daemon(deadline_at, request_id, chat=submit.prompt.messages is not None)
                 self._send(msgspec.structs.replace(submit, deadline_s=_time_left(deadline_at, request_id)))
                 inbox.incarnation, outstanding = self._incarnation, True
                 while True:
@@ -419,16 +459,23 @@ class AsyncClient:
                 self._daemon_id = None
                 return _Lost(str(error))
 
-    async def _ensure_daemon(self, deadline_at: float | None, request_id: str) -> None:
-        """Know the daemon id of this connection before submitting (one ping when unknown)."""
-        if self._daemon_id is not None:
-            return
-        try:
-            await self.ping(_bounded(self.connect_timeout_s, _time_left(deadline_at, request_id)))
-        except DaemonUnavailable as error:
-            _time_left(deadline_at, request_id)
-            error.request_id = request_id
-            raise
+    async def _ensure_daemon(self, deadline_at: float | None, request_id: str, *, chat: bool = False) -> None:
+        """Know the daemon id of this connection before submitting (one ping when unknown)
+        and, for a chat request, that the daemon takes messages (an older one would drop
+        the frame unanswered)."""
+        if self._daemon_id is None or (chat and self._daemon_protocol is None):
+            try:
+                await self.ping(_bounded(self.connect_timeout_s, _time_left(deadline_at, request_id)))
+            except DaemonUnavailable as error:
+                _time_left(deadline_at, request_id)
+                error.request_id = request_id
+                raise
+        protocol = self._daemon_protocol
+        if chat and protocol is not None and protocol < CHAT_PROTOCOL_VERSION:
+            older = f"version {protocol}" if protocol else "a version older than 4"
+            raise rejected(RejectReason.INVALID, f"the daemon at {self.address} speaks protocol {older}, "
+                           f"which cannot take chat messages (version {CHAT_PROTOCOL_VERSION}); upgrade "
+                           "the daemon", request_id=request_id)
 
     # ------------------------------------------------------------------ the socket
     def _start(self) -> None:
@@ -519,6 +566,7 @@ class AsyncClient:
             return
         if isinstance(message, Pong):
             self._saw_daemon(message.daemon_id)
+            self._daemon_protocol = message.protocol
             waiter = self._pings.get(message.nonce)
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)
@@ -553,6 +601,7 @@ class AsyncClient:
         """Every attempt sent before now went to a daemon (or connection) that cannot answer it."""
         self._incarnation += 1
         self._daemon_id = daemon_id
+        self._daemon_protocol = None
         for inbox in self._inboxes.values():
             if inbox.incarnation is not None and inbox.incarnation < self._incarnation:
                 inbox.interrupt(_Lost(why))
@@ -563,6 +612,19 @@ class AsyncClient:
                 waiter.set_exception(error)
         self._statuses.clear()
         self._drains.clear()
+
+
+def _text_or_ids(prompt: str | Sequence[int] | Prompt) -> Prompt:
+    if isinstance(prompt, Prompt):
+        return prompt
+    return Prompt(text=prompt) if isinstance(prompt, str) else Prompt(token_ids=[int(t) for t in prompt])
+
+
+def _messages(messages: Sequence[ChatMessage | Mapping[str, Any]]) -> Prompt:
+    if isinstance(messages, (str, bytes, Mapping)):
+        raise TypeError("messages must be a list of messages")
+    return Prompt(messages=[m if isinstance(m, ChatMessage) else msgspec.convert(m, ChatMessage)
+                            for m in messages])
 
 
 def _time_left(deadline_at: float | None, request_id: str) -> float | None:
@@ -638,6 +700,14 @@ class Client:
     def stream(self, prompt: str | Sequence[int], **options: Any) -> SyncStream:
         """:meth:`AsyncClient.stream` as a plain iterator (``with client.stream(...) as s:``)."""
         return SyncStream(self, self._client.stream(prompt, **options))
+
+    def chat(self, messages: Sequence[ChatMessage | Mapping[str, Any]], **options: Any) -> Result:
+        """:meth:`AsyncClient.chat`; interrupting it (KeyboardInterrupt) cancels the request."""
+        return self._call(self._client.chat(messages, **options))
+
+    def chat_stream(self, messages: Sequence[ChatMessage | Mapping[str, Any]], **options: Any) -> SyncStream:
+        """:meth:`AsyncClient.chat_stream` as a plain iterator."""
+        return SyncStream(self, self._client.chat_stream(messages, **options))
 
     def cancel(self, request_id: str) -> None:
         self._call(self._client.cancel(request_id))

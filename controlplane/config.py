@@ -44,7 +44,8 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     max_queued: PositiveInt = 1024
     max_in_flight: PositiveInt = 65536
     local_inflight_cap: PositiveInt = 64  # per rank, when every rank is stale
-    chars_per_token: PositiveFloat = 4.0
+    chars_per_token: PositiveFloat = 4.0  # a text prompt's token estimate: its UTF-8 bytes / this
+    chat_tokens_per_message: Annotated[int, Meta(ge=0, le=4096)] = 5  # a chat template's tokens per turn
     seed: int = 0  # power_of_two's sampling
 
     stale_after_s: PositiveFloat = 1.0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,8 +30,9 @@ from controlplane.protocol import (
     Abort, AgentMessage, Cancel, Chunk, ClientReply, ClientRequest, DaemonToAgent, Dispatch,
     Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish, FinishReason, Goodbye,
     Heartbeat, Hello, Output, Ping, Pong, RankStatus, Reject, RejectReason, Report, StatusReply, StatusRequest, Submit, Welcome,
-    protocol_refusal, retryable,
+    PROTOCOL_VERSION, protocol_refusal, retryable,
 )
+from controlplane.prompt_estimate import estimate_prompt_tokens
 from controlplane.ratelimited_log import RateLimitedLog
 from controlplane.registry import Departure, HelloOutcome, RankRegistry, RankState, ReportOutcome
 
@@ -144,7 +144,7 @@ class DispatcherCore:
             case Cancel(request_id=request_id):
                 return self._cancel(identity, request_id, now)
             case Ping(nonce=nonce):
-                return [ToClient(identity, Pong(nonce, self.daemon_id, self.draining))]
+                return [ToClient(identity, Pong(nonce, self.daemon_id, self.draining, PROTOCOL_VERSION))]
             case StatusRequest():
                 return [ToClient(identity, self.status(now))]
             case DrainRank(rank=rank, drain=drain):
@@ -157,9 +157,8 @@ class DispatcherCore:
         if reject is not None:
             self.counters[f"rejected_{reject.reason}"] += 1
             return [ToClient(identity, reject)]
-        prompt = submit.prompt
-        prompt_tokens = (len(prompt.token_ids) if prompt.token_ids is not None
-                         else math.ceil(len(prompt.text.encode()) / self.config.chars_per_token))
+        prompt_tokens = estimate_prompt_tokens(submit.prompt, self.config.chars_per_token,
+                                               self.config.chat_tokens_per_message)
         deadline_at = now + submit.deadline_s if submit.deadline_s is not None else None
         pending = Pending(submit, identity, prompt_tokens, now, deadline_at)
         self._requests[submit.request_id] = pending

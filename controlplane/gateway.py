@@ -5,25 +5,31 @@
 - ``POST /v1/completions``: one prompt (text, or token ids) per request; ``stream``
   (server-sent events, ``stream_options.include_usage``), ``max_tokens``,
   ``temperature``, ``top_p``, ``stop``, ``seed``, and SGLang's ``top_k``, ``min_tokens``,
-  ``ignore_eos``. The SLO: ``"slo": "tight"``, ``{"ttft_ms": .., "tpot_ms": ..}``,
-  ``{"e2e_ms": ..}`` (end-to-end, optionally with ``ttft_ms``; not with ``tpot_ms``) or
-  a ``"class"`` with targets overridden, or SGLang's shape ``"custom_params": {"slo":
-  ...}``. ``deadline_s`` bounds the request.
-  What it cannot honour (``n`` > 1, ``best_of`` > 1, ``logprobs``, ``echo``, ``suffix``,
-  several prompts) is a 400, never silently ignored. The ``X-Request-Id`` header names
+  ``ignore_eos``. What it cannot honour (``n`` > 1, ``best_of`` > 1, ``logprobs``,
+  ``echo``, ``suffix``, several prompts) is a 400, never silently ignored.
+- ``POST /v1/chat/completions``: ``messages``, rendered by the serving rank with its
+  model's chat template; the same sampling fields (``max_completion_tokens`` or
+  ``max_tokens``; without either, ``GatewaySettings.chat_max_tokens``). What it accepts
+  and refuses (tools, ``n`` > 1, logprobs, images and other media, ...) is listed in
+  :mod:`controlplane.openai_api`; a model without a chat template is the rank's 400.
+- Both: the SLO is ``"slo": "tight"``, ``{"ttft_ms": .., "tpot_ms": ..}``,
+  ``{"e2e_ms": ..}`` (end-to-end, optionally with ``ttft_ms``; not with ``tpot_ms``) or a
+  ``"class"`` with targets overridden, or SGLang's shape ``"custom_params": {"slo":
+  ...}``. ``deadline_s`` bounds the request. Usage is in every unstreamed answer and,
+  streamed, only with ``stream_options.include_usage`` (a last chunk with empty
+  ``choices``; the others carry ``"usage": null``). The ``X-Request-Id`` header names
   the request (else a fresh id); retries inside the SDK keep it.
 - ``GET /v1/models``, ``GET /health`` (200 when the daemon answers a ping, else 503),
   ``GET /metrics`` (Prometheus text: the daemon's counters and per-rank load, one status
   request per scrape, plus this gateway's responses by status).
 
-Errors use OpenAI's shape ``{"error": {"message", "type", "code"}}``: 400 invalid, 404
-unknown model, 401 bad API key, 429 no budget / overloaded / queue timeout (with
-``Retry-After``), 500 the daemon or the rank failed the request (code ``internal`` when
-the daemon failed handling it), 502 rank lost, 503 no ranks / daemon unavailable or
-draining, 504 deadline. After a stream has started an error is sent as a last
-``data: {"error": ..}`` event before ``data: [DONE]``. A client that disconnects
-cancels its request.
-Chat completions need the model's chat template, which only the servers have: 404 here.
+Every failure has OpenAI's shape ``{"error": {"message", "type", "code"}}``: 400 invalid,
+404 unknown model or endpoint, 405 wrong method, 413 body too large, 401 bad API key,
+429 no budget / overloaded / queue timeout (with ``Retry-After``), 500 the daemon or the
+rank failed the request (code ``internal`` when the daemon failed handling it), 502
+rank lost, 503 no ranks / daemon unavailable or draining, 504 deadline. After a stream
+has started an error is sent as a last ``data: {"error": ..}`` event before ``data:
+[DONE]``. A client that disconnects cancels its request.
 """
 
 from __future__ import annotations
@@ -36,17 +42,22 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
 
-from controlplane.client import AsyncClient, Result, StreamChunk
+from controlplane.client import AsyncClient
 from controlplane.errors import (
     Cancelled, ControlPlaneError, DaemonUnavailable, DeadlineExceeded, DuplicateRequest,
     InternalError, InvalidRequest, NoBudget, NoRanks, Overloaded, QueueTimeout, RankLost,
     RequestFailed, ShuttingDown,
 )
-from controlplane.protocol import SamplingParams, SloSpec, StatusReply
+from controlplane.openai_api import (
+    ChatCompletionRequest, ChatRequestError, CompletionRequest, chat_chunk, chat_completion, chat_prompt,
+    text_chunk, text_completion, usage,
+)
+from controlplane.protocol import Prompt, SamplingParams, SloSpec, StatusReply
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 CLIENT_KEY: web.AppKey[AsyncClient] = web.AppKey("client", AsyncClient)
@@ -58,36 +69,7 @@ RESPONSES_KEY: web.AppKey[Counter[int]] = web.AppKey("responses", Counter)
 class GatewaySettings:
     model: str = "fairbatching"
     api_key: str | None = None  # required as ``Authorization: Bearer <key>`` when set
-
-
-class StreamOptions(msgspec.Struct, frozen=True):
-    include_usage: bool = False
-
-
-class CompletionRequest(msgspec.Struct, frozen=True):
-    """The body of ``POST /v1/completions``; unknown fields are ignored, as OpenAI's
-    clients send more than any server honours."""
-
-    prompt: str | list[int | str | list[int]]
-    model: str | None = None
-    max_tokens: int | None = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    best_of: int | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    slo: str | dict[str, object] | None = None
-    custom_params: dict[str, object] | None = None
-    deadline_s: float | None = None
+    chat_max_tokens: int = 1024  # a chat request's output limit when it sets none
 
 
 class BadRequest(ValueError):
@@ -100,6 +82,7 @@ def build_app(client: AsyncClient, settings: GatewaySettings) -> web.Application
     app[SETTINGS_KEY] = settings
     app[RESPONSES_KEY] = Counter()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -108,33 +91,46 @@ def build_app(client: AsyncClient, settings: GatewaySettings) -> web.Application
 
 # ---------------------------------------------------------------------- handlers
 async def completions(request: web.Request) -> web.StreamResponse:
+    body = _parse(await request.read(), CompletionRequest)
+    prompt = _completion_prompt(body)
+    return await _serve(request, body, prompt, _TextRender())
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = _parse(await request.read(), ChatCompletionRequest)
+    try:
+        prompt = chat_prompt(body.messages)
+    except ChatRequestError as error:
+        raise BadRequest(str(error)) from None
+    return await _serve(request, body, prompt, _ChatRender())
+
+
+async def _serve(request: web.Request, body: CompletionRequest | ChatCompletionRequest, prompt: Prompt,
+                 render: _TextRender | _ChatRender) -> web.StreamResponse:
     client, settings = request.app[CLIENT_KEY], request.app[SETTINGS_KEY]
-    body = _parse(await request.read())
     if body.model is not None and body.model != settings.model:
         return _error(404, f"model {body.model!r} is not served here (it is {settings.model!r})",
                       "invalid_request_error", "model_not_found")
-    prompt, sampling, slo = _translate(body)
+    sampling, slo = _translate(body, settings.chat_max_tokens)
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     created = int(time.time())
+    model = settings.model
     if not body.stream:
         result = await client.generate(prompt, sampling=sampling, slo=slo, deadline_s=body.deadline_s,
-                                       request_id=request_id)
-        return web.json_response(_completion(result, settings.model, created))
+                                      request_id=request_id)
+        return web.json_response(render.whole(result, model, created))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return await _stream(request, client.stream(prompt, sampling=sampling, slo=slo,
-                                                deadline_s=body.deadline_s, request_id=request_id),
-                         settings.model, created, include_usage)
-
-
-async def _stream(request: web.Request, stream, model: str, created: int,
-                  include_usage: bool) -> web.StreamResponse:
+    stream = client.stream(prompt, sampling=sampling, slo=slo, deadline_s=body.deadline_s,
+                                   request_id=request_id)
     response: web.StreamResponse | None = None
+    usage_field = {"usage": None} if include_usage else {}
     async with stream:
         try:
-            async for chunk in stream:
+            async for piece in stream:
                 if response is None:
                     response = await _start_events(request, stream.request_id)
-                await _event(response, _chunk(stream.request_id, model, created, chunk))
+                await _event(response, {**render.piece(stream.request_id, model, created, piece.text),
+                                        **usage_field})
         except ControlPlaneError as error:
             if response is None:
                 raise
@@ -145,14 +141,46 @@ async def _stream(request: web.Request, stream, model: str, created: int,
     result = stream.result
     if response is None:  # finished without output
         response = await _start_events(request, result.request_id)
-    final = _chunk(result.request_id, model, created, None, finish_reason=str(result.finish_reason))
-    await _event(response, final)
+    await _event(response, {**render.last(result.request_id, model, created, str(result.finish_reason)),
+                            **usage_field})
     if include_usage:
-        await _event(response, {**_chunk(result.request_id, model, created, None), "choices": [],
-                                "usage": _usage(result)})
+        await _event(response, {**render.last(result.request_id, model, created, None), "choices": [],
+                                "usage": usage(result)})
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+class _TextRender:
+    whole = staticmethod(text_completion)
+
+    @staticmethod
+    def piece(request_id: str, model: str, created: int, text: str) -> dict[str, object]:
+        return text_chunk(request_id, model, created, text)
+
+    @staticmethod
+    def last(request_id: str, model: str, created: int, finish: str | None) -> dict[str, object]:
+        return text_chunk(request_id, model, created, "", finish)
+
+
+class _ChatRender:
+    """The first delta states the role, as OpenAI's does."""
+
+    whole = staticmethod(chat_completion)
+
+    def __init__(self) -> None:
+        self._role_sent = False
+
+    def piece(self, request_id: str, model: str, created: int, text: str) -> dict[str, object]:
+        return chat_chunk(request_id, model, created, self._delta(text))
+
+    def last(self, request_id: str, model: str, created: int, finish: str | None) -> dict[str, object]:
+        return chat_chunk(request_id, model, created, self._delta("") if not self._role_sent else {}, finish)
+
+    def _delta(self, text: str) -> dict[str, str]:
+        delta = {"content": text} if self._role_sent else {"role": "assistant", "content": text}
+        self._role_sent = True
+        return delta
 
 
 async def models(request: web.Request) -> web.Response:
@@ -182,23 +210,23 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # ---------------------------------------------------------------------- translation
-def _parse(raw: bytes) -> CompletionRequest:
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+def _parse(raw: bytes, kind: type[Body]) -> Body:
     try:
-        body = msgspec.json.decode(raw, type=CompletionRequest)
+        body = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as error:
         raise BadRequest(f"invalid request body: {error}") from None
     except msgspec.DecodeError as error:
         raise BadRequest(f"the body is not JSON: {error}") from None
-    unsupported = [name for name, used in (
-        ("n > 1", body.n != 1), ("best_of > 1", (body.best_of or 1) != 1),
-        ("logprobs", body.logprobs is not None), ("echo", body.echo), ("suffix", bool(body.suffix)),
-    ) if used]
+    unsupported = body.refusals()
     if unsupported:
         raise BadRequest(f"not supported by this gateway: {', '.join(unsupported)}")
     return body
 
 
-def _translate(body: CompletionRequest) -> tuple[str | list[int], SamplingParams, SloSpec | None]:
+def _completion_prompt(body: CompletionRequest) -> Prompt:
     prompt = body.prompt
     if isinstance(prompt, list) and not all(isinstance(item, int) for item in prompt):
         if len(prompt) != 1:
@@ -206,8 +234,21 @@ def _translate(body: CompletionRequest) -> tuple[str | list[int], SamplingParams
         prompt = prompt[0]
         if isinstance(prompt, int):
             raise BadRequest("prompt: expected text, token ids, or a list of one of them")
-    fields: dict[str, object] = {"max_new_tokens": 16 if body.max_tokens is None else body.max_tokens,
+    try:
+        body_prompt = Prompt(text=prompt) if isinstance(prompt, str) else Prompt(token_ids=prompt)
+        body_prompt.validate()
+    except ValueError as error:
+        raise BadRequest(f"prompt: {error}") from None
+    return body_prompt
+
+
+def _translate(body: CompletionRequest | ChatCompletionRequest,
+               chat_max_tokens: int) -> tuple[SamplingParams, SloSpec | None]:
+    output_tokens = body.output_tokens
+    fields: dict[str, object] = {"max_new_tokens": 16 if output_tokens is None else output_tokens,
                                  "ignore_eos": body.ignore_eos}
+    if isinstance(body, ChatCompletionRequest) and output_tokens is None:
+        fields["max_new_tokens"] = chat_max_tokens
     for name, value in (("temperature", body.temperature), ("top_p", body.top_p), ("top_k", body.top_k),
                         ("min_new_tokens", body.min_tokens), ("seed", body.seed)):
         if value is not None:
@@ -217,39 +258,18 @@ def _translate(body: CompletionRequest) -> tuple[str | list[int], SamplingParams
     slo = body.slo
     if slo is None and body.custom_params is not None:
         slo = body.custom_params.get("slo")
+    max_name = "max_tokens" if isinstance(body, CompletionRequest) or body.max_completion_tokens is None \
+        else "max_completion_tokens"
     try:
         sampling = msgspec.convert(fields, SamplingParams)
         if isinstance(slo, str):
             slo = SloSpec(slo_class=slo)
         elif slo is not None:
             slo = msgspec.convert(slo, SloSpec)
-    except msgspec.ValidationError as error:
-        message = str(error).replace("max_new_tokens", "max_tokens").replace("min_new_tokens", "min_tokens")
+    except (msgspec.ValidationError, ValueError) as error:
+        message = str(error).replace("max_new_tokens", max_name).replace("min_new_tokens", "min_tokens")
         raise BadRequest(f"invalid request body: {message}") from None
-    return prompt, sampling, slo
-
-
-def _completion(result: Result, model: str, created: int) -> dict[str, object]:
-    return {"id": f"cmpl-{result.request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": result.text, "logprobs": None,
-                         "finish_reason": _finish_reason(str(result.finish_reason))}],
-            "usage": _usage(result)}
-
-
-def _chunk(request_id: str, model: str, created: int, chunk: StreamChunk | None,
-           finish_reason: str | None = None) -> dict[str, object]:
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": chunk.text if chunk else "", "logprobs": None,
-                         "finish_reason": _finish_reason(finish_reason)}]}
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else {"length": "length", "stop": "stop"}.get(reason, reason)
-
-
-def _usage(result: Result) -> dict[str, int]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+    return sampling, slo
 
 
 async def _start_events(request: web.Request, request_id: str) -> web.StreamResponse:
@@ -290,6 +310,14 @@ def _error(status: int, message: str, error_type: str, code: str,
                              status=status, headers=headers)
 
 
+_HTTP_ERRORS = {
+    404: "no such endpoint (this gateway serves /v1/completions, /v1/chat/completions, /v1/models, "
+         "/health, /metrics)",
+    405: "method not allowed on this endpoint",
+    413: f"the request body is over {MAX_BODY_BYTES} bytes",
+}
+
+
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
     settings = request.app[SETTINGS_KEY]
@@ -309,9 +337,13 @@ async def _errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
         retry_after = getattr(error, "retry_after_s", None)
         headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
         response = _error(status, message, error_type, code, headers)
-    except web.HTTPException as error:
-        request.app[RESPONSES_KEY][error.status] += 1
-        raise
+    except web.HTTPException as error:  # aiohttp's own: no such route, wrong method, body too large
+        if error.status < 400:
+            request.app[RESPONSES_KEY][error.status] += 1
+            raise
+        response = _error(error.status, _HTTP_ERRORS.get(error.status, error.reason),
+                          "invalid_request_error", error.reason.lower().replace(" ", "_"),
+                          {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None)
     request.app[RESPONSES_KEY][response.status] += 1
     return response
 

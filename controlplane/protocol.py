@@ -36,6 +36,11 @@ misread never joins. A ``Hello`` without the field is version 1.
 - 3: :attr:`SloSpec.e2e_ms`, the end-to-end SLO, in ``Dispatch``. A version-2 agent
   cannot decode a ``Dispatch`` that carries it and would drop it: the request would
   hang at the daemon until its deadline.
+- 4: :attr:`Prompt.messages`, a chat conversation the rank renders with its model's
+  chat template, in ``Submit`` and ``Dispatch``. A version-3 agent would drop such a
+  ``Dispatch``, so it is fenced; a version-3 daemon would drop such a ``Submit``
+  unanswered, so the daemon states its version in :attr:`Pong.protocol` (absent: 3 or
+  older) and the SDK refuses to send messages to an older one.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from typing import Annotated, Final, Generic, TypeVar
+from typing import Annotated, Final, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -51,7 +56,8 @@ from msgspec import Meta, Struct
 MAGIC: Final = b"\xfb"
 SCHEMA_VERSION: Final = 1
 HEADER: Final = MAGIC + bytes([SCHEMA_VERSION])
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
+CHAT_PROTOCOL_VERSION: Final = 4  # the first version with ``Prompt.messages``
 LEGACY_PROTOCOL_VERSION: Final = 1  # a Hello without ``protocol``
 UNSUPPORTED_PROTOCOL: Final = "unsupported protocol"  # Fenced.detail prefix
 MAX_SLO_CLASSES: Final = 64
@@ -61,6 +67,7 @@ DEFAULT_MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 #: an e2e SLO's first-token share of ``e2e_ms`` when it states no ``ttft_ms``: the ranks'
 #: (``sglang_ext.policy.slo.E2E_TTFT_SHARE``; a test keeps the two equal)
 E2E_TTFT_SHARE: Final = 0.25
+MAX_CHAT_MESSAGES: Final = 1024
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 RankId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
@@ -137,19 +144,33 @@ class SloSpec(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=Tru
         return msgspec.to_builtins(self)
 
 
+class ChatMessage(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One turn of a conversation (protocol version 4), text only."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, Meta(max_length=1_000_000)]
+    name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+
+
 class Prompt(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """Exactly one of ``text`` and ``token_ids``."""
+    """Exactly one of ``text``, ``token_ids`` and ``messages``. ``messages`` (protocol
+    version 4) is a conversation the rank renders with its model's chat template, adding
+    the assistant's turn header, as an OpenAI chat completion does."""
 
     text: Annotated[str, Meta(max_length=1_000_000)] | None = None
     token_ids: list[TokenId] | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_CHAT_MESSAGES)] | None = None
 
     def validate(self) -> None:
-        if (self.text is None) == (self.token_ids is None):
-            raise ValueError("a prompt needs exactly one of text and token_ids")
+        given = sum(form is not None for form in (self.text, self.token_ids, self.messages))
+        if given != 1:
+            raise ValueError("a prompt needs exactly one of text, token_ids and messages")
         if self.token_ids is not None and not self.token_ids:
             raise ValueError("token_ids must not be empty")
         if self.text is not None and not self.text:
             raise ValueError("text must not be empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
 
 
 # ------------------------------------------------------------------ client -> daemon
@@ -229,9 +250,13 @@ class Reject(Struct, frozen=True, tag="reject", omit_defaults=True):
 
 
 class Pong(Struct, frozen=True, tag="pong"):
+    """``protocol``: the daemon's ``PROTOCOL_VERSION``; 0 from a daemon older than 4,
+    which did not send it."""
+
     nonce: int
     daemon_id: str
     draining: bool = False
+    protocol: int = 0
 
 
 class RankStatus(Struct, frozen=True):
@@ -294,7 +319,7 @@ def protocol_refusal(version: int) -> str | None:
     upgrade = "the rank agent" if version < PROTOCOL_VERSION else "the daemon"
     return (f"{UNSUPPORTED_PROTOCOL}: the rank speaks protocol version {version}, the daemon "
             f"speaks version {PROTOCOL_VERSION} (per-SLO-class budgets in Report since 2, "
-            f"end-to-end SLOs in Dispatch since 3); upgrade {upgrade}")
+            f"end-to-end SLOs in Dispatch since 3, chat messages since 4); upgrade {upgrade}")
 
 
 class Goodbye(Struct, frozen=True, tag="goodbye", forbid_unknown_fields=True):

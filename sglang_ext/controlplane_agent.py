@@ -19,8 +19,9 @@ computes, and without one the daemon's ``pab`` policy could never route here.
   follows suit: ``Draining`` (the daemon dispatches nothing new here), its requests
   finish with their ``Done``, then ``Goodbye``. Its engine,
   :class:`SGLangRankEngine`, turns each ``Dispatch`` into a streamed
-  ``GenerateReqInput`` (pinned with ``routed_dp_rank`` when ``dp_size > 1``) and feeds
-  ``TokenizerManager.generate_request``. A request the admission gate refuses
+  ``GenerateReqInput``, pinned with ``routed_dp_rank`` when ``dp_size > 1`` (a chat
+  conversation goes through SGLang's own chat handler, so the server's chat template
+  renders it), and feeds ``TokenizerManager.generate_request``. A request the admission gate refuses
   (:mod:`sglang_ext.admission_http`, checked against the rank it is pinned to) ends with
   ``Done(no_budget=True)``: the daemon answers the client ``no_budget`` (retryable,
   with its ``retry_after_s``) and releases the debit; it does not re-dispatch it.
@@ -231,6 +232,53 @@ def generate_request_input(dispatch: Any, dp_index: int, dp_size: int) -> Any:
     )
 
 
+def chat_request_input(dispatch: Any, serving_chat: Any, dp_index: int, dp_size: int) -> Any:
+    """The ``GenerateReqInput`` for a ``Dispatch`` whose prompt is ``messages``: what
+    SGLang's own ``/v1/chat/completions`` handler (``serving_chat``, the server's
+    ``OpenAIServingChat``) makes of the same conversation (its chat template, the
+    template's stop strings, its content format), streamed, with the dispatch's id,
+    sampling, SLO and dispatch sequence, pinned like :func:`generate_request_input`.
+    Raises ``ValueError`` for a conversation the model cannot take, naming why."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    if not has_chat_template(serving_chat.template_manager, serving_chat.tokenizer_manager.tokenizer):
+        raise ValueError("the model has no chat template (start its server with --chat-template, "
+                         "or send a prompt to /v1/completions)")
+    sampling = dispatch.sampling
+    custom_params: dict[str, Any] = {DISPATCH_SEQ_KEY: dispatch.dispatch_seq}
+    if dispatch.slo is not None:
+        custom_params["slo"] = dispatch.slo.as_custom_params()
+    messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+                for m in dispatch.prompt.messages]
+    request = ChatCompletionRequest(
+        messages=messages, max_completion_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        min_tokens=sampling.min_new_tokens, stop=list(sampling.stop) or None,
+        ignore_eos=sampling.ignore_eos, seed=sampling.seed, stream=True, rid=dispatch.request_id,
+        routed_dp_rank=dp_index if dp_size > 1 else None, custom_params=custom_params,
+    )
+    obj, _ = serving_chat._convert_to_internal_request(request, None)
+    return obj
+
+
+def has_chat_template(template_manager: Any, tokenizer: Any) -> bool:
+    """Whether SGLang can render a conversation for this model: a named or Python chat
+    template chosen by the server, or a Jinja template in the tokenizer."""
+    return (template_manager.chat_template_name is not None
+            or template_manager.python_chat_template is not None
+            or getattr(tokenizer, "chat_template", None) is not None)
+
+
+def server_serving_chat() -> Any:
+    """The server's ``OpenAIServingChat`` (made at start-up, in this process)."""
+    from sglang.srt.entrypoints import http_server
+
+    serving_chat = getattr(http_server.app.state, "openai_serving_chat", None)
+    if serving_chat is None:
+        raise RuntimeError("this SGLang server has no chat handler (not started by launch_server?)")
+    return serving_chat
+
+
 @dataclass(frozen=True)
 class FinishOutcome:
     """How SGLang ended a request, in the control plane's terms."""
@@ -316,7 +364,14 @@ class SGLangRankEngine:
 
         tm = self.tokenizer_manager
         received = time.monotonic()
-        obj = generate_request_input(dispatch, self.dp_index[dispatch.rank], self.dp_size)
+        dp_index = self.dp_index[dispatch.rank]
+        if dispatch.prompt.messages is None:
+            obj = generate_request_input(dispatch, dp_index, self.dp_size)
+        else:
+            try:
+                obj = chat_request_input(dispatch, server_serving_chat(), dp_index, self.dp_size)
+            except ValueError as error:  # SGLang's handler answers these with a 400
+                raise InvalidRequest(str(error)) from None
         await self._wait_rid_free(dispatch.request_id)
         deltas = OutputDeltas(bool(getattr(tm, "incremental_streaming_output", False)))
         first_token_at: float | None = None

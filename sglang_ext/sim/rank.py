@@ -13,6 +13,9 @@ fake (``" tok"`` per token, deterministic token ids); timings, batching, KV use 
 the reported budgets (the default class's PAB and each SLO class's, from the policy's
 ``admission_budgets``) are the simulator's.
 
+A chat dispatch (``Prompt.messages``) is rendered with a fixed template of its own
+(:func:`render_chat`) and counted like text.
+
 A dispatch that cannot fit this rank's KV cache even alone is refused as invalid (it
 can never be served); one the policy's admission refuses (``+reject`` or the ``*-pab``
 policies) is refused for lack of budget (the daemon answers ``no_budget``).
@@ -66,9 +69,20 @@ EXIT_USAGE = 2
 
 
 def prompt_tokens(prompt: Prompt) -> int:
+    """Token ids count as given; text, and a conversation rendered with
+    :func:`render_chat`, count ``ceil(utf8 bytes / CHARS_PER_TOKEN)``."""
     if prompt.token_ids is not None:
         return len(prompt.token_ids)
-    return max(1, math.ceil(len((prompt.text or "").encode()) / CHARS_PER_TOKEN))
+    text = render_chat(prompt) if prompt.messages is not None else prompt.text or ""
+    return max(1, math.ceil(len(text.encode()) / CHARS_PER_TOKEN))
+
+
+def render_chat(prompt: Prompt) -> str:
+    """A simulated rank's chat template (it has no model): ``<|role|>content<|end|>`` per
+    turn, then the assistant's header: 20 bytes (5 counted tokens) of markup per turn,
+    near the daemon's default ``chat_tokens_per_message``."""
+    turns = "".join(f"<|{m.role:>9}|>{m.content}<|end|>" for m in prompt.messages or ())
+    return turns + f"<|{'assistant':>9}|>"
 
 
 def fake_token_ids(request_id: str, start: int, stop: int) -> list[int]:

@@ -18,7 +18,7 @@ from controlplane.client import AsyncClient, Client, Result, StreamChunk
 from controlplane.config import DaemonConfig
 from controlplane.protocol import (
     PROTOCOL_VERSION,
-    Cancel, Chunk, Dispatch, Dispatched, Done, Fenced, Finish, FinishReason, Heartbeat, Hello,
+    ChatMessage, Cancel, Chunk, Dispatch, Dispatched, Done, Fenced, Finish, FinishReason, Heartbeat, Hello,
     Output, Ping, Pong, Reject, RejectReason, Report, SamplingParams, SloSpec, StatusReply,
     StatusRequest, Submit, Welcome, client_request_channel, daemon_to_agent_channel, encode,
 )
@@ -42,10 +42,12 @@ Script = Callable[["FakeDaemon", bytes, Submit], Awaitable[None]]
 class FakeDaemon:
     """A ROUTER that answers pings and status requests and runs ``script`` for each Submit."""
 
-    def __init__(self, address: str, script: Script | None = None, daemon_id: str = "fake-A") -> None:
+    def __init__(self, address: str, script: Script | None = None, daemon_id: str = "fake-A",
+                 protocol: int = PROTOCOL_VERSION) -> None:
         self.address = address
         self.script = script
         self.daemon_id = daemon_id
+        self.protocol = protocol  # 0: a daemon older than 4, whose Pong has no version
         self.answer_pings = True
         self.received: list[object] = []
         self._socket: zmq.asyncio.Socket | None = None
@@ -102,7 +104,7 @@ class FakeDaemon:
             message = channel.decode(frame)
             self.received.append(message)
             if isinstance(message, Ping) and self.answer_pings:
-                self.send(identity, Pong(message.nonce, self.daemon_id))
+                self.send(identity, Pong(message.nonce, self.daemon_id, protocol=self.protocol))
             elif isinstance(message, StatusRequest):
                 self.send(identity, StatusReply(self.daemon_id, "pab", 1.0, False, 0, 0, [], {"submits": 1}))
             elif isinstance(message, Submit) and self.script is not None:
@@ -616,6 +618,9 @@ def test_sync_client(address: str) -> None:
             with client.stream("Hi") as stream:
                 assert [c.text for c in stream] == ["hel", "lo"]
             assert stream.result.text == "hello"
+            assert client.chat([{"role": "user", "content": "Hi"}]).text == "hello"
+            with client.chat_stream([ChatMessage("user", "Hi")]) as stream:
+                assert [c.text for c in stream] == ["hel", "lo"]
             assert client.ping().daemon_id == "fake-A" and client.status().policy == "pab"
             daemon.script = chunk_then_hang
             for _ in client.stream("Hi"):
@@ -809,5 +814,57 @@ async def test_a_contradictory_e2e_slo_is_refused_locally_saying_why(address: st
             result = await client.generate("x", slo={"class": "code", "e2e_ms": 20_000})
             assert result.finish_reason is not None
         assert [s.slo for s in daemon.submits] == [SloSpec("code", e2e_ms=20_000)]
+    finally:
+        await daemon.stop()
+
+
+# ---------------------------------------------------------------------- chat
+@run_in_loop
+async def test_chat_sends_the_conversation_and_returns_the_reply(address: str) -> None:
+    daemon = await FakeDaemon(address, serve_ok).start()
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ann"}]
+    try:
+        async with AsyncClient(address, **FAST) as client:
+            result = await client.chat(conversation, max_new_tokens=8, slo="tight", request_id="c-1")
+            async with client.chat_stream([ChatMessage("user", "Again")]) as stream:
+                chunks = [chunk.text async for chunk in stream]
+        assert (result.request_id, result.text, chunks) == ("c-1", "hello", ["hel", "lo"])
+        first, second = daemon.submits
+        assert first.prompt.messages == [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi", "ann")]
+        assert (first.prompt.text, first.prompt.token_ids, first.stream) == (None, None, False)
+        assert first.sampling.max_new_tokens == 8 and first.slo.slo_class == "tight"
+        assert second.prompt.messages == [ChatMessage("user", "Again")] and second.stream
+    finally:
+        await daemon.stop()
+
+
+@run_in_loop
+async def test_chat_to_a_daemon_older_than_protocol_4_is_refused_before_sending(address: str) -> None:
+    daemon = await FakeDaemon(address, serve_ok, protocol=0).start()
+    try:
+        async with AsyncClient(address, **FAST) as client:
+            with pytest.raises(errors.InvalidRequest, match="older than 4.*upgrade the daemon"):
+                await client.chat([{"role": "user", "content": "Hi"}])
+            assert (await client.generate("plain text still works")).text == "hello"
+        assert [s.prompt.text for s in daemon.submits] == ["plain text still works"]
+    finally:
+        await daemon.stop()
+
+
+@pytest.mark.parametrize(("messages", "fragment"), [
+    ([], "messages must not be empty"),
+    ([{"role": "robot", "content": "x"}], "role"),
+    ([{"role": "user"}], "content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], "content"),
+    ("Hi", "a list of messages"),
+])
+@run_in_loop
+async def test_malformed_conversations_are_refused_locally(address: str, messages, fragment: str) -> None:
+    daemon = await FakeDaemon(address, serve_ok).start()
+    try:
+        async with AsyncClient(address, **FAST) as client:
+            with pytest.raises(errors.InvalidRequest, match=fragment):
+                await client.chat(messages)
+        assert not daemon.submits
     finally:
         await daemon.stop()

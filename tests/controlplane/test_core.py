@@ -330,7 +330,7 @@ def test_ping_and_status():
     core = make_core()
     join(core, "r0", pab=4_000)
     submit(core, "a", tokens=1_000)
-    assert core.on_client(CLIENT, Ping(7), 0.0)[0].message == Pong(7, "daemon-A")
+    assert core.on_client(CLIENT, Ping(7), 0.0)[0].message == Pong(7, "daemon-A", protocol=PROTOCOL_VERSION)
     (status,) = replies(core.on_client(CLIENT, StatusRequest(), 0.5), StatusReply)
     (rank,) = status.ranks
     assert (rank.rank, rank.pab_tokens, rank.reported_pab_tokens, rank.in_flight) == ("r0", 3_000, 4_000, 1)

@@ -257,7 +257,7 @@ def test_a_handler_failure_gets_one_internal_reject_and_the_daemon_serves_on(mon
             monkeypatch.setattr(core, "_submit", failing_for(core._submit, "bug-d"))
             client.send(p.Submit("bug-d", p.Prompt(token_ids=[1] * 10)))
             client.send(p.Ping(9))
-            assert client.receive(CLIENT_REPLIES) == p.Pong(9, running.daemon.daemon_id)
+            assert client.receive(CLIENT_REPLIES) == p.Pong(9, running.daemon.daemon_id, protocol=p.PROTOCOL_VERSION)
             assert running.counters()["internal_errors_unrecovered"] == 1
             assert running.counters()["late_messages"] == 1
         finally:

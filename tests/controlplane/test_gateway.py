@@ -149,6 +149,107 @@ def test_bad_requests_get_openai_errors(cluster, body, status, fragment):
     assert fragment in payload["error"]["message"] and payload["error"]["type"]
 
 
+def test_chat_completion_streamed_and_not(cluster):
+    from sglang_ext.sim.rank import prompt_tokens
+    from controlplane.protocol import ChatMessage, Prompt
+
+    conversation = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+
+    async def scenario(session, url, _):
+        async with session.post(f"{url}/v1/chat/completions", json={
+                "model": MODEL, "messages": conversation, "max_completion_tokens": 6, "ignore_eos": True,
+                "slo": "relaxed", "user": "ignored"}, headers={"X-Request-Id": "chat-1"}) as response:
+            whole = (response.status, await response.json())
+        streamed = {}
+        for include_usage in (True, False):
+            async with session.post(f"{url}/v1/chat/completions", json={
+                    "messages": conversation, "max_tokens": 5, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": include_usage}}) as response:
+                streamed[include_usage] = (response.status, await response.text())
+        async with session.post(f"{url}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True,
+                "deadline_s": 30}) as response:
+            unlimited = (response.status, await response.json())
+        return whole, streamed, unlimited
+
+    whole, streamed, unlimited = with_gateway(cluster, scenario)
+    status, body = whole
+    assert status == 200 and body["id"] == "chatcmpl-chat-1" and body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": " tok" * 6}
+    assert choice["finish_reason"] == "length"
+    rendered = Prompt(messages=[ChatMessage("system", "Be brief."), ChatMessage("user", "Hello\nthere")])
+    assert body["usage"] == {"prompt_tokens": prompt_tokens(rendered), "completion_tokens": 6,
+                             "total_tokens": prompt_tokens(rendered) + 6}
+    for include_usage, (status, raw) in streamed.items():
+        assert status == 200
+        chunks = events(raw)
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        with_choices = [c for c in chunks if c["choices"]]
+        deltas = [c["choices"][0]["delta"] for c in with_choices]
+        assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+        assert "".join(d.get("content", "") for d in deltas) == " tok" * 5
+        assert [c["choices"][0]["finish_reason"] for c in with_choices][-1] == "length"
+        if include_usage:
+            assert all(c["usage"] is None for c in with_choices)
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+        else:
+            assert all("usage" not in c for c in chunks)
+    assert unlimited[0] == 200 and unlimited[1]["usage"]["completion_tokens"] == 1024  # the default limit
+
+
+@pytest.mark.parametrize(("body", "fragment"), [
+    ({"messages": []}, "messages: at least one message"),
+    ({}, "missing required field `messages`"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role: expected one of system"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]},
+     "messages[1].content: expected a string or a list of text parts, got null"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]: images are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "audio are not supported"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "t"}]}, "messages[0].role: 'tool' messages need tools"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools (function calling)"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n > 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format other than text"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
+     "stream_options without stream"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "other"}, "not served here"),
+])
+def test_bad_chat_requests_get_openai_errors_naming_the_field(cluster, body, fragment):
+    async def scenario(session, url, _):
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            return response.status, await response.json()
+
+    status, payload = with_gateway(cluster, scenario)
+    assert status == (404 if "model" in body else 400), payload
+    assert fragment in payload["error"]["message"] and payload["error"]["type"]
+
+
+def test_unknown_endpoints_and_methods_get_openai_errors(cluster):
+    async def scenario(session, url, _):
+        answers = []
+        for method, path in (("POST", "/v1/embeddings"), ("GET", "/v1/chat/completions")):
+            async with session.request(method, f"{url}{path}") as response:
+                answers.append((response.status, await response.json()))
+        async with session.post(f"{url}/v1/chat/completions", data=b"x" * (5 * 1024 * 1024)) as response:
+            answers.append((response.status, await response.json()))
+        return answers
+
+    (missing, missing_body), (wrong_method, wrong_body), (too_big, too_big_body) = with_gateway(cluster, scenario)
+    assert missing == 404 and "no such endpoint" in missing_body["error"]["message"]
+    assert wrong_method == 405 and wrong_body["error"]["code"] == "method_not_allowed"
+    assert too_big == 413 and "bytes" in too_big_body["error"]["message"]
+
+
 def test_api_key_metrics_and_a_disconnect_that_cancels(cluster):
     async def scenario(session, url, client):
         async with session.post(f"{url}/v1/completions", json={"prompt": "hi"}) as response:

@@ -292,7 +292,22 @@ def test_class_budgets_are_clamped_and_bounded_for_a_report():
 
 
 def test_a_version_2_agent_is_refused_now_that_a_dispatch_may_carry_an_e2e_slo():
-    assert p.PROTOCOL_VERSION == 3
     refusal = p.protocol_refusal(2)
     assert "protocol version 2" in refusal and "end-to-end SLOs in Dispatch since 3" in refusal
     assert "upgrade the rank agent" in refusal
+
+
+def test_a_version_3_agent_is_refused_now_that_a_dispatch_may_carry_chat_messages():
+    assert p.PROTOCOL_VERSION == p.CHAT_PROTOCOL_VERSION == 4
+    refusal = p.protocol_refusal(3)
+    assert "protocol version 3" in refusal and "chat messages since 4" in refusal
+    chat = p.Dispatch("r1", "rank-0", 1, 1, p.Prompt(messages=[p.ChatMessage("user", "hi")]))
+    with pytest.raises(msgspec.ValidationError, match="unknown field `messages`"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(chat.prompt), type=_VersionThreePrompt)
+
+
+class _VersionThreePrompt(msgspec.Struct, forbid_unknown_fields=True):
+    """What a version-3 peer decodes a Dispatch's prompt into."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None

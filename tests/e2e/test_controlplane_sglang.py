@@ -196,7 +196,8 @@ def test_an_unknown_slo_class_is_rejected_invalid(servers, daemon) -> None:
     assert "no-such-class" in outcome.reject.detail
 
 
-def test_the_openai_gateway_serves_text_prompts_that_sglang_tokenizes(servers, daemon) -> None:
+def with_gateway(daemon, scenario):
+    """Run ``scenario(session, base_url)`` against a gateway in front of the daemon."""
     import aiohttp
 
     from controlplane.client import AsyncClient
@@ -204,9 +205,9 @@ def test_the_openai_gateway_serves_text_prompts_that_sglang_tokenizes(servers, d
     from live import free_ports
 
     (port,) = free_ports(1)
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    base_url = f"http://127.0.0.1:{port}"
 
-    async def scenario():
+    async def main():
         stop = asyncio.Event()
         async with AsyncClient(daemon.config.client_address) as client:
             server = asyncio.create_task(serve(client, GatewaySettings("emulated"), "127.0.0.1", port, stop))
@@ -214,34 +215,67 @@ def test_the_openai_gateway_serves_text_prompts_that_sglang_tokenizes(servers, d
                 async with aiohttp.ClientSession() as session:
                     for _ in range(100):
                         try:
-                            async with session.get(f"http://127.0.0.1:{port}/health") as response:
+                            async with session.get(f"{base_url}/health") as response:
                                 if response.status == 200:
                                     break
                         except aiohttp.ClientConnectionError:
                             pass
                         await asyncio.sleep(0.05)
-                    async with session.post(url, json={"prompt": "The quick brown fox jumps over the lazy dog",
-                                                       "max_tokens": 8, "ignore_eos": True,
-                                                       "slo": "relaxed"}) as response:
-                        plain = response.status, await response.json()
-                    async with session.post(url, json={"prompt": "Once upon a time", "max_tokens": 6,
-                                                       "ignore_eos": True, "stream": True,
-                                                       "stream_options": {"include_usage": True}}) as response:
-                        streamed = response.status, await response.text()
-                    async with session.post(url, json={"prompt": "x", "slo": "no-such-class"}) as response:
-                        invalid = response.status, await response.json()
-                return plain, streamed, invalid
+                    return await scenario(session, base_url)
             finally:
                 stop.set()
                 await server
 
-    (status, body), (stream_status, raw), (invalid_status, invalid) = run(scenario())
+    return run(main())
+
+
+def test_the_openai_gateway_serves_text_prompts_that_sglang_tokenizes(servers, daemon) -> None:
+    async def scenario(session, base_url):
+        url = f"{base_url}/v1/completions"
+        async with session.post(url, json={"prompt": "The quick brown fox jumps over the lazy dog",
+                                           "max_tokens": 8, "ignore_eos": True, "slo": "relaxed"}) as response:
+            plain = response.status, await response.json()
+        async with session.post(url, json={"prompt": "Once upon a time", "max_tokens": 6,
+                                           "ignore_eos": True, "stream": True,
+                                           "stream_options": {"include_usage": True}}) as response:
+            streamed = response.status, await response.text()
+        async with session.post(url, json={"prompt": "x", "slo": "no-such-class"}) as response:
+            invalid = response.status, await response.json()
+        return plain, streamed, invalid
+
+    (status, body), (stream_status, raw), (invalid_status, invalid) = with_gateway(daemon, scenario)
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
     assert 5 <= body["usage"]["prompt_tokens"] <= 16  # SGLang's tokenizer, not the daemon's estimate
     assert stream_status == 200 and raw.rstrip().endswith("data: [DONE]")
     assert '"completion_tokens":6' in raw
     assert invalid_status == 400 and "no-such-class" in invalid["error"]["message"]
+
+
+def test_chat_through_the_gateway_is_rendered_by_the_servers_own_chat_template(servers, daemon) -> None:
+    """The same conversation through the daemon and straight to SGLang's own
+    ``/v1/chat/completions`` has the same prompt: the rank renders it as the server does."""
+    conversation = [{"role": "system", "content": "You answer briefly."},
+                    {"role": "user", "content": "What does a scheduler decide for the next batch?"}]
+
+    async def scenario(session, base_url):
+        body = {"messages": conversation, "max_tokens": 5, "ignore_eos": True}
+        async with session.post(f"{base_url}/v1/chat/completions", json={**body, "slo": "relaxed"}) as response:
+            through_daemon = response.status, await response.json()
+        async with session.post(f"{servers['a'].url}/v1/chat/completions", json=body) as response:
+            direct = response.status, await response.json()
+        async with session.post(f"{base_url}/v1/chat/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+            streamed = response.status, await response.text()
+        return through_daemon, direct, streamed
+
+    (status, body), (direct_status, direct), (stream_status, raw) = with_gateway(daemon, scenario)
+    assert status == 200 and direct_status == 200, (body, direct)
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    assert stream_status == 200 and raw.rstrip().endswith("data: [DONE]")
+    assert '"role":"assistant"' in raw and '"completion_tokens":5' in raw
 
 
 def test_daemon_restart_servers_rejoin_and_the_sdk_retries(servers, daemon, tmp_path) -> None:

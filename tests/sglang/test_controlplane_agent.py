@@ -555,3 +555,23 @@ def test_a_scheduler_that_routes_on_class_budgets_computes_them_whatever_its_adm
     plain.update_pab([], 0.0)
     routed.update_pab([], 0.0)
     assert plain.admission_budgets == {} and set(routed.admission_budgets) == set(config.catalog.classes)
+
+
+# --------------------------------------------------------------------- chat
+def test_a_model_without_a_chat_template_is_refused_saying_so(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from sglang.srt.parser.template_manager import TemplateManager
+    from transformers import AutoTokenizer
+
+    from sglang_ext.emulated_gpu.tiny_model import write_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(write_tiny_model(tmp_path / "model"))
+    manager = TemplateManager()
+    assert cpa.has_chat_template(manager, tokenizer)
+    tokenizer.chat_template = None
+    assert not cpa.has_chat_template(manager, tokenizer)
+    server = SimpleNamespace(template_manager=manager, tokenizer_manager=SimpleNamespace(tokenizer=tokenizer))
+    chat = dispatch(prompt=p.Prompt(messages=[p.ChatMessage("user", "hi")]))
+    with pytest.raises(ValueError, match="the model has no chat template .*--chat-template"):
+        cpa.chat_request_input(chat, server, 0, 1)
