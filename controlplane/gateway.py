@@ -117,11 +117,11 @@ async def _serve(request: web.Request, body: CompletionRequest | ChatCompletionR
     model = settings.model
     if not body.stream:
         result = await client.generate(prompt, sampling=sampling, slo=slo, deadline_s=body.deadline_s,
-                                      request_id=request_id)
+                                       request_id=request_id)
         return web.json_response(render.whole(result, model, created))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     stream = client.stream(prompt, sampling=sampling, slo=slo, deadline_s=body.deadline_s,
-                                   request_id=request_id)
+                           request_id=request_id)
     response: web.StreamResponse | None = None
     usage_field = {"usage": None} if include_usage else {}
     async with stream:
