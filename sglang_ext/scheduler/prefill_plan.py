@@ -4,6 +4,15 @@ The policy decides which requests prefill how many tokens; SGLang's adder still 
 the admission work (prefix matching, KV budget, locking, chunk bookkeeping). The
 planned adder admits only the planned requests, each truncated to its planned tokens,
 and counts parked decodes in the KV reservation as if they were running.
+
+SGLang carries one chunked request at a time (``Scheduler.chunked_req``; a second one
+fails its ``assert self.chunked_req is None`` and kills the scheduler). Stock SGLang
+never makes a second: the continuing chunk takes the whole chunk budget. A plan can
+give it less (the policy's view of a prompt's remaining tokens may differ from SGLang's
+after prefix matching and eviction; the KV budget may hold the continuing chunk back),
+so while a chunked request continues past this step the planned adder admits no other
+request that it would have to cut, nor a second cut request in one step: that request
+is skipped (it waits for a later step) and a planned request that fits whole may follow.
 """
 
 from __future__ import annotations
@@ -77,12 +86,25 @@ def planned_adder_class(base: type[PrefillAdder]) -> type[PrefillAdder]:
         def add_one_req(self, req: Any, has_chunked_req: bool, truncation_align_size: Any) -> AddReqResult:
             if req.rid not in self._unadmitted:
                 return AddReqResult.CONTINUE
+            chunk_continues = has_chunked_req or self.new_chunked_req is not None
+            if chunk_continues and self._would_truncate(req):
+                return AddReqResult.CONTINUE  # skipped: a request that fits whole may follow
             return self._within_planned_tokens(
                 req,
                 lambda: super(PlannedPrefillAdder, self).add_one_req(
-                    req, has_chunked_req, truncation_align_size
+                    req, chunk_continues, truncation_align_size
                 ),
             )
+
+        def _would_truncate(self, req: Any) -> bool:
+            extend = len(req.full_untruncated_fill_ids) - req.prefix_len
+            return extend > min(self._unadmitted[req.rid], self.rem_chunk_tokens)
+
+        def _select_prefill_admission(self, req: Any, **kwargs: Any) -> Any:
+            admission = super()._select_prefill_admission(req, **kwargs)
+            if kwargs.get("has_chunked_req") and getattr(admission, "is_chunked", False):
+                return AddReqResult.CONTINUE
+            return admission
 
         def _within_planned_tokens(self, req: Any, admit: Any) -> Any:
             planned = self._unadmitted.pop(req.rid)

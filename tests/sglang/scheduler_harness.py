@@ -67,6 +67,8 @@ def main(scenario_path: str) -> None:
     checks = {"parked_kv_kept": 0, "parked_relay_token_ok": 0, "parked_kv_changed": 0,
               "relay_token_wrong": 0}
     state = getattr(scheduler, "fairbatching", None)
+    if state is not None and scenario.get("prefill_piece_tokens"):
+        _cap_planned_prefills(state, int(scenario["prefill_piece_tokens"]))
     triage = _record_triage(state) if state is not None else None
     observations = _record_observations(state) if state is not None else None
     overlap = scheduler.enable_overlap
@@ -183,6 +185,26 @@ def _record_triage(state: Any) -> list[dict[str, Any]]:
 
     policy.form_batch = recording_form_batch
     return seen
+
+
+def _cap_planned_prefills(state: Any, piece: int) -> None:
+    """Plan every queued prefill each step, at most ``piece`` tokens each: several
+    partial chunks in one step, which SGLang's adder (one chunked request at a time)
+    must be kept from realising."""
+    import dataclasses
+
+    policy = state.policy
+    form_batch = policy.form_batch
+
+    def capped_form_batch(requests: Any, now: float) -> Any:
+        decision = form_batch(requests, now)
+        waiting = [r for r in requests if r.pending_prefill > 0]
+        if not waiting:
+            return decision
+        chunks = tuple((r.req_id, min(piece, r.pending_prefill)) for r in waiting)
+        return dataclasses.replace(decision, prefill_chunks=chunks)
+
+    policy.form_batch = capped_form_batch
 
 
 def _record_observations(state: Any) -> list[tuple[int, int, float]]:
