@@ -549,7 +549,7 @@ def wins(points: Sequence[dict], side: str) -> list[str]:
     probes = probe_summary(points)
     mine_lat = [v["added_ms"] for r, v in probes.items() if r.startswith(side) and v]
     their_lat = [v["added_ms"] for r, v in probes.items() if r.startswith(other) and v]
-    if mine_lat and their_lat and max(mine_lat) < min(their_lat):
+    if mine_lat and their_lat and max(mine_lat) + 0.5 < min(their_lat):  # 0.5 ms: below that, a tie
         lines.append(f"added latency (unloaded): {max(mine_lat):.1f} ms or less through {name} against "
                      f"{min(their_lat):.1f} ms or more through {other_name}")
     for workload, routers in cpu_summary(points).items():
