@@ -7,7 +7,7 @@ collapse of FCFS process-to-completion near saturation: P95 TTFT low at moderate
 rates, exploding once the rate crosses FCFS's capacity, while prefill batching stays
 bounded. Both are run twice, on the study's service model (``des-study``: S(b) = c + a *
 max(0, b - b0)) and on the project's roofline (``llama3.1-8b-h100``), with the policies of
-``sglang_ext.sim.study_policies``. Nothing here is tuned: the workloads, the rule that picks
+``sglang_ext.sim.competitors.study_policies``. Nothing here is tuned: the workloads, the rule that picks
 each load and the criteria below were fixed before the first run, and a finding that does
 not show is reported as such.
 
@@ -312,7 +312,7 @@ def markdown(results: Sequence[dict], requests: int, wall_s: float) -> str:
         "0.50 s at 16 and 0.63 s at 8, throughput 15.0-15.5 down to 14.7 req/s; and (b) FCFS "
         "process-to-completion's P95 TTFT exploding once the arrival rate passes ~20 qps "
         "while prefill batching stays bounded. Run here with "
-        "`sglang_ext.sim.study_policies` (`prefill-first`, `fcfs-complete`) on two service "
+        "`sglang_ext.sim.competitors.study_policies` (`prefill-first`, `fcfs-complete`) on two service "
         "models: the study's `S(b) = c + a·max(0, b − b0)` (profile `des-study`: c = 2.5 ms, "
         "a = 50 µs/token, b0 = 32; the seed gives no values, ours are derived in the profile's "
         "header from its reported operating points) and the project's roofline "

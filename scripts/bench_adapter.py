@@ -1,7 +1,7 @@
 """What FairBatching adds to SGLang's per-step scheduling time, on a real Scheduler.
 
 Drives one SGLang 0.5.23 ``Scheduler`` (emulated GPU, CPU) step by step through
-``tests/sglang/scheduler_harness.py`` with and without FairBatching, and reports
+``tests/adapter/scheduler_harness.py`` with and without FairBatching, and reports
 ``get_next_batch_to_run`` wall time per step (p50/p99) at a load of about 256 running
 requests and a queue of long prompts, plus the adapter's own decision time. ``stock``
 is SGLang's default (prefill-first, chunk 8192); ``stock-mixed`` adds

@@ -14,7 +14,7 @@ in real time, ``fb-anchor-margin``), the gateway (``python -m controlplane gatew
 and the benchmark, a subprocess run exactly as a user would run it against an SGLang
 server (no wrapper, no monkeypatching). The benchmark needs a tokenizer on this machine
 (it counts prompt tokens and retokenizes the output): the tiny model's
-(``python -m sglang_ext.emulated_gpu.tiny_model DIR``), given as ``--tokenizer DIR``;
+(``python -m sglang_ext.adapter.emulated_gpu.tiny_model DIR``), given as ``--tokenizer DIR``;
 the model name it sends comes from the gateway's ``GET /v1/models``. Prompts are cut
 from a generated local ShareGPT-format file (``--dataset-name random --dataset-path``,
 as ``scripts/bench_sglang.py`` does; no hub access). Every request carries the SLO that
@@ -59,7 +59,7 @@ from bench_sglang import write_random_dataset  # noqa: E402
 from live import free_ports, loopback_config, start_process_daemon  # noqa: E402
 
 from controlplane.client import Client  # noqa: E402
-from sglang_ext.emulated_gpu.tiny_model import write_tiny_model  # noqa: E402
+from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model  # noqa: E402
 
 PROFILE = "llama3.1-8b-h100"
 POLICY = "fb-anchor-margin"
@@ -490,7 +490,7 @@ NOTES = (
     "one in `--extra-request-body`.",
     "- A tokenizer is needed on the client (`--tokenizer`, else `/model_info`, else `--model`): the "
     "random dataset is cut and measured with it and every output is retokenized. Against the "
-    "gateway give a local path (`python -m sglang_ext.emulated_gpu.tiny_model DIR` writes one) or "
+    "gateway give a local path (`python -m sglang_ext.adapter.emulated_gpu.tiny_model DIR` writes one) or "
     "the served model's hub name. `--dataset-name random` downloads ShareGPT unless "
     "`--dataset-path` names a local ShareGPT-format file; `random-ids` needs no file.",
     "- Auth: `OPENAI_API_KEY` is sent as `Authorization: Bearer <key>` (what `--api-key-file` "
@@ -567,7 +567,7 @@ def main() -> int:
         f"python -m sglang_ext.sim.rank --daemon <rank address> --agent-id sim --ranks {args.ranks} "
         f"--profile {PROFILE} --policy {POLICY} --time-scale 1.0 &",
         f"fairbatching-controlplane gateway --daemon <client address> --listen 127.0.0.1:{port} &",
-        f"python -m sglang_ext.emulated_gpu.tiny_model {tokenizer}",
+        f"python -m sglang_ext.adapter.emulated_gpu.tiny_model {tokenizer}",
     ]
     results = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

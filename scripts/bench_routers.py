@@ -1526,7 +1526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     moved = None if args.append else move_aside(args.points)
     if moved:
         print(f"previous points kept as {_rel(moved)}", file=sys.stderr)
-    from sglang_ext.emulated_gpu.tiny_model import write_tiny_model
+    from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
 
     write_tiny_model(raw / "model")
     words = single_token_words(raw / "model" / "tokenizer.json")

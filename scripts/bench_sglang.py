@@ -1320,7 +1320,7 @@ def run_all(plan: Plan, todo: dict[str, list[tuple[str, float, int]]], points_pa
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     raw = points_path.parent / stamp
     raw.mkdir(parents=True, exist_ok=True)
-    from sglang_ext.emulated_gpu.tiny_model import write_tiny_model
+    from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
 
     # Inputs live next to the raw outputs (relative paths), so the recorded commands rerun.
     inputs = Inputs(raw=raw, model_dir=_rel(write_tiny_model(raw / "tiny-model")),

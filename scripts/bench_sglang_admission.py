@@ -282,7 +282,7 @@ def main() -> int:
     if not args.render_only:
         if not args.resume:
             POINTS.unlink(missing_ok=True)
-        from sglang_ext.emulated_gpu.tiny_model import write_tiny_model
+        from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
 
         model_dir = write_tiny_model(RAW / "tiny-model").relative_to(REPO)
         done = done_keys(load_points(), ("config", "rate", "seed"))

@@ -54,7 +54,7 @@ from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.profile import PROFILES_DIR, bundled_profile_path, load_profile
 from sglang_ext.sim.runner import Scenario, build_policy, parse_policy
-from sglang_ext.sim.slo_anneal import SloAnneal
+from sglang_ext.sim.competitors.slo_anneal import SloAnneal
 from sglang_ext.sim.workloads import ClassMix, bundled_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from sglang_ext.policy.slo import Slo  # noqa: E402
 from sglang_ext.policy.view import BatchDecision, RequestView  # noqa: E402
-from sglang_ext.scheduler.step_trace import StepTrace  # noqa: E402
+from sglang_ext.adapter.scheduler.step_trace import StepTrace  # noqa: E402
 from sglang_ext.sim.gpu import StepShape  # noqa: E402
 
 RUNNING = 256

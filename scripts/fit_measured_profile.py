@@ -5,9 +5,9 @@
         --out-profile configs/profiles/llama3.1-8b-h100-measured.toml \\
         --out-doc docs/bench/measured_profile.md
 
-The fit is :func:`sglang_ext.sim.profile_fit.fit_profile`.  This script reads the inputs,
+The fit is :func:`sglang_ext.sim.fitting.profile_fit.fit_profile`.  This script reads the inputs,
 takes the grid's model from its JSON sidecar (``<grid>.json``; see
-:func:`sglang_ext.sim.grid_fit.base_for_grid`), and renders the report: the fitted
+:func:`sglang_ext.sim.fitting.grid_fit.base_for_grid`), and renders the report: the fitted
 values against the base's, the residuals by kind of step, three reference steps, and what each
 refinement of the roofline is worth (the fit repeated without it).
 """
@@ -23,13 +23,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from sglang_ext.policy.step_shape import StepShape  # noqa: E402
 from sglang_ext.sim.gpu import RooflineGpu  # noqa: E402
-from sglang_ext.sim.grid_fit import base_for_grid, read_grid_meta  # noqa: E402
+from sglang_ext.sim.fitting.grid_fit import base_for_grid, read_grid_meta  # noqa: E402
 from sglang_ext.sim.profile import (  # noqa: E402
     HardwareProfile,
     bundled_profile_path,
     load_profile,
 )
-from sglang_ext.sim.profile_fit import (  # noqa: E402
+from sglang_ext.sim.fitting.profile_fit import (  # noqa: E402
     FIT_FIELDS,
     ProfileFit,
     Residuals,
@@ -38,7 +38,7 @@ from sglang_ext.sim.profile_fit import (  # noqa: E402
     residuals,
     step_errors,
 )
-from sglang_ext.sim.step_grid import GridRow, read_grid  # noqa: E402
+from sglang_ext.sim.fitting.step_grid import GridRow, read_grid  # noqa: E402
 
 #: (label, shape): the reference steps the report compares.
 REFERENCE_STEPS = (
@@ -133,7 +133,7 @@ def render_report(fit: ProfileFit, base: HardwareProfile, rows: list[GridRow], m
         "",
         "The simulator's GPU stays a roofline (`sglang_ext/sim/gpu.py`): a sum of "
         "per-kernel-class `max(compute time, memory time)` terms plus overheads.  The fit "
-        "(`sglang_ext.sim.profile_fit.fit_profile`) only moves its physical rates and "
+        "(`sglang_ext.sim.fitting.profile_fit.fit_profile`) only moves its physical rates and "
         "overheads, so the scheduler's predictors still face a GPU they were not written from.  "
         "The grid showed what the plain roofline lacks (the evidence and the ablation below); "
         "each is an optional profile field whose default is the old model, so the hand-written "

@@ -1,5 +1,5 @@
 """One forward step of a dense decoder, timed over a grid of batch shapes: the step-time
-grids of ``../shared/data/gpu/`` (read by :mod:`sglang_ext.sim.step_grid`)::
+grids of ``../shared/data/gpu/`` (read by :mod:`sglang_ext.sim.fitting.step_grid`)::
 
     python scripts/profile_gpu.py --config PATH/config.json --out grid.csv
     python scripts/profile_gpu.py --model tiny --device cpu --out /tmp/tiny.csv
@@ -43,7 +43,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from sglang_ext.sim.step_grid import GRID_COLUMNS  # noqa: E402
+from sglang_ext.sim.fitting.step_grid import GRID_COLUMNS  # noqa: E402
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
             "num_experts_per_tok", "n_shared_experts")

@@ -434,7 +434,7 @@ def write_report(args, out: Path, trace_label: str, settings, grid_setting, docu
             "every setting in `results/`): `sarathi` and `fb-fb` over token budgets 32-8192 "
             "refined to a 25% step; `sarathi-queue-cap` (vLLM's queued-token cap) over budget x "
             "cap around TTFT x prefill throughput; `sarathi-queue-timeout` (SGLang's waiting "
-            "timeout) over budget x timeout around the TTFT (`sglang_ext/sim/tuning.py`).",
+            "timeout) over budget x timeout around the TTFT (`sglang_ext/sim/fitting/tuning.py`).",
             "",
             "### Table 3: peak effective RPS",
             "",

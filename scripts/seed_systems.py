@@ -12,7 +12,7 @@ per GPU:
 - **colocated, one GPU**: the baselines (tuned, admission controls included),
   FairBatching's best (``fb-anchor-margin``, with and without ``+reject``), SLO-aware
   annealing (``slo-anneal``) and the batching study's policies, each tunable one tuned to
-  an interior best by ``sglang_ext.sim.tuning``;
+  an interior best by ``sglang_ext.sim.fitting.tuning``;
 - **disaggregated, two GPUs** (one prefill rank, one decode rank; the only split of two):
   Kairos, Kairos with its decode table updated online (our extension), and its
   DistServe-like FCFS baseline, at twice the offered load so every row reads per GPU.

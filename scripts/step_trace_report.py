@@ -1,7 +1,7 @@
 """Where the time between two tokens goes: a summary of a FairBatching step log.
 
 Reads the per-step log a scheduler writes with ``[trace] step_log`` in the extension's
-config (:mod:`sglang_ext.scheduler.step_trace`) and, optionally, the client's token
+config (:mod:`sglang_ext.adapter.scheduler.step_trace`) and, optionally, the client's token
 arrival times (``python -m sglang_ext.replay --token-times``; same machine, same clock)::
 
     python scripts/step_trace_report.py --steps steps.jsonl [--tokens tokens.jsonl] [--json out.json]
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sglang_ext.scheduler.step_trace import read_step_log  # noqa: E402
+from sglang_ext.adapter.scheduler.step_trace import read_step_log  # noqa: E402
 
 QUANTILES = (0.5, 0.9, 0.99)
 

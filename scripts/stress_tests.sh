@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SGLang and end-to-end suites on a busy machine: each run is
-#   scripts/test.sh tests/sglang tests/e2e
+#   scripts/test.sh tests/adapter tests/e2e
 # (the same environment as CI) beside CPU-burning busy loops started by this script,
 # which are always killed when it exits. Catches tests whose verdict depends on the
 # machine being idle.
@@ -10,7 +10,7 @@
 #   --runs N   runs, one after another (default 3)
 #   --busy K   busy loops beside each run (default 2, one per core of the 2-core CI VM)
 #   --logs DIR where each run's pytest output goes (default out/stress-<time>/)
-#   -- ARGS    pytest arguments instead of the default "tests/sglang tests/e2e -q"
+#   -- ARGS    pytest arguments instead of the default "tests/adapter tests/e2e -q"
 #
 # Prints one PASS/FAIL line per run (duration, pytest's summary line, log file) and a
 # summary; exits 0 only if every run passed.
@@ -24,7 +24,7 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 runs=3
 busy=2
 log_dir=""
-pytest_args=(tests/sglang tests/e2e -q)
+pytest_args=(tests/adapter tests/e2e -q)
 
 usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sglang_ext.bundled import CONFIGS_DIR
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 from sglang_ext.sim.metrics import RequestRecord, summarize
 from sglang_ext.sim.workloads import Workload, WorkloadError, bundled_sample, load_workload
-
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 class ReplayError(ValueError):
@@ -196,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arrivals", default="trace",
                         help="trace (timestamps rescaled to --rate), poisson, or gamma:CV (bursty), "
                         "drawn with --seed as the simulator does")
-    parser.add_argument("--slo-file", default=str(REPO_CONFIGS / "slo.toml"))
+    parser.add_argument("--slo-file", default=str(CONFIGS_DIR / "slo.toml"))
     parser.add_argument("--slo-mix", default="standard:1", help="CLASS:WEIGHT,... for requests the trace leaves unclassed")
     parser.add_argument("--max-prompt-tokens", type=int, help="cap prompt lengths (server context limit)")
     parser.add_argument("--seed", type=int, default=0)

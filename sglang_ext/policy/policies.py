@@ -14,14 +14,24 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sglang_ext.policy.admission import (
-    AdmissionError, AdmissionMode, AdmissionRule, AdmissionSettings, KvOutlook, class_budgets,
+    AdmissionError,
+    AdmissionMode,
+    AdmissionRule,
+    AdmissionSettings,
+    KvOutlook,
+    class_budgets,
     forecast,
 )
 from sglang_ext.policy.batch_former import (
-    DEFAULT_MAX_TOKEN_BUDGET, ServiceFloor, Triage, pack, triage, unserviceable_slo_reason,
+    DEFAULT_MAX_TOKEN_BUDGET,
+    ServiceFloor,
+    Triage,
+    pack,
+    triage,
+    unserviceable_slo_reason,
 )
+from sglang_ext.policy.name_registry import Registry
 from sglang_ext.policy.pab import prefill_admission_budget
-from sglang_ext.policy.registry import Registry
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import OnlineStepModel, StepCoefficients, StepPredictor
 from sglang_ext.policy.step_shape import StepShape

@@ -34,7 +34,11 @@ from collections.abc import Sequence
 
 from sglang_ext.policy.batch_former import Triage, pack, smooth_step
 from sglang_ext.policy.policies import (
-    POLICIES, BatchPolicy, FairBatching, FairBatchingWithAdmission, PolicyContext,
+    POLICIES,
+    BatchPolicy,
+    FairBatching,
+    FairBatchingWithAdmission,
+    PolicyContext,
 )
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState

@@ -1,5 +1,5 @@
 import sys
 
-from sglang_ext.sim.cli import main
+from sglang_ext.sim.commands import main
 
 sys.exit(main())

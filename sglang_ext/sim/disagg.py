@@ -2,7 +2,7 @@
 
 Each rank is one GPU of the profile (``make_gpu``), seeded ``seed + i`` for prefill rank
 ``i`` and ``seed + P + j`` for decode rank ``j``, with its own KV pool and its own
-instance of the policy (a :class:`~sglang_ext.sim.kairos.DisaggregatedPolicy`).
+instance of the policy (a :class:`~sglang_ext.sim.disagg_policy.DisaggregatedPolicy`).
 
 - **Prefill.** An arrival goes to the prefill rank with the fewest prompt tokens still
   pending (lowest index on ties). Each prefill rank is a :class:`SimEngine` that serves
@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from sglang_ext.policy.output_length import OutputLengthModel
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_shape import StepShape
+from sglang_ext.sim.decode_step_table import DecodeStepTable
+from sglang_ext.sim.disagg_policy import DisaggregatedPolicy
 from sglang_ext.sim.engine import SimEngine, TokenEvent
-from sglang_ext.sim.kairos import DecodeStepTable, DisaggregatedPolicy
 from sglang_ext.sim.metrics import RequestRecord
 from sglang_ext.sim.profile import HardwareProfile
 from sglang_ext.sim.service_curve import make_gpu

@@ -32,14 +32,18 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from sglang_ext.policy.output_length import OutputEstimate, OutputLengthModel
 from sglang_ext.policy.admission import (
-    AdmissionMode, AdmissionRule, KvOutlook, last_token_due, release_time,
+    AdmissionMode,
+    AdmissionRule,
+    KvOutlook,
+    last_token_due,
+    release_time,
 )
+from sglang_ext.policy.output_length import OutputEstimate, OutputLengthModel
 from sglang_ext.policy.policies import BatchPolicy
 from sglang_ext.policy.slo import Slo
+from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision
-from sglang_ext.sim.gpu import StepShape
 from sglang_ext.sim.metrics import RequestRecord
 from sglang_ext.sim.profile import HardwareProfile
 from sglang_ext.sim.service_curve import make_gpu

@@ -38,7 +38,7 @@ chunk length.
 Optional refinements
 --------------------
 Optional profile fields (``configs/profiles/README.md``) refine the model for a profile
-calibrated against measured step times (``sglang_ext.sim.profile_fit``).  Their defaults give
+calibrated against measured step times (``sglang_ext.sim.fitting.profile_fit``).  Their defaults give
 the model above exactly::
 
     # embedding rows are looked up, the LM head runs on the last token of each sequence
@@ -80,8 +80,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sglang_ext.policy.step_shape import StepShape
-
-from .profile import HardwareProfile
+from sglang_ext.sim.profile import HardwareProfile
 
 __all__ = ["RooflineGpu", "StepBreakdown", "StepShape"]
 

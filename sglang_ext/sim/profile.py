@@ -31,6 +31,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from sglang_ext.bundled import CONFIGS_DIR
 from sglang_ext.policy.tomlfile import read_toml
 
 __all__ = [
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 #: ``<repo>/configs/profiles`` -- where the bundled profiles live.
-PROFILES_DIR: Path = Path(__file__).resolve().parents[2] / "configs" / "profiles"
+PROFILES_DIR: Path = CONFIGS_DIR / "profiles"
 
 
 class ProfileError(ValueError):

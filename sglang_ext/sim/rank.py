@@ -45,8 +45,8 @@ from controlplane.reporter import ReportPublisher, ReportThrottle
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.slo import SloCatalog, SloError
-from sglang_ext.sim.calibration import offline_step_model
 from sglang_ext.sim.engine import SimEngine
+from sglang_ext.sim.fitting.calibration import offline_step_model
 from sglang_ext.sim.profile import (
     PROFILES_DIR,
     HardwareProfile,

@@ -19,9 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from sglang_ext.policy.step_shape import StepShape
-
-from .gpu import RooflineGpu, StepBreakdown
-from .profile import HardwareProfile
+from sglang_ext.sim.gpu import RooflineGpu, StepBreakdown
+from sglang_ext.sim.profile import HardwareProfile
 
 __all__ = ["ServiceCurveGpu", "make_gpu"]
 

@@ -3,7 +3,7 @@
 A policy with tunables named without them (``sarathi``, ``fb-fb``,
 ``sarathi-queue-cap``, ``sarathi-queue-timeout``, the batching study's ``fixed-batch``,
 ``dynamic-batch`` and ``prefill-first``) is tuned to an interior best by
-``sglang_ext.sim.tuning``: every setting it tries is reported as its own
+``sglang_ext.sim.fitting.tuning``: every setting it tries is reported as its own
 ``NAME@...`` entry, and ``NAME`` holds the best one (``best_of`` says which,
 ``tuning`` lists every setting tried and any axis whose best is at a bound).
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_ext.policy.slo import SloCatalog
+from sglang_ext.sim.fitting.tuning import Search, TuningResult, tune
 from sglang_ext.sim.metrics import LatencySamples
 from sglang_ext.sim.runner import (
     PolicySpec,
@@ -35,7 +36,6 @@ from sglang_ext.sim.runner import (
     parse_policy,
     simulate,
 )
-from sglang_ext.sim.tuning import Search, TuningResult, tune
 
 SCHEMA_VERSION = 2
 DEFAULT_POLICIES = (
@@ -53,7 +53,7 @@ BASELINES = (
 class SweepPlan:
     requested: tuple[str, ...]  # names as passed to --policy
     runs: tuple[PolicySpec, ...]  # concrete policies run as given
-    tuned: tuple[str, ...] = ()  # families tuned by sglang_ext.sim.tuning
+    tuned: tuple[str, ...] = ()  # families tuned by sglang_ext.sim.fitting.tuning
     budgets: tuple[int, ...] | None = None  # explicit --budgets: searched exactly
 
 

@@ -77,7 +77,7 @@ def _require_sglang() -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _require_sglang()
-    from sglang_ext.emulated_gpu.tiny_model import write_tiny_model
+    from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 

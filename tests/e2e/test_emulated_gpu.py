@@ -29,7 +29,7 @@ if importlib.util.find_spec("sglang") is None:
 
 import requests
 
-from sglang_ext.emulated_gpu.timeline import StepLog, StepRecord
+from sglang_ext.adapter.emulated_gpu.timeline import StepLog, StepRecord
 from sglang_ext.sim.gpu import RooflineGpu, StepShape
 from sglang_ext.sim.profile import bundled_profile_path, load_profile
 

@@ -42,7 +42,7 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from sglang_ext.emulated_gpu.tiny_model import write_tiny_model
+    from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("tiny"))
     port = free_port()

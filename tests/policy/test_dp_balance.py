@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_ext.dp_balance import PabLedger, RankBudget, choose_rank
+from sglang_ext.adapter.dp_balance import PabLedger, RankBudget, choose_rank
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,7 +147,7 @@ def test_report_round_trips_through_json() -> None:
 
 def test_module_is_stdlib_only() -> None:
     code = (
-        "import sys, sglang_ext.dp_balance\n"
+        "import sys, sglang_ext.adapter.dp_balance\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch', 'numpy')))"
     )
     out = subprocess.run(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.config import CONFIG_ENV, ConfigError, ExtensionConfig, load_from_environment
+from sglang_ext.adapter.extension_config import CONFIG_ENV, ConfigError, ExtensionConfig, load_from_environment
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError, slo_spec_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_defaults_and_relative_paths(tmp_path: Path) -> None:
 )
 def test_bad_config_names_the_file_and_the_problem(tmp_path: Path, text: str, message: str) -> None:
     if "sarathi" in text:
-        import sglang_ext.sim.baselines  # noqa: F401  (registers the baselines)
+        import sglang_ext.sim.competitors.baselines  # noqa: F401  (registers the baselines)
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as excinfo:
         ExtensionConfig.load(path)

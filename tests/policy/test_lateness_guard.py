@@ -101,7 +101,7 @@ def test_every_fairbatching_policy_refuses_at_the_door_and_guards(name: str) -> 
 
 @pytest.mark.parametrize("name", ["sarathi", "vllm-default", "sglang-default"])
 def test_baselines_refuse_nothing_at_the_door(name: str) -> None:
-    import sglang_ext.sim.baselines  # noqa: F401  (registers them)
+    import sglang_ext.sim.competitors.baselines  # noqa: F401  (registers them)
 
     policy = POLICIES.get(name)(PolicyContext(global_slo=SLO, initial_step_model=COEF))
     assert policy.refusal(HOSTILE) is None

@@ -7,11 +7,11 @@ import pytest
 from policy_helpers import COEF, NOW, SLO, measured_step, request
 from sglang_ext.policy.batch_former import form_batch
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
-from sglang_ext.policy.registry import Registry, UnknownNameError
+from sglang_ext.policy.name_registry import Registry, UnknownNameError
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
 
-import sglang_ext.sim.baselines  # noqa: F401  (registers the baselines)
+import sglang_ext.sim.competitors.baselines  # noqa: F401  (registers the baselines)
 
 FAIRBATCHING = ["fb", "fb-fb", "fb-pab", "fb-tb"]
 BASELINES = ["sarathi", "sglang-default", "vllm-default"]

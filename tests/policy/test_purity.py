@@ -60,7 +60,7 @@ POLICY_FILES = sorted(POLICY_DIR.glob("*.py"))
 
 def test_policy_directory_is_scanned() -> None:
     assert {p.name for p in POLICY_FILES} >= {
-        "batch_former.py", "gc.py", "pab.py", "policies.py", "registry.py",
+        "batch_former.py", "gc.py", "pab.py", "policies.py", "name_registry.py",
         "slo.py", "step_model.py", "view.py",
     }
 

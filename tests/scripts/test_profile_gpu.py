@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import profile_gpu as pg  # noqa: E402
 
-from sglang_ext.sim.step_grid import GRID_KINDS, read_grid  # noqa: E402
+from sglang_ext.sim.fitting.step_grid import GRID_KINDS, read_grid  # noqa: E402
 
 SMALL = ["--model", "tiny", "--device", "cpu", "--max-tokens", "64", "--max-context", "256",
          "--random", "4"]

@@ -13,7 +13,7 @@ import numpy as np
 import sglang_ext.sim.runner  # noqa: F401  (registers the baseline policies)
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.slo import Slo, SloCatalog
-from sglang_ext.sim.calibration import offline_fit
+from sglang_ext.sim.fitting.calibration import offline_fit
 from sglang_ext.sim.profile import HardwareProfile, bundled_profile_path, load_profile
 from sglang_ext.sim.workloads import TraceRequest, Workload, poisson_arrivals
 
@@ -93,7 +93,7 @@ def synthetic_workload(n: int = 40, *, seed: int = 3) -> Workload:
 
 
 def drive_search(search, score_of) -> object:
-    """Run a tuning search (``sglang_ext.sim.tuning``) against a score function of each
+    """Run a tuning search (``sglang_ext.sim.fitting.tuning``) against a score function of each
     label's parsed spec; returns its result."""
     from sglang_ext.sim.runner import parse_policy
 

@@ -7,8 +7,8 @@ from sim_helpers import SLO, llama
 
 from sglang_ext.policy.policies import POLICIES, PolicyContext
 from sglang_ext.policy.view import RequestView
-from sglang_ext.sim.baselines import Sarathi, SglangDefault, VllmDefault
-from sglang_ext.sim.calibration import offline_fit
+from sglang_ext.sim.competitors.baselines import Sarathi, SglangDefault, VllmDefault
+from sglang_ext.sim.fitting.calibration import offline_fit
 from sglang_ext.sim.runner import PolicySpecError, parse_policy
 
 NOW = 10.0

@@ -11,8 +11,8 @@ import pytest
 
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.step_model import StepCoefficients, StepModelFile
-from sglang_ext.sim.calibration import offline_fit, offline_step_model
-from sglang_ext.sim.cli import main
+from sglang_ext.sim.fitting.calibration import offline_fit, offline_step_model
+from sglang_ext.sim.commands import main
 from sglang_ext.sim.profile import PROFILES_DIR, bundled_profile_path, load_profile
 
 TOP_LEVEL = {"schema_version", "scenario", "rates", "cdf_rate", "requested", "policies"}

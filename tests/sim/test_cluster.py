@@ -10,7 +10,7 @@ from sim_helpers import CATALOG, llama, synthetic_workload
 
 from controlplane.balancer import BALANCERS
 from sglang_ext.policy.slo import Slo, SloCatalog
-from sglang_ext.sim.cli import main
+from sglang_ext.sim.commands import main
 from sglang_ext.sim.cluster import (
     ClusterConfig,
     ClusterConfigError,

@@ -10,7 +10,7 @@ import pytest
 from sim_helpers import llama, make_policy, synthetic_workload
 
 from sglang_ext.policy.slo import Slo, SloCatalog
-from sglang_ext.sim.cli import main
+from sglang_ext.sim.commands import main
 from sglang_ext.sim.cluster import ClusterConfig, ClusterSimulation
 from sglang_ext.sim.disagg import Arrival, DisaggConfig, run_disaggregated
 from sglang_ext.sim.engine import SimEngine

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from sglang_ext.policy.step_model import StepModelFile
-from sglang_ext.sim.cli import main
-from sglang_ext.sim.grid_fit import base_for_grid, model_from_config, read_grid_meta
+from sglang_ext.sim.commands import main
+from sglang_ext.sim.fitting.grid_fit import base_for_grid, model_from_config, read_grid_meta
 from sglang_ext.sim.profile import bundled_profile_path, load_profile
-from sglang_ext.sim.step_grid import GridError, read_grid
+from sglang_ext.sim.fitting.step_grid import GridError, read_grid
 
 GRID = Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "llama3.1-8b-h100.csv"
 LLAMA = json.loads(GRID.with_suffix(".json").read_text())["config"]

@@ -11,14 +11,14 @@ from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import RequestView
-from sglang_ext.sim.cli import main
+from sglang_ext.sim.commands import main
 from sglang_ext.sim.disagg import (
     DEFAULT_LINK_GBPS, Arrival, DisaggConfig, DisaggConfigError, kv_transfer_s, run_disaggregated,
 )
-from sglang_ext.sim.kairos import (
-    TABLE_BATCH_SIZES, DecodeStepTable, OnlineDecodeStepTable, fill_chunks, slack_guided_batch,
-    urgency_chunks,
+from sglang_ext.sim.competitors.kairos import (
+    OnlineDecodeStepTable, fill_chunks, slack_guided_batch, urgency_chunks,
 )
+from sglang_ext.sim.decode_step_table import TABLE_BATCH_SIZES, DecodeStepTable
 from sglang_ext.sim.runner import PolicySpec, Scenario, parse_policy, simulate
 from sglang_ext.sim.service_curve import make_gpu
 from sglang_ext.sim.workloads import TraceRequest, Workload

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.sim.cli import main
-from sglang_ext.sim.predictor_check import check_predictors, serving_order
-from sglang_ext.sim.step_grid import GridError, read_grid
+from sglang_ext.sim.commands import main
+from sglang_ext.sim.fitting.predictor_check import check_predictors, serving_order
+from sglang_ext.sim.fitting.step_grid import GridError, read_grid
 
 GRID = Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "llama3.1-8b-h100.csv"
 

@@ -19,7 +19,7 @@ from sglang_ext.sim.profile import (
     load_profile,
     parse_profile,
 )
-from sglang_ext.sim.profile_fit import (
+from sglang_ext.sim.fitting.profile_fit import (
     FIT_FIELDS,
     fit_profile,
     fitted_profile_toml,
@@ -27,7 +27,7 @@ from sglang_ext.sim.profile_fit import (
     residuals,
     with_vocabulary,
 )
-from sglang_ext.sim.step_grid import GridRow, read_grid
+from sglang_ext.sim.fitting.step_grid import GridRow, read_grid
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gpu"
 GRID = FIXTURES / "llama3.1-8b-h100.csv"

@@ -15,11 +15,11 @@ from sglang_ext.policy.step_model import StepCoefficients
 from sglang_ext.policy.view import RequestView
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.runner import PolicySpecError, parse_policy
-from sglang_ext.sim.slo_anneal import (
+from sglang_ext.sim.competitors.slo_anneal import (
     DELAY, SQUEEZE, SWAP, AnnealSettings, Objective, Planner, PlanRequest, Running,
     acceptance_probability, anneal, change_bp, draw_output, full_batches, propose,
 )
-from sglang_ext.sim.tuning import tune
+from sglang_ext.sim.fitting.tuning import tune
 
 CHAT = Slo.from_ms(2000, 50)
 CODE = Slo.end_to_end_ms(14000)
@@ -359,7 +359,7 @@ def test_full_batches_and_the_arrival_start():
 
 
 def test_the_cli_reports_a_bad_setting_as_a_usage_error(tmp_path, capsys):
-    from sglang_ext.sim.cli import main
+    from sglang_ext.sim.commands import main
 
     argv = ["run", "--policy", "slo-anneal@512,decay=2", "--head-seconds", "10",
             "--out", str(tmp_path / "out")]
@@ -370,7 +370,7 @@ def test_the_cli_reports_a_bad_setting_as_a_usage_error(tmp_path, capsys):
 
 
 def test_the_cli_runs_it_on_a_class_mix(tmp_path):
-    from sglang_ext.sim.cli import main
+    from sglang_ext.sim.commands import main
 
     out, slo_file = tmp_path / "out", tmp_path / "slo.toml"
     slo_file.write_text('default_class = "chat"\n[classes.chat]\nttft_ms = 2000\ntpot_ms = 50\n'

@@ -1,4 +1,4 @@
-"""The batching study's policies (``sglang_ext.sim.study_policies``), its service curve
+"""The batching study's policies (``sglang_ext.sim.competitors.study_policies``), its service curve
 (``sglang_ext.sim.service_curve``), their settings, tuning axes and CLI runs."""
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ from sglang_ext.policy.policies import POLICIES, PolicyContext
 from sglang_ext.policy.step_model import StepCoefficients
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestView
-from sglang_ext.sim.calibration import offline_step_model
-from sglang_ext.sim.cli import main
+from sglang_ext.sim.fitting.calibration import offline_step_model
+from sglang_ext.sim.commands import main
 from sglang_ext.sim.engine import IDLE_TICK_S, SimEngine
 from sglang_ext.sim.gpu import RooflineGpu
 from sglang_ext.sim.profile import (
     ProfileError, ServiceSpec, bundled_profile_path, load_profile,
 )
-from sglang_ext.sim.profile_fit import profile_toml
+from sglang_ext.sim.fitting.profile_fit import profile_toml
 from sglang_ext.sim.runner import PolicySpecError, parse_policy
 from sglang_ext.sim.service_curve import ServiceCurveGpu, make_gpu
-from sglang_ext.sim.study_policies import (
+from sglang_ext.sim.competitors.study_policies import (
     DynamicBatch, FcfsToCompletion, FixedBatch, JobClock, PrefillFirst,
 )
-from sglang_ext.sim.tuning import INTEGER_SETTINGS, REFINE_STEP, tune
+from sglang_ext.sim.fitting.tuning import INTEGER_SETTINGS, REFINE_STEP, tune
 
 STUDY = ("fixed-batch", "dynamic-batch", "fcfs-complete", "prefill-first")
 TUNABLE = ("fixed-batch", "dynamic-batch", "prefill-first")

@@ -1,0 +1,309 @@
+"""Drive one real SGLang ``Scheduler`` in this process, step by step, on the emulated GPU.
+
+Run as a subprocess by ``test_scheduler_integration.py`` (the plugin's hooks patch
+SGLang's classes process-wide, so each scenario gets a fresh interpreter)::
+
+    python tests/adapter/scheduler_harness.py SCENARIO.json
+
+The scenario names requests (prompt length, max new tokens, SLO, arrival step) and
+server flags; the harness feeds them through the scheduler's real ingestion path
+(``handle_generate_request``), runs the normal event loop's body one step at a time and
+checks parked requests as it goes. It prints one JSON document: per-step records and
+per-request outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+
+def main(scenario_path: str) -> None:
+    scenario = json.loads(Path(scenario_path).read_text())
+    if scenario.get("config"):
+        os.environ["FAIRBATCHING_CONFIG"] = scenario["config"]
+    else:
+        os.environ.pop("FAIRBATCHING_CONFIG", None)
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+    from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(Path(tempfile.mkdtemp(prefix="fb-harness-")))
+    server_args = ServerArgs(
+        model_path=str(model_dir),
+        device="cpu",
+        load_format="dummy",
+        attention_backend="torch_native",
+        disable_cuda_graph=True,
+        skip_tokenizer_init=True,
+        max_total_tokens=scenario.get("max_total_tokens", 65536),
+        chunked_prefill_size=scenario.get("chunked_prefill_size", 8192),
+        disable_overlap_schedule=not scenario.get("overlap", False),
+        disable_radix_cache=scenario.get("disable_radix_cache", False),
+        enable_mixed_chunk=scenario.get("enable_mixed_chunk", False),
+    )
+    port_args = PortArgs.init_new(server_args)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    scheduler = Scheduler(server_args, port_args)
+    outputs = _capture_outputs(scheduler)
+
+    pending = sorted(scenario["requests"], key=lambda r: r.get("at_step", 0))
+    steps: list[dict[str, Any]] = []
+    kv_rows: dict[str, list[int]] = {}
+    checks = {"parked_kv_kept": 0, "parked_relay_token_ok": 0, "parked_kv_changed": 0,
+              "relay_token_wrong": 0}
+    state = getattr(scheduler, "fairbatching", None)
+    if state is not None and scenario.get("prefill_piece_tokens"):
+        _cap_planned_prefills(state, int(scenario["prefill_piece_tokens"]))
+    triage = _record_triage(state) if state is not None else None
+    observations = _record_observations(state) if state is not None else None
+    overlap = scheduler.enable_overlap
+    result_queue = scheduler.result_queue if overlap else None
+    last_batch = None
+    aborted: dict[str, int] = {}
+    retracted = 0
+    step = 0
+    deadline = time.monotonic() + scenario.get("timeout_s", 120)
+    while time.monotonic() < deadline:
+        while pending and pending[0].get("at_step", 0) <= step:
+            spec = pending.pop(0)
+            custom_params = {"slo": spec["slo"]} if "slo" in spec else None
+            params = SamplingParams(max_new_tokens=spec["max_new_tokens"], ignore_eos=spec.get("ignore_eos", True),
+                                    custom_params=custom_params)
+            params.normalize(None)
+            recv = TokenizedGenerateReqInput(
+                rid=spec["rid"], input_text=None,
+                input_ids=array("q", _prompt(spec)),
+                input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=params,
+                return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
+                token_ids_logprob=None, stream=True,
+            )
+            scheduler.handle_generate_request(recv)
+
+        if state is not None and state.parked is not None:
+            _check_parked(scheduler, state.parked, kv_rows, checks, expect_relay=True)
+        for rid in scenario.get("abort_when_parked", []):
+            if rid not in aborted and state is not None and state.parked is not None and any(
+                r.rid == rid for r in state.parked.reqs
+            ):
+                scheduler.abort_request(AbortReq(rid=rid))
+                aborted[rid] = step
+        if triage is not None:
+            triage.clear()
+        formed = time.perf_counter()
+        plan = scheduler.get_next_batch_to_run(scheduler.running_batch, last_batch)
+        formed = time.perf_counter() - formed
+        reporter = scheduler.metrics_reporter
+        retracted += getattr(reporter, "num_retracted_reqs", 0) or 0
+        reporter.num_retracted_reqs = 0
+        scheduler.running_batch = plan.running_batch
+        batch = plan.batch_to_run
+        record = _step_record(scheduler, batch, state, step)
+        if triage and batch is not None:
+            record["triage"] = triage[-1]
+        record["get_next_batch_us"] = round(formed * 1e6, 1)
+        if state is not None and state.parked is not None:
+            for req in state.parked.reqs:
+                kv_rows[req.rid] = _kv_row(scheduler, req)
+        if overlap:
+            if batch:
+                result = scheduler.run_batch(batch)
+                result_queue.append((batch.copy(), result))
+            if last_batch:
+                tmp_batch, tmp_result = result_queue.popleft()
+                scheduler.process_batch_result(tmp_batch, tmp_result)
+            elif batch is None:
+                scheduler.on_idle()
+            if batch is not None:
+                scheduler.launch_batch_sample_if_needed(result, batch)
+        else:
+            if batch:
+                result = scheduler.run_batch(batch)
+                scheduler.process_batch_result(batch, result)
+            else:
+                scheduler.on_idle()
+        last_batch = batch
+        scheduler.last_batch = batch
+        if batch is not None:
+            steps.append(record)
+        step += 1
+        if not pending and batch is None and scheduler.is_fully_idle() and not scheduler.waiting_queue:
+            break
+        if step >= scenario.get("max_steps", 1_000_000):
+            break
+
+    allocator = scheduler.token_to_kv_pool_allocator
+    tree = scheduler.tree_cache
+    evictable = tree.evictable_size() if hasattr(tree, "evictable_size") else 0
+    report = {
+        "steps": steps,
+        "outputs": outputs,
+        "checks": checks,
+        "aborted_at_step": aborted,
+        "retracted": retracted,
+        "idle": scheduler.is_fully_idle(),
+        "kv_free_plus_evictable": allocator.available_size() + evictable,
+        "kv_total": scheduler.max_total_num_tokens,
+        "fairbatching": state.snapshot() if state is not None else None,
+        "observations": observations,
+    }
+    print("HARNESS-RESULT " + json.dumps(report))
+
+
+def _record_triage(state: Any) -> list[dict[str, Any]]:
+    """What each decision saw, from the policy's own triage (Algorithm 1's groups): the
+    decodes it must run (urgent, or late under the lateness guard) and the deferrable
+    ones with their slack. Tests check parking against it, so their verdict does not
+    depend on how fast this machine ran the steps."""
+    policy = state.policy
+    form_batch = policy.form_batch
+    seen: list[dict[str, Any]] = []
+
+    def recording_form_batch(requests: Any, now: float) -> Any:
+        groups = policy._triage(requests, now, getattr(policy, "anchored", False))
+        if groups is not None:
+            seen.append({
+                "must_run": sorted(str(r.req_id) for _, r in (*groups.urgent_decodes, *groups.late_decodes)),
+                "deferrable": {str(r.req_id): round(slack * 1e3, 3) for slack, r in groups.deferrable_decodes},
+                "urgent_below_ms": round((groups.init_time_budget_s + groups.min_tpot_s) * 1e3, 3),
+            })
+        return form_batch(requests, now)
+
+    policy.form_batch = recording_form_batch
+    return seen
+
+
+def _cap_planned_prefills(state: Any, piece: int) -> None:
+    """Plan every queued prefill each step, at most ``piece`` tokens each: several
+    partial chunks in one step, which SGLang's adder (one chunked request at a time)
+    must be kept from realising."""
+    import dataclasses
+
+    policy = state.policy
+    form_batch = policy.form_batch
+
+    def capped_form_batch(requests: Any, now: float) -> Any:
+        decision = form_batch(requests, now)
+        waiting = [r for r in requests if r.pending_prefill > 0]
+        if not waiting:
+            return decision
+        chunks = tuple((r.req_id, min(piece, r.pending_prefill)) for r in waiting)
+        return dataclasses.replace(decision, prefill_chunks=chunks)
+
+    policy.form_batch = capped_form_batch
+
+
+def _record_observations(state: Any) -> list[tuple[int, int, float]]:
+    """Every measured step the online step model learns from: (new tokens, context, seconds)."""
+    policy = state.policy
+    observe_step = policy.observe_step
+    seen: list[tuple[int, int, float]] = []
+
+    def recording_observe_step(shape: Any, measured_s: float) -> None:
+        seen.append((int(shape.new_tokens), int(shape.total_context), float(measured_s)))
+        observe_step(shape, measured_s)
+
+    policy.observe_step = recording_observe_step
+    return seen
+
+
+def _prompt(spec: dict[str, Any]) -> list[int]:
+    """Distinct prompts per request unless a scenario shares a ``prefix_group``."""
+    seed = sum(map(ord, spec.get("prefix_group", spec["rid"])))
+    return [7 + (i * 31 + seed) % 900 for i in range(spec["prompt_tokens"])]
+
+
+def _capture_outputs(scheduler: Any) -> dict[str, dict[str, Any]]:
+    """Collect what the scheduler sends to the detokenizer (no detokenizer runs here)."""
+    outputs: dict[str, dict[str, Any]] = {}
+
+    def send_output(output: Any, recv_obj: Any = None) -> None:
+        rids = getattr(output, "rids", None) or []
+        completion = getattr(output, "completion_tokens", None) or []
+        reasons = getattr(output, "finished_reasons", None) or []
+        for i, rid in enumerate(rids):
+            entry = outputs.setdefault(rid, {"tokens": 0, "finished": None, "chunks": 0})
+            entry["chunks"] += 1
+            if i < len(completion):
+                entry["tokens"] = int(completion[i])
+            if i < len(reasons) and reasons[i] is not None:
+                reason = reasons[i]
+                entry["finished"] = reason.get("type") if isinstance(reason, dict) else str(reason)
+
+    scheduler.ipc_channels.send_to_detokenizer.send_output = send_output
+    return outputs
+
+
+def _kv_row(scheduler: Any, req: Any) -> list[int]:
+    idx = req.req_pool_idx if hasattr(req, "req_pool_idx") else req.kv.req_pool_idx
+    length = len(req.origin_input_ids) + max(0, len(req.output_ids) - 1)
+    return scheduler.req_to_token_pool.req_to_token[idx, :length].tolist()
+
+
+def _check_parked(scheduler: Any, parked: Any, kv_rows: dict, checks: dict, expect_relay: bool) -> None:
+    relay = scheduler.future_map.output_tokens_buf if hasattr(scheduler, "future_map") else None
+    for req in parked.reqs:
+        if req.finished():
+            continue
+        before = kv_rows.get(req.rid)
+        if before is not None:
+            now = _kv_row(scheduler, req)
+            if now[: len(before)] == before:
+                checks["parked_kv_kept"] += 1
+            else:
+                checks["parked_kv_changed"] += 1
+        if relay is not None and req.output_ids:
+            idx = req.req_pool_idx if hasattr(req, "req_pool_idx") else req.kv.req_pool_idx
+            if int(relay[idx]) == int(req.output_ids[-1]):
+                checks["parked_relay_token_ok"] += 1
+            else:
+                checks["relay_token_wrong"] += 1
+
+
+def _step_record(scheduler: Any, batch: Any, state: Any, step: int) -> dict[str, Any]:
+    from sglang_ext.adapter.scheduler.step_features import step_features
+
+    record: dict[str, Any] = {"step": step}
+    if batch is None:
+        return record
+    features = step_features(batch)
+    record.update(
+        mode=str(batch.forward_mode.name),
+        new_tokens=features.new_tokens,
+        prefill_tokens=features.prefill_tokens,
+        decodes=sorted(r.rid for r in (batch.decoding_reqs or [])) if batch.forward_mode.is_extend()
+        else sorted(r.rid for r in batch.reqs),
+        prefills={r.rid: r.extend_len for r in batch.reqs if r not in (batch.decoding_reqs or [])}
+        if batch.forward_mode.is_extend() else {},
+        parked=sorted(r.rid for r in state.parked.reqs) if state is not None and state.parked is not None else [],
+        waiting=len(scheduler.waiting_queue),
+        pab=state.pab_tokens if state is not None else None,
+    )
+    if state is not None and state.last_decision is not None:
+        decision = state.last_decision
+        record.update(
+            planned_prefill=dict(decision.prefill_chunks),
+            planned_decodes=len(decision.decode_ids),
+            predicted_s=decision.predicted_step_s,
+            time_budget_s=decision.time_budget_s,
+        )
+    return record
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SGLANG_LOG_LEVEL", "warning")
+    main(sys.argv[1])
