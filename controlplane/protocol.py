@@ -448,8 +448,8 @@ def budget_tokens(tokens: float) -> float:
     return max(-BUDGET_LIMIT, min(BUDGET_LIMIT, float(tokens)))
 
 
-def class_budgets(budgets: Mapping[str, float],
-                  ttfts: Mapping[str, float]) -> dict[str, ClassBudget]:
+def pack_class_budgets(budgets: Mapping[str, float],
+                       ttfts: Mapping[str, float]) -> dict[str, ClassBudget]:
     """A report's ``class_budgets`` from each SLO class's budget and TTFT target (seconds).
     Raises ValueError for more classes, or longer names, than a report may carry."""
     if len(budgets) > MAX_SLO_CLASSES:

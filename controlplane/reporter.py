@@ -67,7 +67,7 @@ class ReportPublisher:
         class_budgets: Mapping[str, ClassBudget] | None = None,
     ) -> bool:
         """Queue one report without blocking; False when it was dropped.
-        ``class_budgets``: see :func:`controlplane.protocol.class_budgets`."""
+        ``class_budgets``: see :func:`controlplane.protocol.pack_class_budgets`."""
         self.seq += 1
         report = Report(
             rank=self.rank,

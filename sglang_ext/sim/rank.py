@@ -39,7 +39,7 @@ from pathlib import Path
 import zmq
 
 from controlplane.curve import CurvePeer
-from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome, class_budgets
+from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome, pack_class_budgets
 from controlplane.rank_agent import InvalidRequest, NoBudget, OutputSink, RankAgent
 from controlplane.reporter import ReportPublisher, ReportThrottle
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
@@ -271,16 +271,16 @@ class SimRank:
             free_kv_tokens=self.engine.kv_capacity - self.engine.kv_used,
             echoed_dispatch_seq=self.echoed_dispatch_seq,
             step_time_s=self.last_step_s,
-            class_budgets=self.class_budgets(active),
+            class_budgets=self.reported_class_budgets(active),
         )
         self._throttle.published(now_s, key)
 
-    def class_budgets(self, active: Sequence[object]) -> dict:
+    def reported_class_budgets(self, active: Sequence[object]) -> dict:
         """Each SLO class's budget from the engine's state, as a report carries it."""
         classes = self.catalog.classes
         self.engine.policy.observe_kv(self.engine.kv_outlook())
         budgets = self.engine.policy.admission_budgets(active, self.engine.now, classes)
-        return class_budgets(budgets, {name: slo.ttft_s for name, slo in classes.items()})
+        return pack_class_budgets(budgets, {name: slo.ttft_s for name, slo in classes.items()})
 
 
 class SimRanks:

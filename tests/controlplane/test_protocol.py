@@ -281,14 +281,14 @@ def test_bad_class_budgets_are_refused_as_invalid(budget):
 
 
 def test_class_budgets_are_clamped_and_bounded_for_a_report():
-    budgets = p.class_budgets({"a": float("inf"), "b": float("nan"), "c": -1e12, "d": 12.5},
+    budgets = p.pack_class_budgets({"a": float("inf"), "b": float("nan"), "c": -1e12, "d": 12.5},
                               {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0})
     assert budgets == {"a": p.ClassBudget(1.0, p.BUDGET_LIMIT), "b": p.ClassBudget(2.0, 0.0),
                        "c": p.ClassBudget(3.0, -p.BUDGET_LIMIT), "d": p.ClassBudget(4.0, 12.5)}
     with pytest.raises(ValueError, match="at most 64"):
-        p.class_budgets({f"c{i}": 1.0 for i in range(65)}, {f"c{i}": 1.0 for i in range(65)})
+        p.pack_class_budgets({f"c{i}": 1.0 for i in range(65)}, {f"c{i}": 1.0 for i in range(65)})
     with pytest.raises(ValueError, match="1-64 characters"):
-        p.class_budgets({"x" * 65: 1.0}, {"x" * 65: 1.0})
+        p.pack_class_budgets({"x" * 65: 1.0}, {"x" * 65: 1.0})
 
 
 def test_a_version_2_agent_is_refused_now_that_a_dispatch_may_carry_an_e2e_slo():

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from controlplane.protocol import class_budgets
+from controlplane.protocol import pack_class_budgets
 from sglang_ext.adapter.scheduler.state import LAUNCH_ATTR, HandledErrors
 
 logger = logging.getLogger("sglang_ext.fairbatching")
@@ -124,7 +124,7 @@ class SchedulerReports:
                 return
             classes = scheduler.fairbatching.config.catalog.classes
             ttfts = {name: slo.ttft_s for name, slo in classes.items()}
-            budgets = class_budgets(dict(load.class_budgets), ttfts)
+            budgets = pack_class_budgets(dict(load.class_budgets), ttfts)
             self.publisher.publish(load.pab_tokens, load.running, load.waiting, load.total_tokens,
                                    load.free_kv_tokens, load.echoed_dispatch_seq, self.step_time_s,
                                    budgets)
