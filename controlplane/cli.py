@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from controlplane.cli_args import refuse_repeats
 from controlplane.client import DEFAULT_ADDRESS, AsyncClient
 from controlplane.config import ConfigError, DaemonConfig
 from controlplane.curve import CurveError, CurvePeer, generate
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("directory", metavar="DIR")
     keygen.add_argument("name", metavar="NAME", help="e.g. daemon, gpu-a, cli")
     keygen.set_defaults(run=_keygen)
+    refuse_repeats(parser, {"--listen": "the gateway serves one address; start one per address"})
     return parser
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from controlplane.balancer import BALANCERS
+from controlplane.cli_args import refuse_repeats
 from sglang_ext.policy.admission import AdmissionSettings
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog, SloError
@@ -49,6 +50,7 @@ from sglang_ext.sim.runner import (
     PolicySpecError,
     RunResult,
     Scenario,
+    build_policy,
     parse_admission,
     parse_policy,
     simulate,
@@ -259,8 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Discrete-event simulation of FairBatching and the baselines on a roofline GPU.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="one policy at one offered load")
-    run.add_argument("--policy", default="fb", help="policy name, NAME@BUDGET for budgeted ones")
+    run = commands.add_parser("run", help="one or more policies at one offered load")
+    run.add_argument(
+        "--policy", action="append", dest="policies", metavar="POLICY",
+        help="policy name, NAME@BUDGET for budgeted ones; repeatable: each runs at --rate, "
+        "one row of the table and one entry of results.json per policy (default: fb)",
+    )
     run.add_argument("--rate", type=_positive_float,
                      help="offered load, req/s (default: the trace's own rate)")
     _add_admission(run)
@@ -346,7 +352,17 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--out-profile", type=Path, required=True, help="profile TOML to write")
     fit.add_argument("--out-step-model", type=Path, required=True,
                      help="step-model TOML to write")
+    refuse_repeats(parser, REPEAT_HINTS)
     return parser
+
+
+#: what to do instead, in the error of a single-valued option given twice
+REPEAT_HINTS = {
+    "--rate": "one load per run; `sweep --rates 4,8,...` runs several",
+    "--rates": "give the loads as one comma-separated list",
+    "--budgets": "give the budgets as one comma-separated list",
+    "--policy": "every rank runs the one policy; run `cluster` once per policy",
+}
 
 
 def _load_profile(name: str) -> HardwareProfile:
@@ -447,20 +463,31 @@ def _with_admission(texts: Sequence[str], admission: AdmissionSettings | None) -
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    spec = parse_policy(_with_admission([args.policy], args.admission)[0])
-    disagg = _disagg_config(args, [spec])
+    labels = _with_admission(args.policies or ["fb"], args.admission)
+    # each policy once, in the order given (by its label: `fb` twice, or `fb+defer` and
+    # `fb --admission defer`, is one run)
+    specs = list({spec.label: spec for spec in map(parse_policy, labels)}.values())
+    disagg = _disagg_config(args, specs)
     scenario = _scenario(args, disagg)
+    for spec in specs:  # a policy that cannot be built fails before any simulation
+        build_policy(scenario, spec)
     rate = args.rate or scenario.workload.mean_rate
-    result = simulate(scenario, spec, rate)
-    plan = SweepPlan((spec.label,), (spec,))
-    # the same results.json document as a one-policy, one-rate sweep (scenario and rates included)
-    document, _ = assemble(scenario, plan, (rate,), rate, [result])
+    results = [simulate(scenario, spec, rate) for spec in specs]
+    plan = SweepPlan(tuple(spec.label for spec in specs), tuple(specs))
+    # the same results.json document as a sweep of these policies at one rate (scenario and
+    # rates included)
+    document, _ = assemble(scenario, plan, (rate,), rate, results)
     print(summary_table(document, plan.requested))
-    if POLICIES.get(spec.base).disaggregated:
+    disaggregated = [(spec, result) for spec, result in zip(specs, results, strict=True)
+                     if POLICIES.get(spec.base).disaggregated]
+    if disaggregated:
         document["disaggregated"] = _disagg_entry(disagg)
+        print()
+    for spec, result in disaggregated:
         load = result.load
         print(
-            f"\n{disagg.gpus} GPUs ({disagg.prefill_ranks} prefill + {disagg.decode_ranks} "
+            f"{f'{spec.label}: ' if len(specs) > 1 else ''}"
+            f"{disagg.gpus} GPUs ({disagg.prefill_ranks} prefill + {disagg.decode_ranks} "
             f"decode, KV link {disagg.link_gbps:g} Gb/s): effective RPS "
             f"{load['effective_rps']:.2f} total, {load['effective_rps_per_gpu']:.2f} per GPU"
         )

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import zmq
 
+from controlplane.cli_args import refuse_repeats
 from controlplane.curve import CurvePeer
 from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome, pack_class_budgets
 from controlplane.rank_agent import InvalidRequest, NoBudget, OutputSink, RankAgent
@@ -407,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGTERM, let running requests finish for at most S seconds")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
+    refuse_repeats(parser, {
+        "--rank": "one rank's name; --ranks N hosts N ranks named AGENT/0 .. AGENT/N-1",
+        "--policy": "every rank of an agent runs the one policy; start one agent per policy",
+    })
     return parser
 
 

@@ -11,8 +11,9 @@ import pytest
 
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.step_model import StepCoefficients, StepModelFile
-from sglang_ext.sim.fitting.calibration import offline_fit, offline_step_model
+from sglang_ext.sim import commands
 from sglang_ext.sim.commands import main
+from sglang_ext.sim.fitting.calibration import offline_fit, offline_step_model
 from sglang_ext.sim.profile import PROFILES_DIR, bundled_profile_path, load_profile
 
 TOP_LEVEL = {"schema_version", "scenario", "rates", "cdf_rate", "requested", "policies"}
@@ -114,6 +115,103 @@ def test_run_with_budgeted_policy_and_slo_override(tmp_path, capsys):
     }
     assert slo["classes"]["standard"] == {"ttft_ms": 500.0, "tpot_ms": 40.0}
     assert slo["classes"]["relaxed"] == {"ttft_ms": 5000.0, "tpot_ms": 200.0}
+
+
+
+def _table_rows(stdout: str) -> list[str]:
+    """The policy column of the printed table, row by row."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("policy "))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        rows.append(line.split()[0])
+    return rows
+
+
+def test_run_takes_several_policies_at_one_rate(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["run", "--policy", "fb-anchor-margin", "--policy", "sarathi@1024", "--rate", "12",
+            *FAST, "--out", str(out)]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert _table_rows(stdout) == ["fb-anchor-margin", "sarathi@1024"]
+    assert "at 12 req/s:" in stdout
+    document = json.loads((out / "results.json").read_text())
+    assert TOP_LEVEL <= set(document)  # the shape of a sweep of two policies at one rate
+    assert document["rates"] == [12.0] and document["cdf_rate"] == 12.0
+    assert document["requested"] == ["fb-anchor-margin", "sarathi@1024"]
+    assert list(document["policies"]) == ["fb-anchor-margin", "sarathi@1024"]
+    for entry in document["policies"].values():
+        _check_policy_entry(entry, [12.0])
+    assert "mean_margin" in document["policies"]["fb-anchor-margin"]["loads"][0]
+    # each policy's run is the one it gets alone: nothing carries over between them
+    alone = tmp_path / "alone"
+    assert main(["run", "--policy", "sarathi@1024", "--rate", "12", *FAST,
+                 "--out", str(alone)]) == 0
+    single = json.loads((alone / "results.json").read_text())
+    assert single["policies"]["sarathi@1024"] == document["policies"]["sarathi@1024"]
+    assert single["scenario"] == document["scenario"]
+    assert _table_rows(capsys.readouterr().out) == ["sarathi@1024"]
+
+
+def test_run_applies_admission_to_each_policy_and_runs_a_label_once(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["run", "--policy", "fb", "--policy", "sarathi@512", "--policy", "fb+reject",
+            "--admission", "reject", "--rate", "8", *FAST, "--out", str(out)]
+    assert main(argv) == 0
+    assert _table_rows(capsys.readouterr().out) == ["fb+reject", "sarathi@512"]
+    document = json.loads((out / "results.json").read_text())
+    assert document["requested"] == ["fb+reject", "sarathi@512"]
+    assert list(document["policies"]) == ["fb+reject", "sarathi@512"]
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("nope", "'nope'"),
+    ("fb-pab+defer", "fb-pab"),  # refused when the policy is built, still before any run
+])
+def test_run_refuses_a_bad_policy_among_several_before_running_any(bad, fragment, tmp_path,
+                                                                    capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr(commands, "simulate", lambda *args, **kwargs: ran.append(args))
+    out = tmp_path / "o"
+    line = _user_error(["run", "--policy", "sarathi@512", "--policy", bad, "--rate", "8",
+                        *FAST, "--out", str(out)], capsys)
+    assert fragment in line
+    assert not ran and not out.exists()
+
+
+def test_run_with_a_disaggregated_policy_among_colocated_ones(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["run", "--policy", "kairos-fcfs", "--policy", "sarathi@512", "--split", "1:1",
+            "--rate", "4", "--head-seconds", "20", "--out", str(out)]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert _table_rows(stdout) == ["kairos-fcfs", "sarathi@512"]
+    assert "kairos-fcfs: 2 GPUs (1 prefill + 1 decode" in stdout
+    assert "sarathi@512:" not in stdout
+    document = json.loads((out / "results.json").read_text())
+    assert document["disaggregated"]["gpus"] == 2
+    assert document["policies"]["kairos-fcfs"]["loads"][0]["gpus"] == 2
+    assert "gpus" not in document["policies"]["sarathi@512"]["loads"][0]
+
+
+@pytest.mark.parametrize("argv, option, hint", [
+    (["run", "--rate", "4", "--rate", "8"], "--rate", "sweep --rates"),
+    (["cluster", "--policy", "fb", "--policy", "sarathi@512"], "--policy", "once per policy"),
+    (["cluster", "--rate", "4", "--rate=8"], "--rate", "sweep --rates"),
+    (["sweep", "--rates", "4,8", "--rates", "12"], "--rates", "one comma-separated list"),
+    (["sweep", "--budgets", "256", "--budgets", "512"], "--budgets", "one comma-separated"),
+    (["run", "--trace", "a.csv", "--trace", "b.csv"], "--trace", ""),
+    (["run", "--profile", "qwen3-14b-h20", "--prof", "llama3.1-8b-h100"], "--profile", ""),
+    (["run", "--seed", "1", "--seed", "2"], "--seed", ""),
+    (["calibrate", "--form", "knee", "--form", "linear"], "--form", ""),
+])
+def test_a_repeated_single_valued_option_is_refused(argv, option, hint, capsys):
+    last = _argparse_error(argv, capsys)
+    assert f"argument {option}: given more than once; it takes one value" in last
+    assert hint in last
 
 
 # ------------------------------------------------------------------ sweep

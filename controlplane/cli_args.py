@@ -1,0 +1,63 @@
+"""A single-valued command-line option given twice is an error, not a silent override.
+
+argparse's default ``store`` action keeps the last value of a repeated option, so
+``run --rate 4 --rate 8`` would run one load and say nothing. :func:`refuse_repeats`
+turns every single-valued option of a parser (and of its subcommands) into one that
+refuses a second occurrence with a usage error (exit status 2) naming the option and,
+where the parser's author gave one, how to do what the user wanted instead. Options meant
+to be repeated use ``action="append"`` and are left alone, as are flags
+(``store_true``) and positional arguments.
+
+Used by ``fairbatching-controlplane``, ``python -m sglang_ext.sim`` and
+``python -m sglang_ext.sim.rank``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+#: the namespace attribute recording which options this parse has seen
+_GIVEN = "_single_options_given"
+
+
+class StoreOnce(argparse._StoreAction):
+    """``store``, refusing the option's second occurrence."""
+
+    hint: str = ""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault(_GIVEN, set())
+        if self.dest in given:
+            hint = f" ({self.hint})" if self.hint else ""
+            raise argparse.ArgumentError(
+                self, f"given more than once; it takes one value{hint}"
+            )
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def refuse_repeats(
+    parser: argparse.ArgumentParser, hints: Mapping[str, str] | None = None
+) -> None:
+    """Make every single-valued option of ``parser`` and its subcommands refuse a repeat.
+
+    ``hints`` maps an option string (``"--rate"``) to what to do instead, shown in the
+    error of every (sub)command's option of that name."""
+    hints = hints or {}
+    seen: set[int] = set()
+    todo = [parser]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue  # an alias of a subcommand already done
+        seen.add(id(current))
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+            elif type(action) is argparse._StoreAction and action.option_strings:
+                action.__class__ = StoreOnce
+                hint = next((hints[s] for s in action.option_strings if s in hints), "")
+                if hint:
+                    action.hint = hint
+
