@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from controlplane.cli_args import refuse_repeats
+from controlplane.cli_args import positive_float, positive_int, refuse_repeats
 from controlplane.client import DEFAULT_ADDRESS, AsyncClient
 from controlplane.config import ConfigError, DaemonConfig
 from controlplane.curve import CurveError, CurvePeer, generate
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "Undo `drain`: RANK gets new requests again.")
     drain.add_argument("--wait", action="store_true",
                        help="wait until the rank has no request in flight (or has left)")
-    drain.add_argument("--wait-timeout", type=_positive_seconds, default=600.0, metavar="S",
+    drain.add_argument("--wait-timeout", type=positive_float, default=600.0, metavar="S",
                        help="give up waiting after S seconds, exit 5 (default: %(default)s)")
     for command, flag in ((drain, True), (resume, False)):
         command.add_argument("rank", metavar="RANK", help="the rank's name, as `ranks` lists it")
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="where to serve HTTP (default: %(default)s)")
     gateway.add_argument("--model", default="fairbatching",
                          help="the model name /v1/models lists and requests may name (default: %(default)s)")
-    gateway.add_argument("--chat-max-tokens", type=_positive_int, default=1024, metavar="N",
+    gateway.add_argument("--chat-max-tokens", type=_max_tokens, default=1024, metavar="N",
                          help="output limit of a chat request that sets neither max_completion_tokens nor "
                               "max_tokens (default: 1024)")
     gateway.add_argument("--api-key-file", metavar="FILE",
@@ -130,7 +130,7 @@ def _daemon_arguments(command: argparse.ArgumentParser) -> None:
     """How a command reaches a running daemon: its address, a reply timeout, CURVE keys."""
     command.add_argument("--address", default=DEFAULT_ADDRESS,
                          help="the daemon's client address (default: %(default)s)")
-    command.add_argument("--timeout", type=_positive_seconds, default=2.0, metavar="S",
+    command.add_argument("--timeout", type=positive_float, default=2.0, metavar="S",
                          help="seconds to wait for each reply (default: %(default)s)")
     _curve_arguments(command)
 
@@ -204,24 +204,8 @@ def _command(commands, name: str, summary: str, description: str) -> argparse.Ar
                                formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if not 1 <= value <= 1_000_000:
-        raise argparse.ArgumentTypeError(f"must be 1 to 1000000, got {text}")
-    return value
+def _max_tokens(text: str) -> int:
+    return positive_int(text, maximum=1_000_000)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,4 +1,8 @@
-"""A single-valued command-line option given twice is an error, not a silent override.
+"""Command-line options shared by the project's CLIs: value types that refuse what is not a
+positive number with one line (:func:`positive_float`, :func:`positive_int`,
+:func:`non_negative_float`), and single-valued options that refuse a repeat.
+
+A single-valued command-line option given twice is an error, not a silent override.
 
 argparse's default ``store`` action keeps the last value of a repeated option, so
 ``run --rate 4 --rate 8`` would run one load and say nothing. :func:`refuse_repeats`
@@ -15,7 +19,41 @@ Used by ``fairbatching-controlplane``, ``python -m sglang_ext.sim`` and
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _number(text, float, "a number")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _number(text, float, "a number")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str, maximum: int | None = None) -> int:
+    """An integer >= 1 (and <= ``maximum``, if given)."""
+    value = _number(text, int, "an integer")
+    if value < 1 or (maximum is not None and value > maximum):
+        bound = ">= 1" if maximum is None else f"from 1 to {maximum}"
+        raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
+    return value
+
+
+def _number(text: str, kind: type, what: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
 
 #: the namespace attribute recording which options this parse has seen
 _GIVEN = "_single_options_given"

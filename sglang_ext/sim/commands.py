@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 import time
@@ -12,11 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from controlplane.balancer import BALANCERS
-from controlplane.cli_args import refuse_repeats
+from controlplane.cli_args import non_negative_float, positive_float, positive_int, refuse_repeats
 from sglang_ext.policy.admission import AdmissionSettings
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog, SloError
 from sglang_ext.policy.step_model import STEP_FORMS, StepModelError, StepModelFile
+from sglang_ext.sim import demo
 from sglang_ext.sim.cluster import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_QUEUE_TTL_S,
@@ -64,6 +64,12 @@ from sglang_ext.sim.sweep import (
     summary_table,
     write_results,
 )
+from sglang_ext.sim.tuned import (
+    TunedSettingsError,
+    git_commit,
+    scenario_fingerprint,
+    settings_toml,
+)
 from sglang_ext.sim.workloads import (
     FORMATS,
     ClassMix,
@@ -78,6 +84,8 @@ DEFAULT_SLO_CONFIG = PROFILES_DIR.parent / "slo.toml"
 DEFAULT_PROFILE = "llama3.1-8b-h100"
 DEFAULT_SAMPLE_HEAD_S = 300.0
 DEFAULT_RATES = (4.0, 8.0, 12.0, 14.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0, 24.0, 28.0, 32.0, 36.0)
+#: the quick sweep's loads: the full grid less 17, 18 and 22 (sglang_ext.sim.demo)
+QUICK_RATES = (4.0, 8.0, 12.0, 14.0, 16.0, 19.0, 20.0, 24.0, 28.0, 32.0, 36.0)
 EXIT_USAGE = 2
 
 
@@ -85,41 +93,11 @@ class CliError(Exception):
     """A user mistake: printed as one line, exit status 2."""
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
 def _rate_list(text: str) -> tuple[float, ...]:
-    rates = tuple(_positive_float(part) for part in text.split(",") if part.strip())
+    rates = tuple(positive_float(part) for part in text.split(",") if part.strip())
     if not rates:
         raise argparse.ArgumentTypeError("expected comma-separated rates, e.g. 2,4,8")
     return tuple(sorted(set(rates)))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
 
 
 def _budget_list(text: str) -> tuple[int, ...]:
@@ -179,7 +157,7 @@ def _add_disagg(parser: argparse.ArgumentParser) -> None:
         help="prefill and decode ranks, one GPU each (default: 1:1)",
     )
     group.add_argument(
-        "--link-gbps", type=_positive_float, metavar="GBPS",
+        "--link-gbps", type=positive_float, metavar="GBPS",
         help=f"each prefill rank's KV-transfer link, Gb/s (default: {DEFAULT_LINK_GBPS:g})",
     )
 
@@ -212,7 +190,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="trace (scaled trace times), poisson, or gamma:CV (bursty)",
     )
     workload.add_argument(
-        "--head-seconds", type=_positive_float,
+        "--head-seconds", type=positive_float,
         help=f"keep the first S seconds of the trace (default: {DEFAULT_SAMPLE_HEAD_S:g} for the "
         "bundled sample, all of a given trace)",
     )
@@ -229,17 +207,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     system.add_argument("--slo-config", type=Path, default=DEFAULT_SLO_CONFIG, help="SLO classes TOML")
     system.add_argument(
-        "--ttft-ms", type=_positive_float,
+        "--ttft-ms", type=positive_float,
         help="override the default class's TTFT (an end-to-end class's: its first-token budget)",
     )
-    system.add_argument("--tpot-ms", type=_positive_float,
+    system.add_argument("--tpot-ms", type=positive_float,
                         help="override the default class's TPOT (a TTFT+TPOT class)")
-    system.add_argument("--e2e-ms", type=_positive_float,
+    system.add_argument("--e2e-ms", type=positive_float,
                         help="override the default class's end-to-end target (an e2e class)")
     system.add_argument(
         "--max-token-budget", type=int, default=8192, help="FairBatching's MAX_TOKEN_BUDGET"
     )
-    system.add_argument("--drain-seconds", type=_positive_float, default=120.0,
+    system.add_argument("--drain-seconds", type=positive_float, default=120.0,
                         help="simulate this long after the last arrival; unfinished = violated")
     system.add_argument("--seed", type=int, default=0, help="GPU noise and synthetic arrivals")
     system.add_argument(
@@ -267,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="policy name, NAME@BUDGET for budgeted ones; repeatable: each runs at --rate, "
         "one row of the table and one entry of results.json per policy (default: fb)",
     )
-    run.add_argument("--rate", type=_positive_float,
+    run.add_argument("--rate", type=positive_float,
                      help="offered load, req/s (default: the trace's own rate)")
     _add_admission(run)
     _add_disagg(run)
@@ -275,8 +253,31 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = commands.add_parser("sweep", help="policies x offered loads (bundled sample by default)")
     sweep.add_argument("--policy", action="append", dest="policies",
                        help=f"repeatable (default: {' '.join(DEFAULT_POLICIES)})")
-    sweep.add_argument("--rates", type=_rate_list, default=DEFAULT_RATES,
-                       help=f"offered loads, req/s (default: {','.join(f'{r:g}' for r in DEFAULT_RATES)})")
+    sweep.add_argument("--rates", type=_rate_list, default=None,
+                       help=f"offered loads, req/s (default: {','.join(f'{r:g}' for r in QUICK_RATES)}; "
+                       f"with --full {','.join(f'{r:g}' for r in DEFAULT_RATES)})")
+    sweep.add_argument(
+        "--full", action="store_true",
+        help="the full sweep: every tunable family named bare (sarathi, sarathi-queue-cap, ...) "
+        "tuned by its search over the full load grid (the default run: about 1,100 simulations, "
+        "20 min on 2 cores); without it such a family runs at the tuned settings file's setting",
+    )
+    sweep.add_argument(
+        "--retune", action="store_true",
+        help="tune every tunable family named bare on this scenario (over --rates, default the "
+        "quick grid) instead of using the tuned settings file",
+    )
+    sweep.add_argument(
+        "--tuned-settings", type=Path, metavar="PATH",
+        help="the tuned settings to run bare families at (default: the shipped "
+        "configs/tuned_baselines.toml; it is used only on the scenario it was tuned on, "
+        "otherwise the families are tuned here); a file given here for another scenario is refused",
+    )
+    sweep.add_argument(
+        "--save-tuned", type=Path, metavar="PATH",
+        help="write the settings this sweep tuned (with --full or --retune) as a tuned "
+        "settings file, with the scenario and the command",
+    )
     sweep.add_argument(
         "--budgets", type=_budget_list, default=None,
         help="token budgets for the tuned families (sarathi, fb-fb, sarathi-queue-cap, "
@@ -284,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{','.join(map(str, DEFAULT_TOKEN_BUDGETS))}, then refined around the best "
         "(sglang_ext.sim.fitting.tuning)",
     )
-    sweep.add_argument("--cdf-rate", type=_positive_float,
+    sweep.add_argument("--cdf-rate", type=positive_float,
                        help="load whose latency CDFs are plotted (default: the middle rate)")
     sweep.add_argument("--jobs", type=int, help="worker processes (default: all cores)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -299,21 +300,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--report-delay-ms late). The pab balancers' `on_no_budget = \"queue\"`: a request "
         "no rank's budget covers waits in a FIFO admission queue, rejected after --queue-ttl.",
     )
-    cluster.add_argument("--ranks", type=_positive_int, default=8, help="data-parallel ranks")
+    cluster.add_argument("--ranks", type=positive_int, default=8, help="data-parallel ranks")
     cluster.add_argument("--balancer", choices=BALANCERS, default="pab",
                          help="the control plane's policy for choosing a rank")
     cluster.add_argument("--policy", default="fb",
                          help="every rank's batch policy, NAME@BUDGET for budgeted ones")
-    cluster.add_argument("--rate", type=_positive_float,
+    cluster.add_argument("--rate", type=positive_float,
                          help="offered load of the whole cluster, req/s (default: the trace's "
                          "own rate x --ranks)")
-    cluster.add_argument("--report-delay-ms", type=_non_negative_float,
+    cluster.add_argument("--report-delay-ms", type=non_negative_float,
                          default=DEFAULT_REPORT_DELAY_S * 1e3,
                          help="a rank's report reaches the dispatcher this late")
-    cluster.add_argument("--queue-ttl", type=_positive_float, default=DEFAULT_QUEUE_TTL_S,
+    cluster.add_argument("--queue-ttl", type=positive_float, default=DEFAULT_QUEUE_TTL_S,
                          help="seconds a request may wait in the pab balancers' admission "
                          "queue (the daemon's queue_ttl_s)")
-    cluster.add_argument("--max-queued", type=_positive_int, default=DEFAULT_MAX_QUEUED,
+    cluster.add_argument("--max-queued", type=positive_int, default=DEFAULT_MAX_QUEUED,
                          help="admission queue bound; a fuller queue rejects (max_queued)")
     _common(cluster)
     calibrate = commands.add_parser(
@@ -506,12 +507,15 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     from sglang_ext.sim.plots import plot_effective_rps, plot_latency_cdfs
 
-    plan = plan_sweep(
-        _with_admission(args.policies or DEFAULT_POLICIES, args.admission), args.budgets
-    )
+    names = _with_admission(args.policies or DEFAULT_POLICIES, args.admission)
+    plan = plan_sweep(names, args.budgets)
     disagg = _disagg_config(args, plan.runs + tuple(parse_policy(n) for n in plan.tuned))
     scenario = _scenario(args, disagg)
-    rates = args.rates
+    mode = demo.choose_mode(plan, scenario, full=args.full, retune=args.retune,
+                            settings_path=args.tuned_settings, save_tuned=args.save_tuned)
+    if mode.presets:
+        plan = plan_sweep(names, args.budgets, mode.presets)
+    rates = args.rates or (DEFAULT_RATES if args.full else QUICK_RATES)
     cdf_rate = args.cdf_rate or rates[len(rates) // 2]
     if cdf_rate not in rates:
         rates = tuple(sorted({*rates, cdf_rate}))
@@ -522,6 +526,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         f"({', '.join(plan.tuned) or 'none'}) x {len(rates)} loads",
         file=sys.stderr,
     )
+    note = demo.start_note(mode, plan)
+    if note:
+        print(note, file=sys.stderr)
     with tqdm(total=0, unit="sim", disable=args.no_progress, file=sys.stderr) as bar:
         document, samples = run_sweep(
             scenario, plan, rates, cdf_rate=cdf_rate, jobs=args.jobs, progress=bar.update,
@@ -536,7 +543,18 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     plot_effective_rps(document, plan.requested, out / "effective_rps.png")
     plot_latency_cdfs(document, samples, plan.requested, out / "latency_cdf.png")
     print(summary_table(document))
-    print(f"\nwrote {path}, {out / 'effective_rps.png'}, {out / 'latency_cdf.png'}")
+    if args.save_tuned:
+        args.save_tuned.parent.mkdir(parents=True, exist_ok=True)
+        args.save_tuned.write_text(settings_toml(
+            document, scenario_fingerprint(scenario),
+            shlex.join(["python", "-m", "sglang_ext.sim", *args.argv]), commit=git_commit(),
+        ))
+        print(f"\nwrote the tuned settings to {args.save_tuned}")
+    print("\n" + demo.closing_summary(
+        document, plan, mode, full_rates=DEFAULT_RATES, rates_given=args.rates is not None,
+        results=path,
+        plots=(out / "effective_rps.png", out / "latency_cdf.png"),
+    ))
     return 0
 
 
@@ -637,7 +655,7 @@ def _cmd_fit_grid(args: argparse.Namespace) -> int:
 
 USER_ERRORS = (
     CliError, WorkloadError, ProfileError, SloError, PolicySpecError, StepModelError,
-    ClusterConfigError, DisaggConfigError, GridError, json.JSONDecodeError,
+    TunedSettingsError, ClusterConfigError, DisaggConfigError, GridError, json.JSONDecodeError,
 )
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import zmq
 
-from controlplane.cli_args import refuse_repeats
+from controlplane.cli_args import positive_float, positive_int, refuse_repeats
 from controlplane.curve import CurvePeer
 from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome, pack_class_budgets
 from controlplane.rank_agent import InvalidRequest, NoBudget, OutputSink, RankAgent
@@ -352,18 +352,6 @@ def build_sim_ranks(
 
 
 # -------------------------------------------------------------------- process
-def _positive(kind: type) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-        return value
-    return parse
-
-
 def check_address(address: str | None) -> None:
     if address is None:
         return
@@ -388,23 +376,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--agent-id", default="sim", help="this agent's routing id")
     names = parser.add_mutually_exclusive_group()
     names.add_argument("--rank", help="the rank's name (default: the agent id)")
-    names.add_argument("--ranks", type=_positive(int),
+    names.add_argument("--ranks", type=positive_int,
                        help="host N ranks named AGENT/0 .. AGENT/N-1")
     parser.add_argument("--profile", default=DEFAULT_PROFILE,
                         help="bundled profile name or TOML path")
     parser.add_argument("--policy", default=DEFAULT_POLICY,
                         help="simulator policy, NAME or NAME@BUDGET")
     parser.add_argument("--slo-file", type=Path, default=DEFAULT_SLO_FILE, help="SLO classes TOML")
-    parser.add_argument("--time-scale", type=_positive(float), default=1.0,
+    parser.add_argument("--time-scale", type=positive_float, default=1.0,
                         help="real seconds per simulated second")
     parser.add_argument("--seed", type=int, default=0, help="GPU noise seed (rank i uses seed+i)")
-    parser.add_argument("--report-interval-ms", type=_positive(float), default=10.0,
+    parser.add_argument("--report-interval-ms", type=positive_float, default=10.0,
                         help="report at least this often (and after a step that changed the load)")
     parser.add_argument("--curve-server-key", metavar="FILE",
                         help="the daemon's public key (.key), when it serves CURVE")
     parser.add_argument("--curve-secret-key", metavar="FILE",
                         help="this rank's key pair (.key_secret); its .key must be authorized")
-    parser.add_argument("--drain-timeout", type=_positive(float), default=30.0, metavar="S",
+    parser.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
                         help="on SIGTERM, let running requests finish for at most S seconds")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
