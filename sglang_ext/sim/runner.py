@@ -93,8 +93,16 @@ def replay(scenario: Scenario, policy: BatchPolicy, rate: float) -> tuple[SimEng
 def simulate(
     scenario: Scenario, spec: PolicySpec, rate: float, *, keep_samples: bool = False
 ) -> RunResult:
-    if POLICIES.get(spec.base).disaggregated:
-        return simulate_disaggregated(scenario, spec, rate, keep_samples=keep_samples)
+    """One run: a colocated policy on one simulated rank, a disaggregated one on
+    ``scenario.disagg``'s prefill and decode ranks."""
+    if not POLICIES.get(spec.base).disaggregated:
+        return simulate_colocated(scenario, spec, rate, keep_samples=keep_samples)
+    return simulate_disaggregated(scenario, spec, rate, keep_samples=keep_samples)
+
+
+def simulate_colocated(
+    scenario: Scenario, spec: PolicySpec, rate: float, *, keep_samples: bool = False
+) -> RunResult:
     engine, duration = replay(scenario, build_policy(scenario, spec), rate)
     records = engine.records.values()
     load = summarize(records, rate, duration)
