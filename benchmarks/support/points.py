@@ -1,18 +1,17 @@
 """Saved benchmark points: one JSON object per line, appended as soon as a point finishes,
-so a benchmark can run in parts and resume (``scripts/bench_sglang.py``,
-``scripts/bench_sglang_admission.py``).
+so a benchmark can run in parts and resume (:mod:`benchmarks.server.stock_vs_fairbatching`,
+:mod:`benchmarks.server.admission`, :mod:`benchmarks.routers`).
 
 A point's *resume key* is the tuple of some of its fields (dicts and lists compared by
 their canonical JSON); a point holding an ``"error"`` does not count as done, so a resumed
-run runs it again. Also: a mean-and-spread summary over seeds, and the git state a point
-was measured at. No third-party imports (the tests import this without SGLang).
+run runs it again. Also: a mean-and-spread summary over seeds. No third-party imports
+(the tests import this without SGLang).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -92,15 +91,3 @@ def spread(values: Iterable[float | None]) -> dict | None:
     return {"mean": sum(numbers) / len(numbers), "min": min(numbers), "max": max(numbers),
             "n": len(numbers)}
 
-
-def git_state(repo: Path) -> dict:
-    """``{"commit": short HEAD, "dirty": tracked files changed}`` (commit "unknown" if git fails)."""
-    try:
-        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": "unknown", "dirty": None}
-    return {"commit": commit, "dirty": dirty}
