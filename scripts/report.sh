@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
 # Regenerate docs/report/ (the paper's Tables 3-5 and Figure 7 in the simulator).
-# Extra arguments go to scripts/report.py (see --help), e.g. --full.
+# Extra arguments go to `python -m benchmarks.sim.report` (see --help), e.g. --full.
 source "$(dirname "$0")/_env.sh"
-exec python scripts/report.py "$@"
+exec python -m benchmarks.sim.report "$@"

@@ -48,7 +48,7 @@ class PolicyContext:
     # other tunables by name (NAME@BUDGET,key=value), each in the policy's ``setting_names``
     settings: tuple[tuple[str, float], ...] = ()
     # False runs the printed algorithm without the lateness guard or the door's refusal
-    # (batch_former); only to measure what the guard costs (scripts/bench_hostile.py)
+    # (batch_former); only to measure what the guard costs (benchmarks/sim/hostile.py)
     lateness_guard: bool = True
     # admission control (sglang_ext.policy.admission); the FairBatching family applies it
     admission: AdmissionSettings = AdmissionSettings()

@@ -113,7 +113,7 @@ Readings of what the seed leaves open (each tested in ``tests/sim/test_slo_annea
 Decision CPU time: the simulator does not charge any policy's decision time to simulated
 time (``SimEngine.step`` advances the clock by the GPU model's step time only; scheduler
 CPU time is in the profile's per-step overhead), so the annealing's wall time is measured
-apart (``scripts/bench_slo_anneal.py``).
+apart (``benchmarks/sim/slo_anneal.py``).
 """
 
 from __future__ import annotations

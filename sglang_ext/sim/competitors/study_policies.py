@@ -37,7 +37,7 @@ Readings of what the seed leaves open (each tested in ``tests/sim/test_study_pol
   global token budget K", decodes included). Several chunks of one step may be partial:
   ``BatchDecision``'s "only the last may be partial" is SGLang's limit, not this engine's.
 
-The study's warm-up discard is the caller's (``scripts/batching_study.py``).
+The study's warm-up discard is the caller's (``benchmarks/sim/batching_study.py``).
 """
 
 from __future__ import annotations

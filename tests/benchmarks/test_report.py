@@ -1,32 +1,26 @@
-"""The report generator end to end on tiny settings (the committed report is its real run)."""
+""":mod:`benchmarks.sim.report` end to end on tiny settings (the committed report is its real run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPORT = Path(__file__).resolve().parents[2] / "scripts" / "report.py"
+import benchmarks.sim.report as report
 
 
 @pytest.fixture(scope="module")
 def report_module():
-    spec = importlib.util.spec_from_file_location("report_script", REPORT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["report_script"] = module
-    spec.loader.exec_module(module)
-    module.REDUCED = {
-        "llama3.1-8b-h100": module.Setting(15, (8.0, 16.0)),
-        "qwen3-14b-h20": module.Setting(15, (0.5, 1.0)),
-    }
-    module.GRID_REDUCED = module.Setting(15, (8.0, 16.0))
-    module.GRID_TTFT_MS = (500, 2000)
-    module.GRID_TPOT_MS = (50, 200)
-    yield module
-    del sys.modules["report_script"]
+    """The report module with tiny settings (restored after the module's tests)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(report, "REDUCED", {
+            "llama3.1-8b-h100": report.Setting(15, (8.0, 16.0)),
+            "qwen3-14b-h20": report.Setting(15, (0.5, 1.0)),
+        })
+        patch.setattr(report, "GRID_REDUCED", report.Setting(15, (8.0, 16.0)))
+        patch.setattr(report, "GRID_TTFT_MS", (500, 2000))
+        patch.setattr(report, "GRID_TPOT_MS", (50, 200))
+        yield report
 
 
 @pytest.mark.slow

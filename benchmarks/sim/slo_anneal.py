@@ -35,8 +35,8 @@ or unfinished requests miss), the paper's objective G = attainment / mean e2e la
 time). Runs go to ``--jobs`` worker processes::
 
     source scripts/_env.sh
-    python scripts/bench_slo_anneal.py                  # writes docs/bench/slo_anneal.{md,json}
-    python scripts/bench_slo_anneal.py --rates 18 --head-seconds 60 --no-write
+    python -m benchmarks.sim.slo_anneal                # writes docs/bench/slo_anneal.{md,json}
+    python -m benchmarks.sim.slo_anneal --rates 18 --head-seconds 60 --no-write
 """
 
 from __future__ import annotations
@@ -46,22 +46,19 @@ import platform
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.support.outputs import write_outputs
+from benchmarks.support.paths import DOCS_BENCH, REPO
 from sglang_ext.policy.slo import Slo, SloCatalog
+from sglang_ext.sim.competitors.slo_anneal import SloAnneal
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.profile import PROFILES_DIR, bundled_profile_path, load_profile
 from sglang_ext.sim.runner import Scenario, build_policy, parse_policy
-from sglang_ext.sim.competitors.slo_anneal import SloAnneal
 from sglang_ext.sim.workloads import ClassMix, bundled_sample
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decision import write_outputs  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "bench" / "slo_anneal"
+OUT = DOCS_BENCH / "slo_anneal"
 SLO_FILE = PROFILES_DIR.parent / "slo-multi.toml"
 CLASS_MIX = "chat:0.5,code:0.5"
 BATCH_GRID = (2, 4, 8, 16)
@@ -72,7 +69,7 @@ ANNEAL_BUDGETS = (8192, 512)
 
 def catalog() -> tuple[SloCatalog, str]:
     if SLO_FILE.exists():
-        return SloCatalog.from_toml(SLO_FILE), str(SLO_FILE.relative_to(ROOT))
+        return SloCatalog.from_toml(SLO_FILE), str(SLO_FILE.relative_to(REPO))
     built = SloCatalog("chat", {"chat": Slo.from_ms(2000, 50), "code": Slo.end_to_end_ms(14000)})
     return built, "built in (chat 2000/50 ms, code e2e 14000 ms)"
 
@@ -187,7 +184,7 @@ def render(points, sweeps, args, seconds, slo_source) -> str:
     lines = [
         "# SLO-aware annealing (`slo-anneal`) on a chat + code SLO mix, in the simulator",
         "",
-        f"`python scripts/bench_slo_anneal.py` ({seconds:.0f} s wall, {args.jobs} worker "
+        f"`python -m benchmarks.sim.slo_anneal` ({seconds:.0f} s wall, {args.jobs} worker "
         f"processes, {platform.processor() or platform.machine()}). Bundled Azure sample, first "
         f"{args.head_seconds:g} s ({n} requests), trace arrivals rescaled to each rate; "
         f"classes `{CLASS_MIX}` by the seeded class-mix rule (seed 0); SLOs from {slo_source}: "

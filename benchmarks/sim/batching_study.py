@@ -30,9 +30,9 @@ fcfs-complete's P95 TTFT at 1.1 mu is at least 10 x its value at 0.5 mu while
 prefill-first's at 1.25 mu stays within 3 x its own at 0.5 mu.
 
     source scripts/_env.sh
-    python scripts/batching_study.py                 # writes docs/bench/batching_study.{md,json}
-    python scripts/batching_study.py --requests 600 --no-write
-    python scripts/batching_study.py --render docs/bench/batching_study.json   # text, figures
+    python -m benchmarks.sim.batching_study          # writes docs/bench/batching_study.{md,json}
+    python -m benchmarks.sim.batching_study --requests 600 --no-write
+    python -m benchmarks.sim.batching_study --render docs/bench/batching_study.json   # text, figures
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from benchmarks.support.paths import DOCS_BENCH
 from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.sim.engine import SimEngine
@@ -59,7 +60,6 @@ from sglang_ext.sim.runner import Scenario, build_policy, parse_policy, replay
 from sglang_ext.sim.service_curve import make_gpu
 from sglang_ext.sim.workloads import TraceRequest, Workload
 
-REPO = Path(__file__).resolve().parent.parent
 PROFILES = ("des-study", "llama3.1-8b-h100")
 CATALOG = SloCatalog.single(Slo.from_ms(2000, 50), "standard")
 SEED = 0
@@ -317,7 +317,7 @@ def markdown(results: Sequence[dict], requests: int, wall_s: float) -> str:
         "a = 50 µs/token, b0 = 32; the seed gives no values, ours are derived in the profile's "
         "header from its reported operating points) and the project's roofline "
         "(`llama3.1-8b-h100`). Nothing was tuned to make a finding show: workloads, the "
-        "load rule and the criteria were fixed before the first run (`scripts/batching_study.py` "
+        "load rule and the criteria were fixed before the first run (`benchmarks/sim/batching_study.py` "
         "docstring).",
         "",
         f"Setup: synthetic Poisson workloads of {requests} requests (seed {SEED}), the first "
@@ -345,7 +345,7 @@ def markdown(results: Sequence[dict], requests: int, wall_s: float) -> str:
         "shown); throughput = finished requests / (last finish − first kept arrival). The "
         "seed's decode stall time is not measured.",
         "",
-        "Regenerate: `python scripts/batching_study.py` (about "
+        "Regenerate: `python -m benchmarks.sim.batching_study` (about "
         f"{wall_s / 60:.0f} min on the 2-core VM).",
     ]
     return "\n".join(lines) + "\n"
@@ -354,7 +354,7 @@ def markdown(results: Sequence[dict], requests: int, wall_s: float) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="requests per run")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench",
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH,
                         help="writes batching_study.{md,json} and batching_study/*.png here")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--render", type=Path, metavar="JSON",

@@ -1,6 +1,6 @@
 """Side by side: the same report sweep run with different GPUs or step models.
 
-    python scripts/compare_reports.py \\
+    python -m benchmarks.sim.compare_reports \\
         --run "measured GPU, linear=docs/report/measured/linear/results/llama3.1-8b-h100-measured" \\
         --run "measured GPU, knee=docs/report/measured/knee/results/llama3.1-8b-h100-measured" \\
         --out docs/report/measured/README.md
@@ -22,12 +22,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from sglang_ext.sim.sweep import BASELINES, best_baseline, display_label, peak_text  # noqa: E402
+from benchmarks.sim.report_baselines import NO_ADMISSION
+from sglang_ext.sim.sweep import BASELINES, best_baseline, display_label, peak_text
 
 HEADLINE = ("fb-anchor-margin", "fb-anchor-margin-pab", "fb-anchor-margin+reject")
-NO_ADMISSION = ("sglang-default", "vllm-default", "sarathi")
 MARGIN_POLICIES = ("fb-margin", "fb-anchor-margin", "fb-anchor-margin-pab", "fb-anchor-margin+reject")
 
 
@@ -127,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args.run) < 2:
         parser.error("--run at least twice")
     runs = {label: load(folder) for label, folder in args.run}
-    command = shlex.join(["python", "scripts/compare_reports.py",
+    command = shlex.join(["python", "-m", "benchmarks.sim.compare_reports",
                           *(sys.argv[1:] if argv is None else argv)])
     lines = [
         f"# {args.title}", "",

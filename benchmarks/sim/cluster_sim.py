@@ -26,8 +26,8 @@ missing, which the output then says), trace arrivals rescaled to each rate, prof
 drain. Uses every core (``--jobs``)::
 
     source scripts/_env.sh
-    python scripts/bench_cluster_sim.py            # writes docs/bench/cluster_sim.{md,json}
-    python scripts/bench_cluster_sim.py --quick --no-write
+    python -m benchmarks.sim.cluster_sim          # writes docs/bench/cluster_sim.{md,json}
+    python -m benchmarks.sim.cluster_sim --quick --no-write
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.support.machine import machine_info, machine_line
+from benchmarks.support.outputs import write_outputs
+from benchmarks.support.paths import DOCS_BENCH, REPO, SHARED_AZURE_TRACE
 from sglang_ext.policy.slo import SloCatalog
 from sglang_ext.sim.cluster import (
     DEFAULT_MAX_QUEUED,
@@ -53,12 +56,6 @@ from sglang_ext.sim.profile import bundled_profile_path, load_profile
 from sglang_ext.sim.runner import Scenario, parse_policy
 from sglang_ext.sim.workloads import Workload, bundled_sample, load_workload
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decision import machine_info, machine_line, write_outputs  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
-DEFAULT_OUT = REPO / "docs" / "bench"
 PROFILE = "llama3.1-8b-h100"
 RANKS = 8
 PER_RANK_RATES = (14, 16, 18, 20, 22, 24, 26)
@@ -320,14 +317,14 @@ def _ms(value: float | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Azure trace CSV")
+    parser.add_argument("--trace", type=Path, default=SHARED_AZURE_TRACE, help="Azure trace CSV")
     parser.add_argument("--requests", type=int,
                         help=f"first N requests (default {DEFAULT_REQUESTS})")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_REQUESTS} requests, rates {QUICK_PER_RANK_RATES} per rank, "
                         f"Sarathi budgets {QUICK_SARATHI_BUDGETS}")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     if args.requests is not None and args.requests < 2:
@@ -346,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     loads, cpu_s = run_grid(scenario, grid, rates, args.jobs)
     wall_s = time.perf_counter() - start
     doc = assemble(scenario, fallback, grid, rates, loads, wall_s, cpu_s, args.jobs)
-    command = "python scripts/bench_cluster_sim.py" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks.sim.cluster_sim" + (" --quick" if args.quick else "")
     if args.requests:
         command += f" --requests {args.requests}"
     text = markdown(doc, command)

@@ -54,9 +54,9 @@ Run pinned to one core, e.g.::
 
     source scripts/_env.sh
     # writes docs/bench/decision_time.{md,json}:
-    taskset -c 1 python scripts/bench_decision.py
+    taskset -c 1 python -m benchmarks.sim.decision_time
     # a quick look:
-    taskset -c 1 python scripts/bench_decision.py --calls 500 --repeats 1 --no-write
+    taskset -c 1 python -m benchmarks.sim.decision_time --calls 500 --repeats 1 --no-write
 """
 
 from __future__ import annotations
@@ -66,21 +66,20 @@ import cProfile
 import gc
 import io
 import json
-import os
-import platform
 import pstats
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 
 import sglang_ext.sim.runner  # noqa: F401  registers every policy (variants, baselines)
+from benchmarks.support.machine import cpu_times, cpu_usage, machine_info, machine_line
+from benchmarks.support.outputs import write_outputs
+from benchmarks.support.paths import DOCS_BENCH, REPO, SHARED_AZURE_TRACE
 from sglang_ext.policy.batch_former import form_batch, pack, triage
 from sglang_ext.policy.policies import POLICIES, BatchPolicy
 from sglang_ext.policy.slo import Slo, SloCatalog
@@ -90,9 +89,6 @@ from sglang_ext.sim.profile import bundled_profile_path, load_profile
 from sglang_ext.sim.runner import Scenario, build_policy, parse_policy
 from sglang_ext.sim.workloads import Workload, bundled_sample, load_workload
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
-DEFAULT_OUT = REPO / "docs" / "bench"
 PROFILE = "llama3.1-8b-h100"
 SIZES = (64, 256, 1024)
 WAITING = 64
@@ -119,54 +115,6 @@ def reference_work() -> int:
     for i in range(REFERENCE_ITERATIONS):
         total += i
     return total
-
-
-def machine_info() -> dict:
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        affinity = sorted(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()
-        dirty = bool(subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip())
-        commit += " (+ uncommitted changes)" if dirty else ""
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {
-        "cpu_model": model,
-        "logical_cpus": os.cpu_count(),
-        "pinned_to_cpus": affinity,
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "platform": platform.platform(),
-        "load_average_at_start": list(os.getloadavg()),
-        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "git_commit": commit,
-    }
-
-
-def machine_line(info: dict) -> str:
-    pinned = info["pinned_to_cpus"]
-    pin = (f"pinned to CPU {pinned[0]}" if pinned and len(pinned) == 1
-           else f"NOT pinned (may run on CPUs {pinned})")
-    return (
-        f"{info['cpu_model']} ({info['logical_cpus']} logical CPUs, {pin}), {info['python']}, "
-        f"{info['platform']}; load average at start {info['load_average_at_start'][0]:.2f}; "
-        f"{info['date_utc']} UTC; commit {info['git_commit']}"
-    )
 
 
 # ------------------------------------------------------------------ states
@@ -392,34 +340,6 @@ def time_interleaved(
     return {key: np.asarray(values, dtype=float) / 1e3 for key, values in samples.items()}
 
 
-def cpu_times() -> dict[str, list[int]]:
-    """Per-CPU jiffies from /proc/stat:
-    [busy (user+nice+system+irq+softirq), idle+iowait, steal]."""
-    times = {}
-    try:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("cpu") and line[3:4].isdigit():
-                name, *values = line.split()
-                v = [int(x) for x in values] + [0] * 8
-                times[name] = [v[0] + v[1] + v[2] + v[5] + v[6], v[3] + v[4], v[7]]
-    except OSError:
-        pass
-    return times
-
-
-def cpu_usage(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str, dict]:
-    usage = {}
-    for name in after:
-        if name not in before:
-            continue
-        busy, idle, steal = (a - b for a, b in zip(after[name], before[name]))
-        total = busy + idle + steal
-        if total > 0:
-            usage[name] = {"busy_pct": round(100 * busy / total, 1),
-                           "steal_pct": round(100 * steal / total, 1)}
-    return usage
-
-
 def stats(samples_us: np.ndarray) -> dict:
     p50, p99 = np.percentile(samples_us, [50, 99])
     return {"p50_us": round(float(p50), 2), "p99_us": round(float(p99), 2),
@@ -593,7 +513,7 @@ def markdown(doc: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="See the module docstring (top of scripts/bench_decision.py) for the method.",
+        epilog="See the module docstring (top of benchmarks/sim/decision_time.py) for the method.",
     )
     parser.add_argument("--calls", type=int, default=3000,
                         help="timed calls per cell (default 3000)")
@@ -606,12 +526,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=100,
                         help="calls per policy per round: policies are timed in interleaved blocks "
                         "(default 100)")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+    parser.add_argument("--trace", type=Path, default=SHARED_AZURE_TRACE,
                         help="trace whose request lengths feed the simulator snapshot "
                         "(default: ../shared/data/traces/azure_conv_2023.csv; falls back to "
                         "the bundled sample if missing)")
     parser.add_argument("--seed", type=int, default=0, help="states and simulation seed")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH,
                         help="output folder (default docs/bench)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
@@ -703,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gc": f"enabled, default thresholds {gc.get_threshold()}; gc.collect() before each "
               "state's interleaved rounds",
         "timer": "time.perf_counter_ns around each form_batch call",
-        "command": " ".join(["taskset -c 1 python scripts/bench_decision.py",
+        "command": " ".join(["taskset -c 1 python -m benchmarks.sim.decision_time",
                             *(sys.argv[1:] if argv is None else argv)]),
         "method": {
             "synthetic": (
@@ -768,14 +688,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_write:
         write_outputs(args.out, "decision_time", text, doc)
     return 0
-
-
-def write_outputs(out: Path, stem: str, text: str, doc: dict) -> None:
-    """``OUT/STEM.md`` (the printed table) and ``OUT/STEM.json`` (every run)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out / stem}.md and {stem}.json", file=sys.stderr)
 
 
 if __name__ == "__main__":

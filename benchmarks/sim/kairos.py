@@ -14,8 +14,8 @@ max-TPOT both met), reported per GPU. Workload: the bundled Azure sample's first
 ``configs/slo.toml`` (TTFT 2000 ms / TPOT 50 ms), seed 0, KV link 400 Gb/s::
 
     source scripts/_env.sh
-    python scripts/bench_kairos.py                 # writes docs/bench/kairos.{md,json}
-    python scripts/bench_kairos.py --gpus 2 --no-write
+    python -m benchmarks.sim.kairos               # writes docs/bench/kairos.{md,json}
+    python -m benchmarks.sim.kairos --gpus 2 --no-write
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import argparse
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
+from benchmarks.support.outputs import write_outputs
+from benchmarks.support.paths import DOCS_BENCH
 from sglang_ext.policy.slo import SloCatalog
 from sglang_ext.sim.cluster import ClusterConfig, simulate_cluster
 from sglang_ext.sim.disagg import DisaggConfig
@@ -33,11 +34,7 @@ from sglang_ext.sim.profile import PROFILES_DIR, bundled_profile_path, load_prof
 from sglang_ext.sim.runner import Scenario, parse_policy, simulate
 from sglang_ext.sim.workloads import bundled_sample
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decision import write_outputs  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "bench" / "kairos"
+OUT = DOCS_BENCH / "kairos"
 
 
 def _scenario(head_s: float, split: tuple[int, int] = (1, 1)) -> Scenario:
@@ -115,7 +112,7 @@ def render(points: list[dict], args: argparse.Namespace, seconds: float) -> str:
     lines = [
         "# Kairos in its native setting (prefill/decode disaggregation), in the simulator",
         "",
-        f"`python scripts/bench_kairos.py` ({seconds:.0f} s). Bundled Azure sample, first "
+        f"`python -m benchmarks.sim.kairos` ({seconds:.0f} s). Bundled Azure sample, first "
         f"{args.head_seconds:g} s; llama3.1-8b-h100; TTFT 2000 ms / TPOT 50 ms; KV link 400 Gb/s. "
         "Offered load and effective RPS (offered x attainment) are **per GPU**; the "
         "cluster's rate is G times it. Disaggregated rows show the best prefill:decode "

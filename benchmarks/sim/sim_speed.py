@@ -21,8 +21,8 @@ time, and all runs are in the JSON. Run pinned to one core::
 
     source scripts/_env.sh
     # fb, fb-anchor-margin, sarathi@512, vllm-default; writes docs/bench/sim_speed.{md,json}:
-    taskset -c 1 python scripts/bench_sim.py
-    taskset -c 1 python scripts/bench_sim.py --policy fb --repeats 1 --no-write
+    taskset -c 1 python -m benchmarks.sim.sim_speed
+    taskset -c 1 python -m benchmarks.sim.sim_speed --policy fb --repeats 1 --no-write
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.support.machine import cpu_times, cpu_usage, machine_info, machine_line
+from benchmarks.support.outputs import write_outputs
+from benchmarks.support.paths import DOCS_BENCH, REPO, SHARED_AZURE_TRACE
 from sglang_ext.policy.slo import SloCatalog
 from sglang_ext.sim import runner
 from sglang_ext.sim.engine import SimEngine
@@ -42,14 +45,6 @@ from sglang_ext.sim.profile import bundled_profile_path, load_profile
 from sglang_ext.sim.runner import PolicySpecError, Scenario, parse_policy, simulate
 from sglang_ext.sim.workloads import bundled_sample, load_workload
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decision import (  # noqa: E402
-    cpu_times, cpu_usage, machine_info, machine_line, write_outputs,
-)
-
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
-DEFAULT_OUT = REPO / "docs" / "bench"
 DEFAULT_POLICIES = ("fb", "fb-anchor-margin", "sarathi@512", "vllm-default")
 PROFILE = "llama3.1-8b-h100"
 GOAL_S_PER_HOUR = 30.0
@@ -162,18 +157,18 @@ def markdown(doc: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="See the module docstring (top of scripts/bench_sim.py) for the method.",
+        epilog="See the module docstring (top of benchmarks/sim/sim_speed.py) for the method.",
     )
     parser.add_argument("--policy", action="append", dest="policies",
                         help=f"policy, NAME@BUDGET for budgeted ones; repeatable "
                         f"(default: {' '.join(DEFAULT_POLICIES)})")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+    parser.add_argument("--trace", type=Path, default=SHARED_AZURE_TRACE,
                         help="Azure-format trace (default: "
                         "../shared/data/traces/azure_conv_2023.csv relative to the repo; falls "
                         "back to the bundled 600 s sample if missing)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per policy; the table shows the median-wall run (default 3)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH,
                         help="output folder (default docs/bench)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
@@ -246,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repeats": args.repeats,
         "timing_wall_s": round(timing_wall, 1),
         "cpu_usage_during_timing": usage,
-        "command": " ".join(["taskset -c 1 python scripts/bench_sim.py",
+        "command": " ".join(["taskset -c 1 python -m benchmarks.sim.sim_speed",
                              *(sys.argv[1:] if argv is None else argv)]),
         "results": results,
         "runs": runs,

@@ -29,16 +29,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.sim.report_baselines import best_without_admission
+from benchmarks.support.paths import REPO
 from sglang_ext.policy.slo import SloCatalog
 from sglang_ext.sim.disagg import DisaggConfig
 from sglang_ext.sim.profile import bundled_profile_path, load_profile
 from sglang_ext.sim.runner import Scenario
 from sglang_ext.sim.sweep import (
-    BASELINES, best_baseline, display_label, plan_sweep, run_sweep, write_results,
+    BASELINES,
+    best_baseline,
+    display_label,
+    plan_sweep,
+    run_sweep,
+    write_results,
 )
 from sglang_ext.sim.workloads import ClassMix, Workload
 
-REPO = Path(__file__).resolve().parents[1]
 SLO_FILE = REPO / "configs" / "slo-multi.toml"
 CLASS_MIX = "chat:0.5,code:0.5"
 CLASSES = ("chat", "code")
@@ -48,8 +54,6 @@ SEED_COLOCATED = ("slo-anneal-short", "fixed-batch", "dynamic-batch", "fcfs-comp
 SEED_DISAGGREGATED = ("kairos", "kairos-online", "kairos-fcfs")
 SPLIT = (1, 1)
 COLOCATED = (*BASELINES, *FAIRBATCHING, *SEED_COLOCATED)
-#: the baselines without admission control: their best's peak is the knee of the load axis
-NO_ADMISSION = ("sglang-default", "vllm-default", "sarathi")
 
 
 @dataclass(frozen=True)
@@ -154,11 +158,6 @@ def rows(runs: ProfileRuns) -> list[Row]:
     return ([Row(n, colocated[n], 1) for n in COLOCATED]
             + [Row(paper, runs.annealing_check["policies"][paper], 1)]
             + [Row(n, disaggregated[n], gpus) for n in SEED_DISAGGREGATED])
-
-
-def best_without_admission(policies: dict) -> tuple[str, dict]:
-    name = max(NO_ADMISSION, key=lambda n: policies[n]["peak_effective_rps"])
-    return name, policies[name]
 
 
 def peak_table(runs: ProfileRuns) -> list[str]:

@@ -1,20 +1,13 @@
-"""The report's seed-systems section (scripts/seed_systems.py): per-GPU rows, ratios to
+"""The report's seed-systems section (:mod:`benchmarks.sim.seed_systems`): per-GPU rows, ratios to
 the best baseline, the per-class table at the best baseline's peak load, from synthetic
 sweeps; and one tiny real run of the whole section."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import seed_systems as ss  # noqa: E402
-
-from sglang_ext.sim.sweep import BASELINES  # noqa: E402
+import benchmarks.sim.seed_systems as ss
+from sglang_ext.sim.sweep import BASELINES
 
 RATES = (8.0, 16.0, 24.0)
 

@@ -29,6 +29,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from tqdm import tqdm
 
+from benchmarks.sim.report_baselines import best_without_admission
+from benchmarks.sim.seed_systems import SETTINGS as SEED_SETTINGS
+from benchmarks.sim.seed_systems import run_section as run_seed_systems
+from benchmarks.support.paths import REPO, SHARED_AZURE_TRACE, relative
 from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.policy.step_model import STEP_FORMS
 from sglang_ext.sim.plots import plot_effective_rps, plot_latency_cdfs
@@ -46,18 +50,10 @@ from sglang_ext.sim.sweep import (
 from sglang_ext.sim.sweep import best_baseline as _best_baseline
 from sglang_ext.sim.workloads import Workload, bundled_sample, load_workload
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seed_systems import SETTINGS as SEED_SETTINGS  # noqa: E402
-from seed_systems import run_section as run_seed_systems  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
 PAPER_POLICIES = ("fb-fb", "fb-tb", "fb", "fb-pab")
 BEYOND = ("fb-anchor", "fb-margin", "fb-kairos", "fb-anchor-margin", "fb-anchor-margin-pab",
           "fb-anchor-margin+reject")
 BREAKDOWN = ("sarathi", "sglang-default", "fb-fb", "fb-tb", "fb", "fb-pab")
-ADMISSION = ("sarathi-queue-cap", "sarathi-queue-timeout")
-NO_ADMISSION = tuple(name for name in BASELINES if name not in ADMISSION)
 ADMISSION = ("fb-anchor-margin-pab", "fb-anchor-margin+reject")
 GRID_POLICIES = (*BASELINES, "fb", "fb-pab", "fb-anchor-margin", *ADMISSION)
 GRID_TTFT_MS = (500, 1000, 1500, 2000)
@@ -90,7 +86,7 @@ GRID_FULL = Setting(600, (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+    parser.add_argument("--trace", type=Path, default=SHARED_AZURE_TRACE,
                         help="Azure conversation trace CSV (default: the shared copy; "
                         "falls back to the bundled 600 s sample if absent)")
     parser.add_argument("--profiles", nargs="+", default=list(DEFAULT_PROFILES), choices=list(REDUCED),
@@ -118,13 +114,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "report")
     return parser.parse_args(argv)
-
-
-def _shown_path(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
 
 
 def load_trace(path: Path) -> tuple[Workload, str]:
@@ -192,8 +181,8 @@ def table3(document: dict) -> list[str]:
         + ", ".join(f"`{n}` / best baseline = **{ratio_text(policies[n], base)}**"
                     for n in ("fb", "fb-pab", "fb-anchor-margin", *ADMISSION))
         + ". Among the baselines without admission control the best is "
-        f"**{label(*_best_without_admission(policies))}**: "
-        + ", ".join(f"`{n}` / it = **{ratio_text(policies[n], _best_without_admission(policies)[1])}**"
+        f"**{label(*best_without_admission(policies))}**: "
+        + ", ".join(f"`{n}` / it = **{ratio_text(policies[n], best_without_admission(policies)[1])}**"
                     for n in ("fb", "fb-anchor-margin"))
         + ". A `>=` peak was reached at the highest load tried: a lower bound, never used for "
         "a ratio (`n/a (>=)`); admission-controlled policies plateau rather than collapse, "
@@ -220,11 +209,6 @@ def table4(document: dict) -> list[str]:
     lines.append("")
     lines.append("TTFT and TPOT in ms; TPOT is each request's max over j >= 1 of (t_j - t_0)/j.")
     return lines
-
-
-def _best_without_admission(policies: dict) -> tuple[str, dict]:
-    name = max(NO_ADMISSION, key=lambda n: policies[n]["peak_effective_rps"])
-    return name, policies[name]
 
 
 def _ratio(value: float, base: float) -> str:
@@ -396,7 +380,7 @@ def write_report(args, out: Path, trace_label: str, settings, grid_setting, docu
     if args.step_form != "knee":
         command += f" --step-form {args.step_form}"
     if tuple(args.out.resolve().parts) != tuple((REPO / "docs" / "report").parts):
-        command += f" --out {_shown_path(args.out)}"
+        command += f" --out {relative(args.out)}"
     if args.no_grid:
         command += " --no-grid"
     if tuple(args.grid_ttft_ms) != GRID_TTFT_MS:

@@ -16,8 +16,8 @@ the *other* requests' SLO attainment (hostile ones excluded) against the clean r
 and peak effective RPS of the clean run with and without the guard::
 
     source scripts/_env.sh
-    python scripts/bench_hostile.py            # writes docs/bench/hostile.{md,json}
-    python scripts/bench_hostile.py --quick --no-write
+    python -m benchmarks.sim.hostile          # writes docs/bench/hostile.{md,json}
+    python -m benchmarks.sim.hostile --quick --no-write
 """
 
 from __future__ import annotations
@@ -31,17 +31,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from benchmarks.support.machine import machine_info, machine_line
+from benchmarks.support.outputs import write_outputs
+from benchmarks.support.paths import DOCS_BENCH, SHARED_AZURE_TRACE
 from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.sim.metrics import summarize
 from sglang_ext.sim.profile import bundled_profile_path, load_profile
 from sglang_ext.sim.runner import Scenario, build_policy, parse_policy, replay
 from sglang_ext.sim.workloads import Workload, bundled_sample, load_workload
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decision import machine_info, machine_line, write_outputs  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "azure_conv_2023.csv"
 HOSTILE_EVERY = 50
 CATALOG = SloCatalog("standard", {
     "standard": Slo.from_ms(2000, 50),
@@ -106,13 +104,13 @@ def run(job: Job) -> dict:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--trace", type=Path, default=SHARED_AZURE_TRACE)
     parser.add_argument("--head", type=float, default=300.0, help="seconds of the trace")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
                         help="GPU-noise seeds; figures are means over them")
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
     parser.add_argument("--quick", action="store_true", help=f"rates {QUICK_RATES} only")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     parser.add_argument("--no-write", action="store_true")
     return parser.parse_args(argv)
 
@@ -160,7 +158,7 @@ def report(results, rates, source, requests, args, info, elapsed) -> str:
     lines = [
         "# One hostile request in 50: the lateness guard",
         "",
-        f"`python scripts/bench_hostile.py{' --quick' if args.quick else ''}` in {elapsed:.0f} s; "
+        f"`python -m benchmarks.sim.hostile{' --quick' if args.quick else ''}` in {elapsed:.0f} s; "
         f"{machine_line(info)}.",
         "",
         f"Trace: {source}, first {args.head:g} s ({requests} requests), arrivals rescaled to each "
