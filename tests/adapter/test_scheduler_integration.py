@@ -1,26 +1,23 @@
 """FairBatching inside a real SGLang ``Scheduler`` (CPU, emulated GPU), one step at a time.
 
-Each scenario runs ``scheduler_harness.py`` in a fresh interpreter: the plugin's hooks
-patch SGLang's classes process-wide, and the stock scenario must not see them.
+Each scenario runs :mod:`benchmarks.server.scheduler_harness` in a fresh interpreter: the
+plugin's hooks patch SGLang's classes process-wide, and the stock scenario must not see them.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from benchmarks.server.scheduler_harness import run_scenario as run_in_harness
 
 pytest.importorskip("sglang")
 
 pytestmark = pytest.mark.sglang
 
 REPO = Path(__file__).resolve().parents[2]
-HARNESS = Path(__file__).with_name("scheduler_harness.py")
 
 REQUESTS = [
     {"rid": "relaxed-0", "prompt_tokens": 64, "max_new_tokens": 60, "slo": {"class": "relaxed"}},
@@ -54,15 +51,7 @@ def run_scenario(tmp_path: Path, name: str, *, overlap: bool, fairbatching: bool
 
 def run_harness(tmp_path: Path, name: str, scenario: dict[str, Any],
                 env_extra: dict[str, str] | None = None) -> dict[str, Any]:
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(scenario))
-    env = {**os.environ, "FAIRBATCHING_EMULATED_GPU": "llama3.1-8b-h100", **(env_extra or {})}
-    env.pop("FAIRBATCHING_CONFIG", None)
-    done = subprocess.run([sys.executable, str(HARNESS), str(path)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("HARNESS-RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("HARNESS-RESULT "))
+    return run_in_harness(scenario, tmp_path, name, timeout_s=300, env_extra=env_extra)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["normal-loop", "overlap-loop"])

@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
-from servers import EMULATED_TIME_SCALE, Server, launch, start, wait_exit
+from servers import Server, launch, start, wait_exit
+
+from benchmarks.server.emulated import write_fb_config
 
 #: Servers alive at once; ``E2E_MAX_SERVERS=1`` trades start-ups for memory.
 MAX_ALIVE = int(os.environ.get("E2E_MAX_SERVERS", "2"))
@@ -105,16 +107,4 @@ def sglang_server(server_pool: ServerPool) -> Callable[..., Server]:
 def fb_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped FairBatching config, with its initial step model scaled like the emulated
     GPU (as a deployment would start from coefficients fitted on its own GPU)."""
-    from sglang_ext.policy.step_model import StepModelFile
-
-    repo = Path(__file__).resolve().parents[2]
-    directory = tmp_path_factory.mktemp("fb-config")
-    shipped = StepModelFile.load(repo / "configs" / "step_models" / "llama3.1-8b-h100.toml")
-    shipped.scaled(float(EMULATED_TIME_SCALE)).save(directory / "step_model.toml")
-    config = directory / "fairbatching.toml"
-    config.write_text(
-        (repo / "configs" / "fairbatching.toml").read_text()
-        .replace('slo_file = "slo.toml"', f'slo_file = "{repo / "configs" / "slo.toml"}"')
-        .replace('step_model = "step_models/llama3.1-8b-h100.toml"', 'step_model = "step_model.toml"')
-    )
-    return config
+    return write_fb_config(tmp_path_factory.mktemp("fb-config"))

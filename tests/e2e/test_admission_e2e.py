@@ -13,7 +13,6 @@ the FairBatching plugin and the emulated GPU.
 from __future__ import annotations
 
 import importlib.util
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ if importlib.util.find_spec("sglang") is None:
 
 import requests
 from test_fairbatching_e2e import BASE_ARGS, emulated_env, loads, metric, wait_for_metric_above
+
+from benchmarks.support.sse import json_events
 
 pytestmark = pytest.mark.e2e
 
@@ -108,13 +109,7 @@ def send(url: str, route: str, stream: bool, prompt_tokens: int, slo: dict, seed
                 if route == "generate" else payload["choices"][0]["finish_reason"]
             return Reply(200, None, None, None, finish)
         ttft, finish = None, None
-        for line in reply.iter_lines(decode_unicode=True):
-            if not line or not line.startswith("data:"):
-                continue
-            data = line.removeprefix("data:").strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+        for chunk in json_events(reply.iter_lines(decode_unicode=True)):
             if "error" in chunk:
                 finish = "error"
                 continue

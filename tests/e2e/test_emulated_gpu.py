@@ -29,6 +29,7 @@ if importlib.util.find_spec("sglang") is None:
 
 import requests
 
+from benchmarks.support.sse import json_events
 from sglang_ext.adapter.emulated_gpu.timeline import StepLog, StepRecord
 from sglang_ext.sim.gpu import RooflineGpu, StepShape
 from sglang_ext.sim.profile import bundled_profile_path, load_profile
@@ -137,13 +138,7 @@ def test_streaming_delivers_tokens_incrementally(emulated):
     chunks = []
     with requests.post(f"{emulated.url}/generate", json=body, stream=True, timeout=120) as reply:
         assert reply.status_code == 200
-        for line in reply.iter_lines(decode_unicode=True):
-            if not line or not line.startswith("data:"):
-                continue
-            payload = line.removeprefix("data:").strip()
-            if payload == "[DONE]":
-                break
-            chunks.append(json.loads(payload))
+        chunks.extend(json_events(reply.iter_lines(decode_unicode=True)))
     assert len(chunks) >= 2
     counts = [c["meta_info"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts)

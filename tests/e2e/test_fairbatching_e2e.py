@@ -11,7 +11,6 @@ must hold on a busy machine (``scripts/stress_tests.sh`` runs them beside busy l
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import statistics
 import threading
@@ -29,6 +28,8 @@ if importlib.util.find_spec("sglang") is None:
 import requests
 from servers import EMULATED_PROFILE as PROFILE
 from servers import EMULATED_TIME_SCALE as TIME_SCALE
+
+from benchmarks.support.sse import json_events
 
 pytestmark = pytest.mark.e2e
 
@@ -102,13 +103,7 @@ def stream_generate(url: str, rid: str, prompt_tokens: int, max_new_tokens: int,
         record.status = reply.status_code
         if reply.status_code != 200:
             return record
-        for line in reply.iter_lines(decode_unicode=True):
-            if not line or not line.startswith("data:"):
-                continue
-            payload = line.removeprefix("data:").strip()
-            if payload == "[DONE]":
-                break
-            chunk = json.loads(payload)
+        for chunk in json_events(reply.iter_lines(decode_unicode=True)):
             now = time.perf_counter()
             while len(record.token_times) < chunk["meta_info"]["completion_tokens"]:
                 record.token_times.append(now)

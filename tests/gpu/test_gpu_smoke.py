@@ -13,9 +13,6 @@ order of tightness, malformed ones get a 400, and every rank reports its PAB.
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -31,7 +28,9 @@ if importlib.util.find_spec("torch") is None or importlib.util.find_spec("sglang
 
 import requests  # noqa: E402
 
-from sglang_ext.server_launch import free_port  # noqa: E402
+from benchmarks.server.stock_server import server_env  # noqa: E402
+from benchmarks.support.ports import free_port  # noqa: E402
+from benchmarks.support.processes import spawn, stop_group  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,14 +46,11 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = write_tiny_model(tmp_path_factory.mktemp("tiny"))
     port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FAIRBATCHING_")}
-    env["FAIRBATCHING_CONFIG"] = str(REPO / "configs" / "fairbatching.toml")
+    env = server_env({"FAIRBATCHING_CONFIG": str(REPO / "configs" / "fairbatching.toml")})
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
                "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
                "--enable-metrics", "--mem-fraction-static", "0.5"]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+    process = spawn(command, log, env, cwd=None)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -70,8 +66,7 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             pytest.fail("server did not become healthy:\n" + log.read_text()[-4000:])
         yield url
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(60)
+        stop_group(process, timeout=60)
 
 
 def generate(url: str, rid: str, slo: dict | None, max_new_tokens: int = 64) -> dict:

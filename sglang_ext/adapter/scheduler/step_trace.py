@@ -4,8 +4,8 @@ One JSON line per step that produced tokens, written when SGLang has processed i
 result (the tokens are then on their way to the detokenizer). All times are
 ``time.perf_counter()`` seconds, the clock SGLang stamps requests with and, on Linux,
 the same monotonic clock in every process of the machine, so a client on the same host
-(``python -m sglang_ext.replay --token-times``) can join its token arrival times to
-these lines (``scripts/step_trace_report.py``). Fields:
+(``python -m benchmarks.server.trace_replay --token-times``) can join its token arrival
+times to these lines (``python -m benchmarks.server.step_trace_report``). Fields:
 
 - ``decided_at``, ``decision_s``: when the adapter started deciding the step and how long
   it and the policy took (``null`` for a step no decision formed);

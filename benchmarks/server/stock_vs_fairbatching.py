@@ -24,7 +24,7 @@ Two workloads at each rate, each with every seed S:
     TPOT is per request ``(latency - TTFT) / (output tokens - 1)``, a mean. Its ``--seed``
     is ``100000 * S + k``, k = 1, 2, 3 at the default rates 10, 16, 22 req/s (so seed 0
     repeats the earlier one-seed runs), otherwise k = round(1000 * rate).
-(b) ``python -m sglang_ext.replay``: the bundled Azure conversation sample at trace
+(b) ``python -m benchmarks.server.trace_replay``: the bundled Azure conversation sample at trace
     timestamps (``--arrivals trace``, rescaled to the rate; the head of the trace holding
     about ``--replay-seconds`` of arrivals at that rate), exact prompt/output lengths, SLO
     classes ``interactive:0.5,standard:0.5`` drawn with ``--seed S``. Its TPOT is the
@@ -70,11 +70,8 @@ import argparse
 import json
 import math
 import os
-import random
 import shlex
-import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -83,18 +80,29 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decision import cpu_times, cpu_usage, machine_info  # noqa: E402
-from bench_points import (  # noqa: E402
-    append_point, canonical, done_keys, git_state, latest_by_key, load_points, move_aside,
-    point_key, spread,
+from benchmarks.server.client_runs import (
+    flush_cache,
+    replay_command,
+    replay_head_seconds,
+    run_command,
+    write_random_dataset,
+)
+from benchmarks.server.emulated import MAX_PROMPT_TOKENS, PROFILE, TIME_SCALE, write_fb_config
+from benchmarks.server.machine_watch import Watch, wait_quiet
+from benchmarks.server.stock_server import CPU_ARGS, Server, launch
+from benchmarks.support.machine import git_state, machine_info
+from benchmarks.support.paths import DOCS_BENCH, REPO, relative
+from benchmarks.support.points import (
+    append_point,
+    canonical,
+    done_keys,
+    latest_by_key,
+    load_points,
+    move_aside,
+    point_key,
+    spread,
 )
 
-from sglang_ext.server_launch import CPU_ARGS, Server, launch  # noqa: E402
-
-PROFILE = "llama3.1-8b-h100"
-TIME_SCALE = 2.0
 KV_TOKENS = 200_000
 MAX_PREFILL_TOKENS = 16_384
 CHUNKS = (256, 512, 1024)  # the stock-mixed chunk sizes
@@ -109,7 +117,6 @@ RANDOM_SLO = {"ttft_ms": 2000, "tpot_ms": 50}  # = the "standard" class of confi
 REPLAY_SLO_MIX = "interactive:0.5,standard:0.5"
 REPLAY_CLASSES = tuple(part.split(":")[0] for part in REPLAY_SLO_MIX.split(","))
 REPLAY_ARRIVALS = "trace"
-REPLAY_MAX_PROMPT_TOKENS = 6144  # the tiny model's context is 8192 (prompt + output)
 
 WORKLOADS = ("random", "replay")
 DEFAULT_RANDOM_RATES = (10.0, 16.0, 22.0)
@@ -120,7 +127,7 @@ DEFAULT_SECONDS = 60.0
 QUICK_SECONDS = 20.0
 DEFAULT_SEEDS = (0, 1, 2)
 
-DEFAULT_OUT = REPO / "docs" / "bench" / "sglang"
+DEFAULT_OUT = DOCS_BENCH / "sglang"
 RAW_ROOT = REPO / "out" / "bench_sglang"
 DEFAULT_POINTS = RAW_ROOT / "points.jsonl"
 # A point is done when one with the same values of these fields was saved without an error.
@@ -158,134 +165,6 @@ STOCK_NAMES = tuple(c.name for c in CONFIGS if not c.fairbatching)
 MIXED_NAMES = tuple(n for n in STOCK_NAMES if n.startswith(MIXED_PREFIX))
 
 
-def _rel(path: Path) -> Path:
-    """``path`` relative to the checkout when inside it (recorded commands rerun from there)."""
-    try:
-        return path.resolve().relative_to(REPO)
-    except ValueError:
-        return path.resolve()
-
-
-# ------------------------------------------------------------------ inputs
-def write_fb_config(directory: Path) -> Path:
-    """The shipped config with its initial step model scaled by the emulated GPU's time
-    scale (tests/e2e/test_fairbatching_e2e.py's ``fb_config`` does the same)."""
-    from sglang_ext.policy.step_model import StepModelFile
-
-    shipped_path = REPO / "configs" / "fairbatching.toml"
-    shipped_model = StepModelFile.load(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml")
-    shipped_model.scaled(TIME_SCALE).save(directory / "step_model.toml")
-    text = shipped_path.read_text()
-    for old, new in (
-        ('slo_file = "slo.toml"', f'slo_file = "{REPO / "configs" / "slo.toml"}"'),
-        ('step_model = "step_models/llama3.1-8b-h100.toml"', 'step_model = "step_model.toml"'),
-    ):
-        if old not in text:
-            raise SystemExit(f"configs/fairbatching.toml no longer contains {old!r}; update this script")
-        text = text.replace(old, new)
-    config = directory / "fairbatching.toml"
-    config.write_text(text)
-    return config
-
-
-_WORDS = (
-    "large language model serving systems batch many requests into every forward step a "
-    "prefill processes the prompt tokens of new and decode produces one token for each "
-    "running request scheduler decides which join next how chunk may take when wait time "
-    "to first per output are latency targets that users feel throughput is what operator "
-    "pays quick brown fox jumps over lazy dog numbers"
-).split()
-
-
-def write_random_dataset(path: Path, conversations: int, words: int = 1400, seed: int = 0) -> Path:
-    """A ShareGPT-format file for ``--dataset-name random``: each conversation's first turn
-    is ``words`` random words (> RANDOM_INPUT_LEN tokens with the tiny model's tokenizer),
-    so the prompts the benchmark cuts from different conversations share no prefix."""
-    rng = random.Random(seed)
-    rows = [
-        {"id": str(i), "conversations": [
-            {"from": "human", "value": " ".join(rng.choices(_WORDS, k=words))},
-            {"from": "gpt", "value": " ".join(rng.choices(_WORDS, k=20))},
-        ]}
-        for i in range(conversations)
-    ]
-    path.write_text(json.dumps(rows))
-    return path
-
-
-def replay_head_seconds(rate: float, target_s: float) -> float:
-    """The shortest head (whole seconds of the bundled trace) whose requests, rescaled to
-    ``rate``, arrive over at least ``target_s`` seconds."""
-    from sglang_ext.sim.workloads import bundled_sample
-
-    trace = bundled_sample()
-    total = trace.requests[-1].arrival_s - trace.requests[0].arrival_s
-    for head in range(5, int(total) + 1):
-        if (len(trace.head(head).requests) - 1) / rate >= target_s:
-            return float(head)
-    return float(math.ceil(total))
-
-
-# ------------------------------------------------------------------ machine watch
-def foreign_sglang(own_pgid: int | None) -> list[str]:
-    """SGLang server processes on this machine that are not in our server's process group."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            pgid = os.getpgid(int(proc.name))
-        except (OSError, ProcessLookupError):
-            continue
-        if "sglang.launch_server" in cmdline and pgid != own_pgid:
-            found.append(f"{proc.name}: {cmdline[:120].strip()}")
-    return found
-
-
-def wait_quiet(own_pgid: int | None, limit_s: float) -> float:
-    """Wait (at most ``limit_s``) until no foreign SGLang server runs; return the wait."""
-    start = time.monotonic()
-    announced = False
-    while foreign_sglang(own_pgid) and time.monotonic() - start < limit_s:
-        if not announced:
-            print(f"  waiting up to {limit_s:.0f} s for other SGLang servers to stop: "
-                  f"{foreign_sglang(own_pgid)}", file=sys.stderr)
-            announced = True
-        time.sleep(5)
-    return time.monotonic() - start
-
-
-class Watch:
-    """CPU use (/proc/stat) and foreign SGLang servers over one run."""
-
-    def __init__(self, own_pgid: int | None) -> None:
-        self.own_pgid = own_pgid
-        self.foreign: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def __enter__(self) -> Watch:
-        self._cpu0 = cpu_times()
-        self._load0 = os.getloadavg()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.cpu = cpu_usage(self._cpu0, cpu_times())
-        self.load = os.getloadavg()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(2.0):
-            self.foreign.update(foreign_sglang(self.own_pgid))
-
-    def record(self) -> dict:
-        return {"cpu": self.cpu, "load_average_before": self._load0, "load_average_after": self.load,
-                "foreign_sglang_servers": sorted(self.foreign)}
-
-
 # ------------------------------------------------------------------ runs
 @dataclass
 class Plan:
@@ -311,7 +190,7 @@ def run_params(plan: Plan, workload: str) -> dict:
         return {**common, "seconds": plan.random_seconds, "input_len": RANDOM_INPUT_LEN,
                 "output_len": RANDOM_OUTPUT_LEN, "range_ratio": RANDOM_RANGE_RATIO, "slo": RANDOM_SLO}
     return {**common, "seconds": plan.replay_seconds, "arrivals": REPLAY_ARRIVALS,
-            "slo_mix": REPLAY_SLO_MIX, "max_prompt_tokens": REPLAY_MAX_PROMPT_TOKENS}
+            "slo_mix": REPLAY_SLO_MIX, "max_prompt_tokens": MAX_PROMPT_TOKENS}
 
 
 def random_seed(seed: int, rate: float) -> int:
@@ -332,28 +211,6 @@ def random_dataset_size(rate: float, seconds: float) -> int:
     return random_prompts(max(rate, *DEFAULT_RANDOM_RATES), seconds) + 50
 
 
-def flush_cache(url: str) -> None:
-    request = urllib.request.Request(f"{url}/flush_cache?timeout=120", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=180) as reply:
-            reply.read()
-    except urllib.error.HTTPError as error:
-        raise RuntimeError(f"/flush_cache: HTTP {error.code}: {error.read()[:200]!r}") from None
-
-
-def run_command(command: Sequence[str], log_path: Path, timeout_s: float) -> tuple[int, float]:
-    start = time.monotonic()
-    with open(log_path, "w") as log:
-        log.write("$ " + shlex.join(command) + "\n")
-        log.flush()
-        try:
-            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                  timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            code = -9
-    return code, time.monotonic() - start
-
-
 def random_command(url: str, model_dir: Path, dataset: Path, rate: float, prompts: int,
                    seed: int, output: Path) -> list[str]:
     slo = RANDOM_SLO
@@ -368,15 +225,6 @@ def random_command(url: str, model_dir: Path, dataset: Path, rate: float, prompt
         "--goodput", f"ttft:{slo['ttft_ms']}", f"tpot:{slo['tpot_ms']}",
         "--extra-request-body", json.dumps({"custom_params": {"slo": slo}}),
         "--flush-cache", "--disable-tqdm", "--output-file", str(output),
-    ]  # fmt: skip
-
-
-def replay_command(url: str, rate: float, head_s: float, seed: int, output: Path) -> list[str]:
-    return [
-        sys.executable, "-m", "sglang_ext.replay", "--url", url,
-        "--rate", f"{rate:g}", "--head", f"{head_s:g}", "--arrivals", REPLAY_ARRIVALS,
-        "--seed", str(seed), "--slo-mix", REPLAY_SLO_MIX,
-        "--max-prompt-tokens", str(REPLAY_MAX_PROMPT_TOKENS), "--out", str(output),
     ]  # fmt: skip
 
 
@@ -409,7 +257,7 @@ class Inputs:
     def dataset(self, conversations: int) -> Path:
         if conversations not in self.datasets:
             path = self.raw / f"random-words-sharegpt-{conversations}.json"
-            self.datasets[conversations] = _rel(write_random_dataset(path, conversations))
+            self.datasets[conversations] = relative(write_random_dataset(path, conversations))
         return self.datasets[conversations]
 
 
@@ -425,7 +273,7 @@ def run_point(plan: Plan, server: Server, config: ServerConfig, workload: str, r
         output = raw / f"{stem}.jsonl"
         output.unlink(missing_ok=True)
         command = random_command(server.url, inputs.model_dir, inputs.dataset(conversations), rate,
-                                 prompts, random_seed(seed, rate), _rel(output))
+                                 prompts, random_seed(seed, rate), relative(output))
         extra = {"num_prompts": prompts, "workload_seed": random_seed(seed, rate),
                  "dataset_conversations": conversations}
     else:
@@ -433,7 +281,8 @@ def run_point(plan: Plan, server: Server, config: ServerConfig, workload: str, r
         head = replay_head_seconds(rate, plan.replay_seconds)
         output = raw / f"{stem}.json"
         output.unlink(missing_ok=True)
-        command = replay_command(server.url, rate, head, seed, _rel(output))
+        command = replay_command(server.url, rate, head, REPLAY_ARRIVALS, seed, REPLAY_SLO_MIX,
+                                 relative(output))
         extra = {"head_s": head, "workload_seed": seed}
     print(f"  {stem}: {shlex.join(command[1:])[:160]} ...", file=sys.stderr, flush=True)
     with Watch(server.process.pid) as watch:
@@ -442,9 +291,9 @@ def run_point(plan: Plan, server: Server, config: ServerConfig, workload: str, r
              "params": run_params(plan, workload), "launch_args": list(config.args), **extra,
              "command": shlex.join(["python", *command[1:]]), "exit_code": code,
              "wall_s": round(wall, 1), "waited_for_quiet_s": round(waited, 1),
-             "machine_during_run": watch.record(), "log": str(_rel(raw / f"{stem}.log"))}
+             "machine_during_run": watch.record(), "log": str(relative(raw / f"{stem}.log"))}
     if code != 0 or not output.exists():
-        point["error"] = f"exit code {code}; see {_rel(raw / (stem + '.log'))}"
+        point["error"] = f"exit code {code}; see {relative(raw / (stem + '.log'))}"
         print(f"  {stem}: FAILED ({point['error']})", file=sys.stderr, flush=True)
         return point
     point["result"] = parse_random(output) if workload == "random" else json.loads(output.read_text())
@@ -489,12 +338,12 @@ def run_config(plan: Plan, config: ServerConfig, todo: list[tuple[str, float, in
         "name": config.name, "description": config.description,
         "launch": shlex.join(["python", "-m", "sglang.launch_server", "--model-path",
                               str(inputs.model_dir), *CPU_ARGS, *config.args]),
-        "env": env, "log": str(_rel(log_path)),
+        "env": env, "log": str(relative(log_path)),
     }
     saved = []
 
     def save(point: dict) -> None:
-        point.update(server=server_record, **provenance, **git_state(REPO),
+        point.update(server=server_record, **provenance, **git_state(),
                      date_utc=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"))
         append_point(points_path, point)
         saved.append(point)
@@ -512,14 +361,14 @@ def run_config(plan: Plan, config: ServerConfig, todo: list[tuple[str, float, in
         print(f"[{config.name}] server did not start: {error}", file=sys.stderr, flush=True)
         server_record["start_s"] = round(time.monotonic() - started, 1)
         for item in todo:
-            save(failed(*item, f"server did not start: {str(error)[:300]}; see {_rel(log_path)}"))
+            save(failed(*item, f"server did not start: {str(error)[:300]}; see {relative(log_path)}"))
         return saved
     server_record["start_s"] = round(time.monotonic() - started, 1)
     try:
         server_record["server_info"] = server_settings(server.url)
         for workload, rate, seed in todo:
             if not server.alive():
-                save(failed(workload, rate, seed, f"server not running; see {_rel(log_path)}"))
+                save(failed(workload, rate, seed, f"server not running; see {relative(log_path)}"))
                 continue
             try:
                 point = run_point(plan, server, config, workload, rate, seed, inputs)
@@ -998,7 +847,7 @@ def build_doc(all_points: list[dict], points_path: Path) -> dict:
     return {
         "schema": "bench_sglang/2",
         "generated_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
-        "points_file": str(_rel(points_path)),
+        "points_file": str(relative(points_path)),
         "params": {p["workload"]: p.get("params") for p in points},
         "configs": [{**p["server"], "launch_args": p.get("launch_args")} for p in _latest_per_config(points)],
         "aggregates": [{"workload": w, "rate": r, "config": c, **cell} for (w, r, c), cell in
@@ -1051,7 +900,7 @@ def render(doc: dict) -> str:
     lines = [
         "# SGLang side by side: stock, tuned stock, FairBatching (emulated GPU)",
         "",
-        f"Generated by `scripts/bench_sglang.py` from {len(points)} saved points "
+        f"Generated by `python -m benchmarks.server.stock_vs_fairbatching` from {len(points)} saved points "
         f"(`{doc['points_file']}`; {len(good)} finished), measured "
         f"{dates[0] if dates else '?'} – {dates[-1] if dates else '?'} UTC by "
         + ", ".join(f"`{command}` ({n} points)" for command, n in invocations.items())
@@ -1141,12 +990,12 @@ def render(doc: dict) -> str:
     replay_params = params.get("replay")
     if replay_params:
         lines += [
-            "## (b) `sglang_ext.replay`, Azure conversation sample",
+            "## (b) `benchmarks.server.trace_replay`, Azure conversation sample",
             "",
             f"Rates {', '.join(f'{r:g}' for r in rates_of(cells, 'replay'))} req/s; trace timestamps "
             f"rescaled to the rate (`--arrivals {REPLAY_ARRIVALS}`), the head of the bundled sample "
             f"holding ~{replay_params['seconds']:g} s of arrivals at that rate (`--head` per run "
-            f"below); exact prompt/output lengths (prompts capped at {REPLAY_MAX_PROMPT_TOKENS} "
+            f"below); exact prompt/output lengths (prompts capped at {MAX_PROMPT_TOKENS} "
             f"tokens), SLO classes `{REPLAY_SLO_MIX}` (interactive: TTFT 500 ms, standard: TTFT "
             "2000 ms; both TPOT 50 ms). A request attains its SLO if TTFT <= target and its "
             "**max-TPOT** -- the max over tokens j of (t_j - t_first) / j -- <= target (stricter "
@@ -1323,9 +1172,9 @@ def run_all(plan: Plan, todo: dict[str, list[tuple[str, float, int]]], points_pa
     from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
 
     # Inputs live next to the raw outputs (relative paths), so the recorded commands rerun.
-    inputs = Inputs(raw=raw, model_dir=_rel(write_tiny_model(raw / "tiny-model")),
-                    fb_config=_rel(write_fb_config(raw)), datasets={})
-    provenance = {"argv": argv, "raw_dir": str(_rel(raw)), "machine": machine_info()}
+    inputs = Inputs(raw=raw, model_dir=relative(write_tiny_model(raw / "tiny-model")),
+                    fb_config=relative(write_fb_config(raw)), datasets={})
+    provenance = {"argv": argv, "raw_dir": str(relative(raw)), "machine": machine_info()}
     failed = 0
     for config in plan.configs:
         if todo[config.name]:

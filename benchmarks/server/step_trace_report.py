@@ -2,9 +2,11 @@
 
 Reads the per-step log a scheduler writes with ``[trace] step_log`` in the extension's
 config (:mod:`sglang_ext.adapter.scheduler.step_trace`) and, optionally, the client's token
-arrival times (``python -m sglang_ext.replay --token-times``; same machine, same clock)::
+arrival times (``python -m benchmarks.server.trace_replay --token-times``; same machine, same
+clock)::
 
-    python scripts/step_trace_report.py --steps steps.jsonl [--tokens tokens.jsonl] [--json out.json]
+    python -m benchmarks.server.step_trace_report --steps steps.jsonl [--tokens tokens.jsonl] \\
+        [--json out.json]
 
 Per step: the step period (one processed result to the next: what a decode riding every
 step sees), the device time measured and predicted, the host time the overlap loop did
@@ -25,8 +27,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sglang_ext.adapter.scheduler.step_trace import read_step_log  # noqa: E402
+from benchmarks.support.paths import REPO
+from sglang_ext.adapter.scheduler.step_trace import read_step_log
 
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -211,7 +213,7 @@ def build_report(steps_path: Path, tokens_path: Path | None, slo_file: Path | No
     if tokens_path is not None:
         from sglang_ext.policy.slo import SloCatalog
 
-        catalog = SloCatalog.from_toml(slo_file or Path(__file__).resolve().parent.parent / "configs" / "slo.toml")
+        catalog = SloCatalog.from_toml(slo_file or REPO / "configs" / "slo.toml")
         tpot = {name: slo.tpot_s for name, slo in catalog.classes.items()}
         report["tokens"] = token_summary(steps, load_clients(tokens_path), tpot)
     return report

@@ -1,9 +1,10 @@
 """Drive one real SGLang ``Scheduler`` in this process, step by step, on the emulated GPU.
 
-Run as a subprocess by ``test_scheduler_integration.py`` (the plugin's hooks patch
-SGLang's classes process-wide, so each scenario gets a fresh interpreter)::
+:func:`run_scenario` runs it in a fresh interpreter (the plugin's hooks patch SGLang's
+classes process-wide, so each scenario gets its own) for ``tests/adapter`` and
+:mod:`benchmarks.server.adapter_cost`; by hand, from the repository's root::
 
-    python tests/adapter/scheduler_harness.py SCENARIO.json
+    python -m benchmarks.server.scheduler_harness SCENARIO.json
 
 The scenario names requests (prompt length, max new tokens, SLO, arrival step) and
 server flags; the harness feeds them through the scheduler's real ingestion path
@@ -16,12 +17,41 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from array import array
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from benchmarks.server.emulated import PROFILE
+from benchmarks.support.paths import pythonpath_with_checkout
+
+RESULT_PREFIX = "HARNESS-RESULT "
+
+
+class HarnessFailed(RuntimeError):
+    """The harness exited with an error or printed no result; the message ends with its stderr."""
+
+
+def run_scenario(scenario: Mapping[str, Any], workdir: Path, name: str, timeout_s: float,
+                 env_extra: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Run ``scenario`` (saved as ``WORKDIR/NAME.json``) in a fresh interpreter in
+    ``workdir``, on the emulated GPU, FairBatching only where the scenario names a
+    ``config``; return the harness's report."""
+    path = workdir / f"{name}.json"
+    path.write_text(json.dumps(scenario))
+    env = {**os.environ, "FAIRBATCHING_EMULATED_GPU": PROFILE, **(env_extra or {})}
+    env.pop("FAIRBATCHING_CONFIG", None)
+    env["PYTHONPATH"] = pythonpath_with_checkout(env)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.server.scheduler_harness", str(path)],
+                          capture_output=True, text=True, env=env, cwd=workdir, timeout=timeout_s)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not lines:
+        raise HarnessFailed(f"{name}: exit code {done.returncode}:\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
 
 
 def main(scenario_path: str) -> None:
@@ -161,7 +191,7 @@ def main(scenario_path: str) -> None:
         "fairbatching": state.snapshot() if state is not None else None,
         "observations": observations,
     }
-    print("HARNESS-RESULT " + json.dumps(report))
+    print(RESULT_PREFIX + json.dumps(report))
 
 
 def _record_triage(state: Any) -> list[dict[str, Any]]:

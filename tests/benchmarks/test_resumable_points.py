@@ -1,5 +1,5 @@
-"""The resumable-points machinery of the real-server benchmarks (scripts/bench_points.py,
-scripts/bench_sglang.py): saving and resuming points, picking the best stock-mixed chunk,
+"""The resumable-points machinery of the real-server benchmarks (:mod:`benchmarks.support.points`,
+:mod:`benchmarks.server.stock_vs_fairbatching`): saving and resuming points, picking the best stock-mixed chunk,
 mean and spread over seeds, the issue-12 target verdicts and the rendered table -- all from
 synthetic points, no server."""
 
@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import bench_points as bp  # noqa: E402
-import bench_sglang as bs  # noqa: E402
+import benchmarks.server.stock_vs_fairbatching as bs
+import benchmarks.support.points as bp
 
 PLAN = bs.Plan(random_rates=(10.0, 16.0), replay_rates=(2.0, 4.0), random_seconds=60.0,
                replay_seconds=60.0, configs=bs.CONFIGS, workloads=bs.WORKLOADS, seeds=(0, 1, 2),
@@ -246,7 +242,7 @@ def test_render_from_synthetic_points(tmp_path: Path) -> None:
     points.append(point("fairbatching", "replay", 4.0, 3, error="exit code 1; see x.log"))
     doc = bs.build_doc(points, tmp_path / "points.jsonl")
     text = bs.render(doc)
-    for needle in ("## (a) `sglang.benchmark.serving`", "## (b) `sglang_ext.replay`", "## Targets (issue 12)",
+    for needle in ("## (a) `sglang.benchmark.serving`", "## (b) `benchmarks.server.trace_replay`", "## Targets (issue 12)",
                    "- (i) **MISS**", "## Where FairBatching loses", "*within noise*", "## Caveats",
                    "## Runs: exact commands and machine load", "## Failed points",
                    "stock-mixed-512 *(best mixed)*", "Best stock-mixed chunk per rate (by mean attainment",
@@ -288,7 +284,7 @@ def test_main_render_only_and_resume_run_nothing(tmp_path: Path, monkeypatch: py
 
 
 def test_admission_benchmark_uses_the_shared_points_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import bench_sglang_admission as adm
+    import benchmarks.server.admission as adm
 
     monkeypatch.setattr(adm, "POINTS", tmp_path / "points.jsonl")
     assert adm.load_points() == []

@@ -7,7 +7,7 @@ of requests (256 decoding, 64 queued; SGLang-like ``Req`` stand-ins: the log rea
 ``rid`` and ``output_ids``), against the adapter's whole decision time measured on a real
 SGLang scheduler (``docs/bench/adapter.json``). Writes ``docs/bench/step_trace.json``::
 
-    python scripts/bench_step_trace.py
+    python -m benchmarks.server.step_trace_cost
 """
 
 from __future__ import annotations
@@ -16,19 +16,17 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 import timeit
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from sglang_ext.policy.slo import Slo  # noqa: E402
-from sglang_ext.policy.view import BatchDecision, RequestView  # noqa: E402
-from sglang_ext.adapter.scheduler.step_trace import StepTrace  # noqa: E402
-from sglang_ext.sim.gpu import StepShape  # noqa: E402
+from benchmarks.support.paths import DOCS_BENCH
+from sglang_ext.adapter.scheduler.step_trace import StepTrace
+from sglang_ext.policy.slo import Slo
+from sglang_ext.policy.view import BatchDecision, RequestView
+from sglang_ext.sim.gpu import StepShape
 
 RUNNING = 256
 WAITING = 64
@@ -77,7 +75,7 @@ def on_path_us(directory: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    adapter = json.loads((REPO / "docs" / "bench" / "adapter.json").read_text())
+    adapter = json.loads((DOCS_BENCH / "adapter.json").read_text())
     decision_us = adapter["fairbatching"]["fairbatching_decision_us"]
     with tempfile.TemporaryDirectory() as directory:
         on = on_path_us(Path(directory))
@@ -89,7 +87,7 @@ def main() -> None:
         "on_us_per_step": on,
         "adapter_decision_us_for_scale": decision_us,
     }
-    out = REPO / "docs" / "bench" / "step_trace.json"
+    out = DOCS_BENCH / "step_trace.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"step log off: {off:.0f} ns per step; on: p50 {on['p50']} us, p99 {on['p99']} us per step, "
           f"{on['bytes_per_step']} bytes per step; the adapter's decision p50/p99 {decision_us} us")

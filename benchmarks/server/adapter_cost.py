@@ -1,7 +1,7 @@
 """What FairBatching adds to SGLang's per-step scheduling time, on a real Scheduler.
 
 Drives one SGLang 0.5.23 ``Scheduler`` (emulated GPU, CPU) step by step through
-``tests/adapter/scheduler_harness.py`` with and without FairBatching, and reports
+:mod:`benchmarks.server.scheduler_harness` with and without FairBatching, and reports
 ``get_next_batch_to_run`` wall time per step (p50/p99) at a load of about 256 running
 requests and a queue of long prompts, plus the adapter's own decision time. ``stock``
 is SGLang's default (prefill-first, chunk 8192); ``stock-mixed`` adds
@@ -10,7 +10,7 @@ FairBatching does. Writes
 ``docs/bench/adapter.json``. Run with the test environment's Python
 (``FB_EXTRAS=dev,sglang source scripts/_env.sh``)::
 
-    python scripts/bench_adapter.py
+    python -m benchmarks.server.adapter_cost
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-HARNESS = REPO / "tests" / "sglang" / "scheduler_harness.py"
+from benchmarks.server.scheduler_harness import HarnessFailed, run_scenario
+from benchmarks.support.paths import DOCS_BENCH, REPO
+
 RUNNING = 256
 WAITING = 64
 
@@ -49,16 +48,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(name: str, config: Path | None, workdir: Path, mixed: bool = False) -> dict:
-    path = workdir / f"{name}.json"
-    path.write_text(json.dumps(scenario(config, mixed)))
-    env = {**os.environ, "FAIRBATCHING_EMULATED_GPU": "llama3.1-8b-h100"}
-    env.pop("FAIRBATCHING_CONFIG", None)
-    done = subprocess.run([sys.executable, str(HARNESS), str(path)], capture_output=True, text=True,
-                          env=env, cwd=workdir, timeout=1800)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("HARNESS-RESULT ")), None)
-    if done.returncode != 0 or line is None:
-        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-    report = json.loads(line.removeprefix("HARNESS-RESULT "))
+    try:
+        report = run_scenario(scenario(config, mixed), workdir, name, timeout_s=1800)
+    except HarnessFailed as error:
+        raise SystemExit(f"{name} failed: {error}") from None
     busy = [s["get_next_batch_us"] for s in report["steps"]
             if s.get("decodes") and len(s["decodes"]) + len(s.get("parked", [])) >= RUNNING // 2]
     return {
@@ -79,7 +72,7 @@ def main() -> None:
                "stock": run("stock", None, workdir),
                "stock-mixed": run("stock-mixed", None, workdir, mixed=True),
                "fairbatching": run("fairbatching", config, workdir)}
-    out = REPO / "docs" / "bench" / "adapter.json"
+    out = DOCS_BENCH / "adapter.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     for name in ("stock", "stock-mixed", "fairbatching"):
         r = results[name]

@@ -1,15 +1,13 @@
-"""scripts/step_trace_report.py on a hand-made step log and client token times."""
+""":mod:`benchmarks.server.step_trace_report` on a hand-made step log and client token times."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import step_trace_report  # noqa: E402
+from benchmarks.server import step_trace_report
 
 
 def step(k: int, at: float, tokens: list, parked: list, device_s: float = 0.010) -> dict:

@@ -1,6 +1,5 @@
 """Launching the stock ``python -m sglang.launch_server`` on CPU (emulated GPU), for the
-end-to-end tests (``tests/e2e/servers.py`` re-exports this module) and the benchmark
-(``scripts/bench_sglang.py``).
+real-server benchmarks and the end-to-end tests (``tests/e2e/servers.py`` re-exports it).
 
 :func:`launch` starts the server in its own process group with the given extra arguments
 and environment, sends its output to a log file, and waits until ``/health_generate``
@@ -12,8 +11,6 @@ detokenizer, DP controller). Standard library only; importing it does not import
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,11 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.support.ports import free_port
+from benchmarks.support.processes import spawn, stop_group
+
 __all__ = [
     "CPU_ARGS",
     "Server",
     "ServerFailed",
-    "free_port",
     "launch",
     "server_env",
     "start",
@@ -72,13 +71,7 @@ class Server:
 
     def stop(self, timeout: float = 20.0) -> int | None:
         """Stop the server and everything in its process group; return the exit code."""
-        return _stop_group(self.process, timeout)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return stop_group(self.process, timeout)
 
 
 def server_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -110,17 +103,7 @@ def start(
         "--port", str(port),
         *args,
     ]  # fmt: skip
-    with open(log_path, "ab") as log:
-        log.write(f"$ {' '.join(command)}\n".encode())
-        log.flush()
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=server_env(env or {}),
-            start_new_session=True,
-        )
+    process = spawn(command, log_path, server_env(env or {}), cwd=None)
     return Server(f"http://127.0.0.1:{port}", process, log_path, tuple(args), dict(env or {}))
 
 
@@ -183,28 +166,6 @@ def _wait_healthy(server: Server, timeout: float) -> None:
             pass
         time.sleep(1.0)
     raise ServerFailed(f"server not healthy after {timeout:.0f} s{_tail(server)}")
-
-
-def _stop_group(process: subprocess.Popen, timeout: float) -> int | None:
-    """SIGTERM the leader (SGLang shuts its children down), then SIGKILL the whole group."""
-    if process.poll() is None:
-        try:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    _signal_group(process.pid, signal.SIGKILL)  # children may outlive the leader
-    try:
-        return process.wait(5)
-    except subprocess.TimeoutExpired:
-        return None
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _tail(server: Server, lines: int = 40) -> str:

@@ -1,0 +1,94 @@
+"""Running a load generator against a server: its inputs (the bundled trace's head for a
+rate, a random-words dataset), its command line, its run with a log, and flushing the
+server's prefix cache between runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.server.emulated import MAX_PROMPT_TOKENS
+from benchmarks.support.paths import REPO
+
+_WORDS = (
+    "large language model serving systems batch many requests into every forward step a "
+    "prefill processes the prompt tokens of new and decode produces one token for each "
+    "running request scheduler decides which join next how chunk may take when wait time "
+    "to first per output are latency targets that users feel throughput is what operator "
+    "pays quick brown fox jumps over lazy dog numbers"
+).split()
+
+
+def write_random_dataset(path: Path, conversations: int, words: int = 1400, seed: int = 0) -> Path:
+    """A ShareGPT-format file for ``--dataset-name random``: each conversation's first turn
+    is ``words`` random words (more than 1024 tokens with the tiny model's tokenizer), so the
+    prompts a benchmark cuts from different conversations share no prefix."""
+    rng = random.Random(seed)
+    rows = [
+        {"id": str(i), "conversations": [
+            {"from": "human", "value": " ".join(rng.choices(_WORDS, k=words))},
+            {"from": "gpt", "value": " ".join(rng.choices(_WORDS, k=20))},
+        ]}
+        for i in range(conversations)
+    ]
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def replay_head_seconds(rate: float, target_s: float) -> float:
+    """The shortest head (whole seconds of the bundled trace) whose requests, rescaled to
+    ``rate``, arrive over at least ``target_s`` seconds."""
+    from sglang_ext.sim.workloads import bundled_sample
+
+    trace = bundled_sample()
+    total = trace.requests[-1].arrival_s - trace.requests[0].arrival_s
+    for head in range(5, int(total) + 1):
+        if (len(trace.head(head).requests) - 1) / rate >= target_s:
+            return float(head)
+    return float(math.ceil(total))
+
+
+def replay_command(url: str, rate: float, head_s: float, arrivals: str, seed: int,
+                   slo_mix: str, output: Path) -> list[str]:
+    """``python -m benchmarks.server.trace_replay`` of the bundled trace's head, prompts
+    capped at :data:`~benchmarks.server.emulated.MAX_PROMPT_TOKENS`."""
+    return [
+        sys.executable, "-m", "benchmarks.server.trace_replay", "--url", url,
+        "--rate", f"{rate:g}", "--head", f"{head_s:g}", "--arrivals", arrivals,
+        "--seed", str(seed), "--slo-mix", slo_mix,
+        "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--out", str(output),
+    ]  # fmt: skip
+
+
+def run_command(command: Sequence[str], log_path: Path, timeout_s: float) -> tuple[int, float]:
+    """Run ``command`` in the checkout, its output (after a ``$ command`` line) in
+    ``log_path``; (exit code, -9 on timeout; wall seconds)."""
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(command) + "\n")
+        log.flush()
+        try:
+            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                  timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = -9
+    return code, time.monotonic() - start
+
+
+def flush_cache(url: str) -> None:
+    """``POST /flush_cache`` on an SGLang server (it waits up to 120 s for running requests)."""
+    request = urllib.request.Request(f"{url}/flush_cache?timeout=120", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=180) as reply:
+            reply.read()
+    except urllib.error.HTTPError as error:
+        raise RuntimeError(f"/flush_cache: HTTP {error.code}: {error.read()[:200]!r}") from None
