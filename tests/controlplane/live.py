@@ -1,42 +1,15 @@
-"""A real daemon on loopback for tests: in-process on its own uvloop thread, or as a process."""
+"""A real daemon on loopback in this process, on its own uvloop thread (the tests' own;
+the daemon as a process is :mod:`benchmarks.controlplane.live_daemon`)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
-import zmq
-
-from controlplane import protocol as p
+from benchmarks.controlplane.live_daemon import loopback_config
 from controlplane.config import DaemonConfig
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def loopback_config(**overrides) -> DaemonConfig:
-    client, rank, report = free_ports(3)
-    return DaemonConfig(client_address=f"tcp://127.0.0.1:{client}", rank_address=f"tcp://127.0.0.1:{rank}",
-                        report_address=f"tcp://127.0.0.1:{report}", **overrides)
 
 
 @dataclass
@@ -99,82 +72,3 @@ def thread_daemon(**overrides):
     finally:
         if running.thread.is_alive():
             running.stop()
-
-
-def write_config(path: Path, config: DaemonConfig) -> Path:
-    import msgspec
-
-    table = msgspec.to_builtins(config)
-    lines = ["[daemon]"] + [f"{key} = {toml_value(value)}" for key, value in table.items()
-                            if value not in ("", None)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    return repr(value)
-
-
-@dataclass
-class ProcessDaemon:
-    config: DaemonConfig
-    config_path: Path
-    process: subprocess.Popen
-    log_path: Path
-
-    def terminate(self, timeout: float = 15.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-
-
-def start_process_daemon(tmp_path: Path, config: DaemonConfig, name: str = "daemon") -> ProcessDaemon:
-    """``python -m controlplane serve --config <file>``; logs go to a file (a full pipe would block it)."""
-    config_path = write_config(tmp_path / f"{name}.toml", config)
-    log_path = tmp_path / f"{name}.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "controlplane", "serve", "--config", str(config_path)],
-                                   stdout=log, stderr=log, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    running = ProcessDaemon(config, config_path, process, log_path)
-    if not wait_for_pong(config.client_address, timeout=20.0):
-        running.kill()
-        raise RuntimeError(f"daemon did not answer; log:\n{log_path.read_text()[-3000:]}")
-    return running
-
-
-@contextmanager
-def process_daemon(tmp_path: Path, config: DaemonConfig):
-    """``start_process_daemon`` for a fixture: stopped (SIGTERM, then SIGKILL) on exit."""
-    running = start_process_daemon(tmp_path, config)
-    try:
-        yield running
-    finally:
-        try:
-            running.terminate()
-        finally:
-            running.kill()
-
-
-def wait_for_pong(address: str, timeout: float) -> bool:
-    context = zmq.Context.instance()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dealer = context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(address)
-        try:
-            dealer.send(p.encode(p.Ping(1)))
-            if dealer.poll(500):
-                return isinstance(p.client_reply_channel().decode(dealer.recv()), p.Pong)
-        finally:
-            dealer.close()
-    return False

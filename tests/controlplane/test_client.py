@@ -12,18 +12,42 @@ from collections.abc import Awaitable, Callable
 import pytest
 import zmq
 import zmq.asyncio
+from live import ThreadDaemon, start_thread_daemon
 
+from benchmarks.controlplane.live_daemon import loopback_config
+from benchmarks.support.ports import free_ports
 from controlplane import errors
 from controlplane.client import AsyncClient, Client, Result, StreamChunk
 from controlplane.config import DaemonConfig
 from controlplane.protocol import (
     PROTOCOL_VERSION,
-    ChatMessage, Cancel, Chunk, Dispatch, Dispatched, Done, Fenced, Finish, FinishReason, Heartbeat, Hello,
-    Output, Ping, Pong, Reject, RejectReason, Report, SamplingParams, SloSpec, StatusReply,
-    StatusRequest, Submit, Welcome, client_request_channel, daemon_to_agent_channel, encode,
+    Cancel,
+    ChatMessage,
+    Chunk,
+    Dispatch,
+    Dispatched,
+    Done,
+    Fenced,
+    Finish,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    Output,
+    Ping,
+    Pong,
+    Reject,
+    RejectReason,
+    Report,
+    SamplingParams,
+    SloSpec,
+    StatusReply,
+    StatusRequest,
+    Submit,
+    Welcome,
+    client_request_channel,
+    daemon_to_agent_channel,
+    encode,
 )
-
-from live import ThreadDaemon, free_ports, loopback_config, start_thread_daemon
 
 FAST = dict(connect_timeout_s=0.3, daemon_timeout_s=0.3, retry_backoff_s=0.01)
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.controlplane.live_daemon import ProcessDaemon, loopback_config, start_process_daemon
+from benchmarks.support.paths import REPO
 from controlplane.client import AsyncClient
 from controlplane.errors import RankLost
 from controlplane.protocol import FinishReason, SamplingParams
-
-from live import REPO, ProcessDaemon, loopback_config, start_process_daemon
 
 pytestmark = pytest.mark.slow
 

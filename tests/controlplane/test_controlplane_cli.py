@@ -14,10 +14,11 @@ import time
 import pytest
 import zmq
 
+from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
+from benchmarks.support.paths import REPO
+from benchmarks.support.ports import free_ports
 from controlplane import protocol as p
 from controlplane.cli import main
-
-from live import REPO, free_ports, loopback_config, start_process_daemon
 
 
 def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:

@@ -12,14 +12,14 @@ import time
 
 import pytest
 
+from benchmarks.controlplane.live_daemon import ProcessDaemon, loopback_config, write_config
+from benchmarks.support.paths import REPO
 from controlplane.cli import main
 from controlplane.client import AsyncClient
 from controlplane.config import ConfigError, DaemonConfig
 from controlplane.curve import CurveError, CurvePeer, generate, load_key_pair, load_public_key
 from controlplane.errors import DaemonUnavailable
 from controlplane.protocol import FinishReason, SamplingParams
-
-from live import REPO, ProcessDaemon, loopback_config, write_config
 
 
 @pytest.fixture

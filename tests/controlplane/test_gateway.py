@@ -11,11 +11,13 @@ import time
 
 import aiohttp
 import pytest
+from live import thread_daemon
 
+from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
+from benchmarks.support.paths import REPO
+from benchmarks.support.ports import free_ports
 from controlplane.client import AsyncClient
 from controlplane.gateway import GatewaySettings, parse_listen, serve
-
-from live import REPO, free_ports, loopback_config, start_process_daemon, thread_daemon
 
 MODEL = "test-model"
 API_KEY = "sk-test"
@@ -150,8 +152,8 @@ def test_bad_requests_get_openai_errors(cluster, body, status, fragment):
 
 
 def test_chat_completion_streamed_and_not(cluster):
-    from sglang_ext.sim.rank import prompt_tokens
     from controlplane.protocol import ChatMessage, Prompt
+    from sglang_ext.sim.rank import prompt_tokens
 
     conversation = [{"role": "system", "content": "Be brief."},
                     {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]

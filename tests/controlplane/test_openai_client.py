@@ -34,11 +34,11 @@ import urllib.error
 import urllib.request
 
 import pytest
-
-from controlplane.client import Client
-
-from live import REPO, free_ports
 from test_gateway import MODEL, cluster  # noqa: F401  (the fixture: a daemon and one simulated rank)
+
+from benchmarks.support.paths import REPO
+from benchmarks.support.ports import free_ports
+from controlplane.client import Client
 
 openai = pytest.importorskip("openai")
 

@@ -14,14 +14,22 @@ from contextlib import asynccontextmanager
 import pytest
 import zmq
 import zmq.asyncio
+from live import start_thread_daemon
 
+from benchmarks.controlplane.live_daemon import loopback_config
+from benchmarks.support.paths import REPO
+from benchmarks.support.ports import free_ports
 from controlplane import protocol as p
 from controlplane.rank_agent import InvalidRequest, OutputSink, RankAgent
 from sglang_ext.policy.slo import SloCatalog
-from sglang_ext.sim.rank import build_sim_ranks, fake_token_ids, load_named_profile, make_policy, serve
+from sglang_ext.sim.rank import (
+    build_sim_ranks,
+    fake_token_ids,
+    load_named_profile,
+    make_policy,
+    serve,
+)
 from sglang_ext.sim.rank import main as sim_rank_main
-
-from live import REPO, free_ports, loopback_config, start_thread_daemon
 
 AGENT_MESSAGES = p.agent_message_channel()
 REPORTS = p.report_channel()

@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "controlplane"))
-
-from controlplane import protocol as p  # noqa: E402
 from controlplane_peers import RawClient  # noqa: E402
-from live import loopback_config, process_daemon  # noqa: E402
 from test_admission_e2e import admission_config  # noqa: E402
 from test_fairbatching_e2e import BASE_ARGS, emulated_env  # noqa: E402
+
+from benchmarks.controlplane.live_daemon import loopback_config, process_daemon  # noqa: E402
+from controlplane import protocol as p  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -13,23 +13,23 @@ import asyncio
 import importlib.util
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "controlplane"))
-
-from controlplane import protocol as p  # noqa: E402
 from controlplane_peers import RawClient, ReportTap  # noqa: E402
-from live import loopback_config, process_daemon, start_process_daemon  # noqa: E402
 from servers import EMULATED_PROFILE as PROFILE  # noqa: E402
 from servers import EMULATED_TIME_SCALE as TIME_SCALE  # noqa: E402
+
+from benchmarks.controlplane.live_daemon import (  # noqa: E402
+    loopback_config,
+    process_daemon,
+    start_process_daemon,
+)
+from controlplane import protocol as p  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -200,9 +200,9 @@ def with_gateway(daemon, scenario):
     """Run ``scenario(session, base_url)`` against a gateway in front of the daemon."""
     import aiohttp
 
+    from benchmarks.support.ports import free_ports
     from controlplane.client import AsyncClient
     from controlplane.gateway import GatewaySettings, serve
-    from live import free_ports
 
     (port,) = free_ports(1)
     base_url = f"http://127.0.0.1:{port}"

@@ -17,7 +17,7 @@ server (no wrapper, no monkeypatching). The benchmark needs a tokenizer on this 
 (``python -m sglang_ext.adapter.emulated_gpu.tiny_model DIR``), given as ``--tokenizer DIR``;
 the model name it sends comes from the gateway's ``GET /v1/models``. Prompts are cut
 from a generated local ShareGPT-format file (``--dataset-name random --dataset-path``,
-as ``scripts/bench_sglang.py`` does; no hub access). Every request carries the SLO that
+as :mod:`benchmarks.server.stock_vs_fairbatching` does; no hub access). Every request carries the SLO that
 ``--goodput`` measures (``custom_params.slo``, SGLang's own shape).
 
 Each run is recorded separately: a backend the gateway does not serve fails (the
@@ -48,18 +48,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # this checkout's packages, whichever checkout the environment installed
-sys.path.insert(0, str(REPO / "tests" / "controlplane"))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_decision import cpu_times, cpu_usage, machine_info  # noqa: E402
-from bench_points import git_state  # noqa: E402
-from bench_sglang import write_random_dataset  # noqa: E402
-from live import free_ports, loopback_config, start_process_daemon  # noqa: E402
-
-from controlplane.client import Client  # noqa: E402
-from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model  # noqa: E402
+from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
+from benchmarks.controlplane.processes import start_gateway, start_sim_ranks, wait_for_ranks
+from benchmarks.server.client_runs import write_random_dataset
+from benchmarks.support.machine import cpu_times, cpu_usage, git_state, machine_info
+from benchmarks.support.paths import DOCS_BENCH, REPO, relative
+from benchmarks.support.ports import free_port
+from benchmarks.support.processes import stop_group
+from controlplane.client import Client
+from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
 
 PROFILE = "llama3.1-8b-h100"
 POLICY = "fb-anchor-margin"
@@ -67,7 +64,7 @@ INPUT_LEN = 1024
 OUTPUT_LEN = 128
 RANGE_RATIO = 0.5  # lengths uniform in [0.5 L, L]
 SLO = {"ttft_ms": 2000, "tpot_ms": 50}  # the "standard" class of configs/slo.toml
-DEFAULT_OUT = REPO / "docs" / "bench"
+DEFAULT_OUT = DOCS_BENCH
 RAW_ROOT = REPO / "out" / "bench_clients"
 
 
@@ -123,45 +120,10 @@ ENDPOINTS = (
 
 
 # ---------------------------------------------------------------------- processes
-def start_sim_ranks(config, ranks: int, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sglang_ext.sim.rank", "--daemon", config.rank_address,
-         "--report-address", config.report_address, "--agent-id", "sim", "--ranks", str(ranks),
-         "--profile", PROFILE, "--policy", POLICY, "--time-scale", "1.0", "--log-level", "warning"],
-        stdout=log, stderr=log, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log.close()
-    return process
-
-
-def start_gateway(config, port: int, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane", "gateway", "--daemon", config.client_address,
-         "--listen", f"127.0.0.1:{port}"],
-        stdout=log, stderr=log, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log.close()
-    return process
-
-
-def stop(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-
-
 def wait_ready(client_address: str, base_url: str, ranks: int, gateway: subprocess.Popen,
                timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    with Client(client_address) as client:
-        while sum(not rank.stale for rank in client.status().ranks) < ranks:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the simulated ranks did not report")
-            time.sleep(0.2)
+    wait_for_ranks(client_address, ranks, timeout_s)
     while http(base_url, "/health", "GET")["status"] != 200:
         if gateway.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("the gateway did not answer /health")
@@ -291,7 +253,7 @@ def run_bench(run: Run, command: list[str], log_path: Path, output: Path, prompt
         "gateway_responses": {key: responses_after.get(key, 0) - responses_before.get(key, 0)
                               for key in sorted(set(responses_after) | set(responses_before))
                               if responses_after.get(key, 0) != responses_before.get(key, 0)},
-        "log": str(_rel(log_path)),
+        "log": str(relative(log_path)),
     }
     lines = [line for line in output.read_text().splitlines() if line.strip()] if output.exists() else []
     if code == 0 and lines:
@@ -306,13 +268,6 @@ def run_bench(run: Run, command: list[str], log_path: Path, output: Path, prompt
 
 
 # ---------------------------------------------------------------------- rendering
-def _rel(path: Path) -> Path:
-    try:
-        return path.resolve().relative_to(REPO)
-    except ValueError:
-        return path
-
-
 def _f(value, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
@@ -326,7 +281,8 @@ def render(results: dict) -> str:
     lines = [
         "# Standard clients against the gateway, unmodified",
         "",
-        "Generated by `scripts/bench_clients.sh` (`scripts/bench_clients.py`; "
+        "Generated by `scripts/bench_clients.sh` "
+        "(`python -m benchmarks.controlplane.standard_clients`; "
         f"{results['date']}, commit {results['git']['commit']}"
         f"{' with uncommitted changes' if results['git']['dirty'] else ''}). SGLang "
         f"{results['sglang_version']}'s serving benchmark, `python -m sglang.benchmark.serving`, run "
@@ -523,22 +479,23 @@ def main() -> int:
 
     raw = RAW_ROOT / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     raw.mkdir(parents=True, exist_ok=True)
-    tokenizer = _rel(write_tiny_model(raw / "tiny-model"))
-    dataset = _rel(write_random_dataset(raw / "random-words-sharegpt.json", prompts + 50))
+    tokenizer = relative(write_tiny_model(raw / "tiny-model"))
+    dataset = relative(write_random_dataset(raw / "random-words-sharegpt.json", prompts + 50))
     config = loopback_config(stale_after_s=2.0, log_level="warning")
-    (port,) = free_ports(1)
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     daemon = start_process_daemon(raw, config)
     ranks = gateway = None
     records: list[dict] = []
     flush_probe = None
     try:
-        ranks = start_sim_ranks(config, args.ranks, raw / "ranks.log")
-        gateway = start_gateway(config, port, raw / "gateway.log")
+        ranks = start_sim_ranks(config, raw / "ranks.log", ranks=args.ranks, agent_id="sim",
+                                time_scale=1.0, extra=("--profile", PROFILE, "--policy", POLICY))
+        gateway = start_gateway(config.client_address, port, raw / "gateway.log")
         wait_ready(config.client_address, base_url, args.ranks, gateway)
         endpoints = probe(base_url)
         for run in runs:
-            output = _rel(raw / f"{run.name}.jsonl")
+            output = relative(raw / f"{run.name}.jsonl")
             command = bench_command(run, base_url, tokenizer, dataset, args.rate, prompts, args.seed, output)
             print(f"$ {shlex.join(command)}", flush=True)
             record = run_bench(run, command, raw / f"{run.name}.log", output, prompts,
@@ -547,7 +504,7 @@ def main() -> int:
             records.append(record)
         if not args.quick:
             run = RUNS["oai"]
-            output = _rel(raw / "flush-probe.jsonl")
+            output = relative(raw / "flush-probe.jsonl")
             command = bench_command(run, base_url, tokenizer, dataset, args.rate, 4, args.seed, output,
                                     extra=("--flush-cache",))
             flush_probe = run_bench(run, command, raw / "flush-probe.log", output, 4, timeout_s=300,
@@ -555,8 +512,7 @@ def main() -> int:
             print(json.dumps({k: v for k, v in flush_probe.items() if k not in ("cpu", "command")})[:800])
     finally:
         for process in (gateway, ranks):
-            if process is not None:
-                stop(process)
+            stop_group(process)
         try:
             daemon.terminate()
         finally:
@@ -571,11 +527,11 @@ def main() -> int:
     ]
     results = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "git": git_state(REPO), "machine": machine_info(), "sglang_version": sglang.__version__,
+        "git": git_state(), "machine": machine_info(), "sglang_version": sglang.__version__,
         "setup": {"ranks": args.ranks, "profile": PROFILE, "policy": POLICY, "time_scale": 1.0,
                   "rate": args.rate, "seconds": seconds, "prompts": prompts, "seed": args.seed,
                   "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "range_ratio": RANGE_RATIO, "slo": SLO,
-                  "raw": str(_rel(raw)), "commands": setup_commands},
+                  "raw": str(relative(raw)), "commands": setup_commands},
         "endpoints": endpoints, "runs": records, "flush_probe": flush_probe,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """What the OpenAI-compatible gateway costs: the same closed-loop load through the SDK
 and through HTTP (``POST /v1/completions``), end-to-end latency p50/p99 and requests/s.
 
-    python scripts/bench_gateway.py [--quick] [--out docs/bench]
+    python -m benchmarks.controlplane.gateway_overhead [--quick] [--out docs/bench]
 
 One machine, loopback: the daemon (`python -m controlplane serve`), one process of 8
 simulated ranks (time scale 0.01, so ranks are not the bottleneck), the gateway
@@ -19,8 +19,6 @@ import itertools
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,14 +28,14 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "controlplane"))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_controlplane import RANKS, start_sim_ranks  # noqa: E402
-from controlplane.client import AsyncClient  # noqa: E402
-from controlplane.protocol import SamplingParams  # noqa: E402
-from live import free_ports, loopback_config, start_process_daemon  # noqa: E402
+from benchmarks.controlplane.daemon_throughput import RANK_TIME_SCALE, RANKS
+from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
+from benchmarks.controlplane.processes import start_gateway, start_sim_ranks, wait_for_ranks
+from benchmarks.support.paths import DOCS_BENCH
+from benchmarks.support.ports import free_port
+from benchmarks.support.processes import stop_group
+from controlplane.client import AsyncClient
+from controlplane.protocol import SamplingParams
 
 PROMPT = [17] * 32
 SAMPLING = SamplingParams(max_new_tokens=1, ignore_eos=True)
@@ -68,12 +66,6 @@ async def measure(client_address: str, http_url: str, concurrencies: tuple[int, 
     rows = []
     async with AsyncClient(client_address) as client, aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0)) as session:
-        deadline = time.monotonic() + 60
-        while sum(not r.stale for r in (await client.status()).ranks) < RANKS:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the simulated ranks did not report")
-            await asyncio.sleep(0.2)
-
         async def via_sdk(request_id: str) -> None:
             await client.generate(PROMPT, sampling=SAMPLING, slo="relaxed", request_id=request_id)
 
@@ -96,7 +88,7 @@ async def measure(client_address: str, http_url: str, concurrencies: tuple[int, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter windows, fewer load points")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     args = parser.parse_args()
     duration = 3.0 if args.quick else 8.0
     concurrencies = (1, 16) if args.quick else (1, 16, 64)
@@ -104,25 +96,24 @@ def main() -> int:
         scratch = Path(scratch)
         config = loopback_config(stale_after_s=2.0, log_level="warning", max_in_flight=100_000)
         daemon = start_process_daemon(scratch, config)
-        ranks = start_sim_ranks(config, scratch / "ranks.log")
-        (port,) = free_ports(1)
-        gateway = subprocess.Popen([sys.executable, "-m", "controlplane", "gateway", "--daemon",
-                                    config.client_address, "--listen", f"127.0.0.1:{port}"], cwd=REPO)
+        ranks = start_sim_ranks(config, scratch / "ranks.log", ranks=RANKS, agent_id="bench",
+                                time_scale=RANK_TIME_SCALE)
+        port = free_port()
+        gateway = start_gateway(config.client_address, port, scratch / "gateway.log")
         try:
+            wait_for_ranks(config.client_address, RANKS)
             rows = asyncio.run(measure(config.client_address, f"http://127.0.0.1:{port}/v1/completions",
                                        concurrencies, duration))
         finally:
-            gateway.send_signal(signal.SIGTERM)
-            gateway.wait(10)
-            ranks.kill()
-            ranks.wait(10)
+            stop_group(gateway, timeout=10)
+            stop_group(ranks, timeout=0)
             daemon.terminate()
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                            "platform": platform.platform()}, "ranks": RANKS, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gateway.json").write_text(json.dumps(results, indent=2) + "\n")
     lines = ["# OpenAI-compatible gateway benchmark", "",
-             f"`python scripts/bench_gateway.py` on {results['machine']['cpus']} CPUs shared by the load "
+             f"`python -m benchmarks.controlplane.gateway_overhead` on {results['machine']['cpus']} CPUs shared by the load "
              f"generator, the gateway, the daemon and {RANKS} simulated ranks; loopback; 32 prompt tokens, "
              "1 output token per request; end-to-end latency seen by the caller.", "",
              "| outstanding | path | req/s | latency p50 (ms) | p99 (ms) |", "|---:|---|---:|---:|---:|"]

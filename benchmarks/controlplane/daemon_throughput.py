@@ -1,7 +1,7 @@
 """Control-plane daemon benchmark: routed requests per second, the dispatch latency it
 adds, and reports ingested per second.
 
-    python scripts/bench_controlplane.py [--quick] [--out docs/bench]
+    python -m benchmarks.controlplane.daemon_throughput [--quick] [--out docs/bench]
 
 Everything runs on this machine over loopback TCP: the daemon (`python -m controlplane
 serve`, policy pab) and one process hosting 8 simulated ranks (`python -m
@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,46 +34,20 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "controlplane"))
+from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
+from benchmarks.controlplane.processes import start_sim_ranks, wait_for_ranks
+from benchmarks.support.paths import DOCS_BENCH
+from benchmarks.support.processes import stop_group
+from controlplane import protocol as p
 
-from controlplane import protocol as p  # noqa: E402
-from live import loopback_config, start_process_daemon  # noqa: E402
-
-RANKS = 8
+RANKS = 8  # simulated, in one process
+RANK_TIME_SCALE = 0.01  # so that the ranks are not the bottleneck
 REPLIES = p.client_reply_channel()
-
-
-def start_sim_ranks(config, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sglang_ext.sim.rank", "--daemon", config.rank_address,
-         "--report-address", config.report_address, "--agent-id", "bench", "--ranks", str(RANKS),
-         "--time-scale", "0.01", "--log-level", "warning"],
-        stdout=log, stderr=log, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    log.close()
-    return process
 
 
 async def request(socket, message, timeout_s: float = 10.0):
     await socket.send(p.encode(message))
     return REPLIES.decode(await asyncio.wait_for(socket.recv(), timeout_s))
-
-
-async def wait_for_ranks(context, address: str, count: int, timeout_s: float = 60.0) -> None:
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(address)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            status = await request(socket, p.StatusRequest())
-            if sum(not rank.stale for rank in status.ranks) >= count:
-                return
-            await asyncio.sleep(0.2)
-    finally:
-        socket.close()
-    raise RuntimeError("the simulated ranks did not report")
 
 
 async def closed_loop(address: str, concurrency: int, duration_s: float) -> dict:
@@ -189,7 +162,7 @@ async def report_ingest(config, duration_s: float) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter windows, fewer load points")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     args = parser.parse_args()
     duration = 4.0 if args.quick else 10.0
     concurrencies = (1, 16, 64) if args.quick else (1, 4, 16, 64, 256)
@@ -199,16 +172,16 @@ def main() -> int:
         scratch = Path(scratch)
         config = loopback_config(policy="pab", stale_after_s=2.0, log_level="warning", max_in_flight=100_000)
         daemon = start_process_daemon(scratch, config)
-        ranks = start_sim_ranks(config, scratch / "ranks.log")
+        ranks = start_sim_ranks(config, scratch / "ranks.log", ranks=RANKS, agent_id="bench",
+                                time_scale=RANK_TIME_SCALE)
         try:
-            asyncio.run(wait_for_ranks(zmq.asyncio.Context.instance(), config.client_address, RANKS))
+            wait_for_ranks(config.client_address, RANKS)
             for concurrency in concurrencies:
                 row = asyncio.run(closed_loop(config.client_address, concurrency, duration))
                 print(json.dumps(row))
                 results["routing"].append(row)
         finally:
-            ranks.kill()
-            ranks.wait(10)
+            stop_group(ranks, timeout=0)
             daemon.terminate()
         config = loopback_config(policy="pab", stale_after_s=2.0, log_level="warning")
         daemon = start_process_daemon(scratch, config, "daemon-reports")
@@ -221,7 +194,7 @@ def main() -> int:
     (args.out / "controlplane.json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [
         "# Control-plane daemon benchmark", "",
-        f"`python scripts/bench_controlplane.py` on {results['machine']['cpus']} CPUs "
+        f"`python -m benchmarks.controlplane.daemon_throughput` on {results['machine']['cpus']} CPUs "
         f"(client, daemon and {RANKS} simulated ranks share them), loopback TCP.", "",
         "| outstanding requests | finished req/s | dispatch latency p50 (ms) | p99 (ms) | rejected |",
         "|---:|---:|---:|---:|---:|",
