@@ -1,4 +1,4 @@
-"""The router benchmark (scripts/bench_routers.py): workload generation, the per-request
+"""The router comparison (:mod:`benchmarks.routers`): workload generation, the per-request
 metrics and goodput, the added-latency and CPU summaries, the sweep's best-point and
 edge rules and the rendered page -- from synthetic records and points, no server; and one
 end-to-end ``--quick`` run when smg (the ``bench-router`` extra) and SGLang are installed."""
@@ -17,45 +17,71 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import bench_routers as br  # noqa: E402
+from benchmarks.routers.analysis import main_points, rate_tuned_limits, smg_wins, tuned_limits, wins
+from benchmarks.routers.cli import build_plan, main
+from benchmarks.routers.metrics import (
+    Record,
+    added_latency,
+    cpu_per_1000,
+    meets_slo,
+    percentile,
+    prefill_summary,
+    summarize,
+)
+from benchmarks.routers.rendering import render_json, render_markdown
+from benchmarks.routers.runs import QUICK_SECONDS, Bench, Plan
+from benchmarks.routers.stack import ROUTERS
+from benchmarks.routers.sweep import (
+    QUICK_SWEEP_CONCURRENCY,
+    edge_extension,
+    pick_best,
+    sweep_verdict,
+)
+from benchmarks.routers.workloads import (
+    CONTEXT_MARGIN,
+    Request,
+    azure_requests,
+    chars_per_token,
+    poisson_times,
+    prefix_requests,
+    prompt_text,
+)
+from benchmarks.server.emulated import MAX_PROMPT_TOKENS, TINY_MODEL_CONTEXT
+from benchmarks.support.paths import REPO
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps"]
 
 
 # ---------------------------------------------------------------- workloads
 def test_poisson_times_are_seeded_start_at_zero_and_average_one_over_the_rate() -> None:
-    times = br.poisson_times(10.0, 5000, seed=3)
-    assert times == br.poisson_times(10.0, 5000, seed=3)
-    assert times != br.poisson_times(10.0, 5000, seed=4)
+    times = poisson_times(10.0, 5000, seed=3)
+    assert times == poisson_times(10.0, 5000, seed=3)
+    assert times != poisson_times(10.0, 5000, seed=4)
     assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:]))
     assert (times[-1] / (len(times) - 1)) == pytest.approx(0.1, rel=0.05)
     with pytest.raises(ValueError):
-        br.poisson_times(0.0, 3, 0)
+        poisson_times(0.0, 3, 0)
 
 
 def test_azure_requests_take_the_trace_head_in_order_and_fit_the_context() -> None:
     lengths = [(100, 10), (9000, 50), (6000, 4000), (5, 0)] * 10
-    requests = br.azure_requests(2.0, 10.0, seed=0, lengths=lengths)
+    requests = azure_requests(2.0, 10.0, seed=0, lengths=lengths)
     assert len(requests) == 20
     assert [r.index for r in requests] == list(range(20))
     assert (requests[0].prompt_tokens, requests[0].output_tokens) == (100, 10)
-    assert requests[1].prompt_tokens == br.AZURE_MAX_PROMPT  # capped
+    assert requests[1].prompt_tokens == MAX_PROMPT_TOKENS  # capped
     third = requests[2]
-    assert third.prompt_tokens + third.output_tokens <= br.MAX_CONTEXT - br.CONTEXT_MARGIN
+    assert third.prompt_tokens + third.output_tokens <= TINY_MODEL_CONTEXT - CONTEXT_MARGIN
     assert requests[3].output_tokens == 1  # at least one token
     assert all(r.prefix_id is None for r in requests)
     with pytest.raises(ValueError, match="trace has"):
-        br.azure_requests(10.0, 10.0, 0, lengths[:5])
+        azure_requests(10.0, 10.0, 0, lengths[:5])
 
 
 def test_prefix_requests_draw_groups_and_lengths_in_their_ranges_deterministically() -> None:
-    requests = br.prefix_requests(10.0, 30.0, seed=1, prefixes=6, prefix_tokens=100,
+    requests = prefix_requests(10.0, 30.0, seed=1, prefixes=6, prefix_tokens=100,
                                   suffix=(5, 9), output=(3, 4))
-    assert requests == br.prefix_requests(10.0, 30.0, seed=1, prefixes=6, prefix_tokens=100,
+    assert requests == prefix_requests(10.0, 30.0, seed=1, prefixes=6, prefix_tokens=100,
                                           suffix=(5, 9), output=(3, 4))
     assert len(requests) == 300
     assert {r.prefix_id for r in requests} == set(range(6))
@@ -64,8 +90,8 @@ def test_prefix_requests_draw_groups_and_lengths_in_their_ranges_deterministical
 
 
 def test_prompts_share_the_prefix_text_of_their_group_and_have_one_word_per_token() -> None:
-    requests = br.prefix_requests(5.0, 10.0, seed=0, prefixes=2, prefix_tokens=50, suffix=(7, 7))
-    texts = [br.prompt_text(r, WORDS, seed=0) for r in requests]
+    requests = prefix_requests(5.0, 10.0, seed=0, prefixes=2, prefix_tokens=50, suffix=(7, 7))
+    texts = [prompt_text(r, WORDS, seed=0) for r in requests]
     for request, text in zip(requests, texts):
         words = text.split(" ")
         assert len(words) == request.prompt_tokens
@@ -75,15 +101,15 @@ def test_prompts_share_the_prefix_text_of_their_group_and_have_one_word_per_toke
     assert by_group[0] != by_group[1]
     # distinct requests differ after the prefix, and a prefix-less prompt is its own words
     assert len({t for t in texts}) == len(texts)
-    plain = br.Request(0, 0.0, 12, 3)
-    assert len(br.prompt_text(plain, WORDS, 0).split(" ")) == 12
-    assert br.chars_per_token(["ab", "abcd"]) == pytest.approx(4.0)
+    plain = Request(0, 0.0, 12, 3)
+    assert len(prompt_text(plain, WORDS, 0).split(" ")) == 12
+    assert chars_per_token(["ab", "abcd"]) == pytest.approx(4.0)
 
 
 # ---------------------------------------------------------------- metrics
 def record(ttft: float | None = 0.1, tpot: float = 0.02, tokens: int = 11, status: int = 200,
-           error: str | None = None, expected: int | None = None, sent: float = 1.0) -> br.Record:
-    r = br.Record(0, sent, tokens if expected is None else expected, status=status, error=error)
+           error: str | None = None, expected: int | None = None, sent: float = 1.0) -> Record:
+    r = Record(0, sent, tokens if expected is None else expected, status=status, error=error)
     if ttft is not None:
         r.first_token_s = sent + ttft
         r.last_token_s = r.first_token_s + tpot * (tokens - 1)
@@ -95,12 +121,12 @@ def test_record_times_and_the_slo_check() -> None:
     r = record(ttft=0.5, tpot=0.03, tokens=11)
     assert r.ok and r.ttft_s == pytest.approx(0.5) and r.tpot_s == pytest.approx(0.03)
     assert r.e2e_s == pytest.approx(0.8)
-    assert br.meets_slo(r)
-    assert not br.meets_slo(record(ttft=2.5))
-    assert not br.meets_slo(record(tpot=0.06))
-    assert br.meets_slo(record(tokens=1))  # no TPOT with one token
-    assert not br.meets_slo(record(status=429))
-    assert not br.meets_slo(record(error="stream error: rank lost"))
+    assert meets_slo(r)
+    assert not meets_slo(record(ttft=2.5))
+    assert not meets_slo(record(tpot=0.06))
+    assert meets_slo(record(tokens=1))  # no TPOT with one token
+    assert not meets_slo(record(status=429))
+    assert not meets_slo(record(error="stream error: rank lost"))
     assert not record(tokens=5, expected=10).ok  # cut short
     assert not record(ttft=None).ok
 
@@ -109,31 +135,31 @@ def test_percentile_matches_numpy_linear_interpolation() -> None:
     np = pytest.importorskip("numpy")
     values = [random.Random(1).random() for _ in range(37)]
     for q in (0, 50, 90, 99, 100):
-        assert br.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
-    assert br.percentile([], 50) is None
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([], 50) is None
 
 
 def test_summarize_counts_goodput_as_rate_times_attainment_and_every_failure_as_a_miss() -> None:
     records = [record() for _ in range(6)] + [record(ttft=3.0), record(status=429),
                                               record(status=200, error="client: TimeoutError"),
                                               record(tpot=0.07)]
-    s = br.summarize(records, rate=5.0)
+    s = summarize(records, rate=5.0)
     assert (s["requests"], s["good"], s["completed"], s["failed"]) == (10, 6, 8, 2)
     assert s["attainment"] == 0.6 and s["goodput"] == 3.0
     assert s["failures"] == {"429": 1, "200:client": 1}
     assert s["ttft_ms"]["p50"] == pytest.approx(100.0)
     assert s["tpot_ms"]["p99"] > 50
-    assert br.summarize([], 3.0)["goodput"] == 0.0
+    assert summarize([], 3.0)["goodput"] == 0.0
 
 
 def test_added_latency_is_the_difference_of_medians_and_cpu_is_per_thousand_requests() -> None:
-    a = br.added_latency([0.012, 0.011, 0.030], [0.010, 0.009, 0.011])
+    a = added_latency([0.012, 0.011, 0.030], [0.010, 0.009, 0.011])
     assert a["added_ms"] == pytest.approx(2.0) and a["n"] == 3
-    assert br.added_latency([], [0.01]) is None
-    assert br.prefill_summary(1000, 400, 100)["computed_fraction"] == 0.25
-    assert br.prefill_summary(1000, 0, 0)["computed_fraction"] is None
-    assert br.cpu_per_1000(3.0, 600) == 5.0
-    assert br.cpu_per_1000(3.0, 0) is None
+    assert added_latency([], [0.01]) is None
+    assert prefill_summary(1000, 400, 100)["computed_fraction"] == 0.25
+    assert prefill_summary(1000, 0, 0)["computed_fraction"] is None
+    assert cpu_per_1000(3.0, 600) == 5.0
+    assert cpu_per_1000(3.0, 0) is None
 
 
 # ---------------------------------------------------------------- the sweep
@@ -142,40 +168,40 @@ def pts(goods: dict[int, int], p99: dict[int, float] | None = None) -> list[dict
 
 
 def test_pick_best_prefers_goodput_then_an_interior_tie_then_ttft() -> None:
-    assert br.pick_best(pts({8: 10, 16: 30, 32: 20}), "c")["c"] == 16
+    assert pick_best(pts({8: 10, 16: 30, 32: 20}), "c")["c"] == 16
     # a flat top reaching the edge: the interior member of the tie
-    assert br.pick_best(pts({8: 10, 16: 30, 32: 30}, {16: 500.0, 32: 100.0}), "c")["c"] == 16
+    assert pick_best(pts({8: 10, 16: 30, 32: 30}, {16: 500.0, 32: 100.0}), "c")["c"] == 16
     # ties inside the grid: the lower TTFT p99
-    assert br.pick_best(pts({8: 1, 16: 30, 32: 30, 64: 2}, {16: 500.0, 32: 100.0}), "c")["c"] == 32
+    assert pick_best(pts({8: 1, 16: 30, 32: 30, 64: 2}, {16: 500.0, 32: 100.0}), "c")["c"] == 32
     with pytest.raises(ValueError):
-        br.pick_best([], "c")
+        pick_best([], "c")
 
 
 def test_edge_extension_grows_the_grid_until_the_best_is_interior() -> None:
-    assert br.edge_extension([16, 32, 64], 32) is None
-    assert br.edge_extension([16, 32, 64], 64) == 128
-    assert br.edge_extension([16, 32, 64], 16, lower_bound=1) == 8
-    assert br.edge_extension([1, 2, 4], 1, lower_bound=1) is None  # nothing lower exists
-    assert br.edge_extension([0, 4, 16], 0, lower_bound=0) is None
-    assert br.edge_extension([1, 4, 16], 1, lower_bound=0) == 0
-    assert br.edge_extension([5], 5) == 10
+    assert edge_extension([16, 32, 64], 32) is None
+    assert edge_extension([16, 32, 64], 64) == 128
+    assert edge_extension([16, 32, 64], 16, lower_bound=1) == 8
+    assert edge_extension([1, 2, 4], 1, lower_bound=1) is None  # nothing lower exists
+    assert edge_extension([0, 4, 16], 0, lower_bound=0) is None
+    assert edge_extension([1, 4, 16], 1, lower_bound=0) == 0
+    assert edge_extension([5], 5) == 10
     with pytest.raises(ValueError):
-        br.edge_extension([1, 2], 3)
+        edge_extension([1, 2], 3)
 
 
 def test_sweep_verdicts() -> None:
-    assert br.sweep_verdict([16, 32, 64], 32) == "interior"
-    assert br.sweep_verdict([16, 32, 64], 64) == "edge"
-    assert br.sweep_verdict([16, 32, 64], 16, lower_bound=1) == "edge"
-    assert br.sweep_verdict([0, 4, 16], 0, lower_bound=0).startswith("at the lower bound")
+    assert sweep_verdict([16, 32, 64], 32) == "interior"
+    assert sweep_verdict([16, 32, 64], 64) == "edge"
+    assert sweep_verdict([16, 32, 64], 16, lower_bound=1) == "edge"
+    assert sweep_verdict([0, 4, 16], 0, lower_bound=0).startswith("at the lower bound")
 
 
 def test_the_sweep_extends_an_edge_best_and_stops_when_interior(tmp_path: Path) -> None:
     """Bench.sweep against a fake runner whose goodput peaks at C=256, Q=8."""
-    plan = br.Plan(workloads=("prefix",), rates={"prefix": (10.0, 16.0)}, seconds=1.0,
-                   sweep_concurrency=(16, 32, 64, 128), sweep_queue=(4, 16, 64), sweep_queue_at=16,
-                   max_extensions=3, quick=False)
-    bench = br.Bench.__new__(br.Bench)
+    plan = Plan(workloads=("prefix",), rates={"prefix": (10.0, 16.0)}, seconds=1.0,
+                sweep_concurrency=(16, 32, 64, 128), sweep_queue=(4, 16, 64), sweep_queue_at=16,
+                max_extensions=3, quick=False)
+    bench = Bench.__new__(Bench)
     bench.plan, bench.points_path, bench.runs = plan, tmp_path / "points.jsonl", {}
     calls = []
 
@@ -202,10 +228,10 @@ def test_the_sweep_extends_an_edge_best_and_stops_when_interior(tmp_path: Path) 
 def test_a_lower_rate_with_misses_gets_its_own_concurrency_sweep(tmp_path: Path) -> None:
     """Bench.workload: limits tuned at the top rate; at a lower rate where they leave misses,
     the concurrency limit is swept again (queue as tuned); where they do not, it is not."""
-    plan = br.Plan(workloads=("prefix",), rates={"prefix": (8.0, 12.0, 16.0)}, seconds=1.0,
-                   sweep_concurrency=(16, 32, 64), sweep_queue=(), sweep_queue_at=16,
-                   max_extensions=2, quick=False, routers=("smg-ca",))
-    bench = br.Bench.__new__(br.Bench)
+    plan = Plan(workloads=("prefix",), rates={"prefix": (8.0, 12.0, 16.0)}, seconds=1.0,
+                sweep_concurrency=(16, 32, 64), sweep_queue=(), sweep_queue_at=16,
+                max_extensions=2, quick=False, routers=("smg-ca",))
+    bench = Bench.__new__(Bench)
     bench.plan, bench.points_path, bench.runs = plan, tmp_path / "points.jsonl", {}
     peak = {16.0: 16, 12.0: 64, 8.0: 16}  # the best concurrency per rate
 
@@ -220,8 +246,8 @@ def test_a_lower_rate_with_misses_gets_its_own_concurrency_sweep(tmp_path: Path)
     bench.run = fake_run
     bench.workload("prefix")
     saved = [json.loads(line) for line in bench.points_path.read_text().splitlines()]
-    assert br.tuned_limits(saved) == {"prefix": (16, 16)}
-    assert br.rate_tuned_limits(saved) == {("prefix", 12.0): (64, 16)}  # 8 req/s had no miss
+    assert tuned_limits(saved) == {"prefix": (16, 16)}
+    assert rate_tuned_limits(saved) == {("prefix", 12.0): (64, 16)}  # 8 req/s had no miss
     retuned = [p for p in saved if p.get("rate_tuned")][0]["rate_tuned"]
     assert retuned["grid"] == [16, 32, 64, 128] and retuned["verdict"] == "interior"
 
@@ -271,32 +297,32 @@ def test_main_points_take_a_per_rate_choice_over_the_workload_one() -> None:
     lim = {"max_concurrent": 64, "queue_size": 16, "queue_timeout_s": 2}
     points.append(point("prefix", 8.0, "smg-ca", 7.0, lim, "rate-sweep",
                         rate_tuned={"limits": [64, 16], "grid": [16, 32, 64, 128], "verdict": "interior"}))
-    ca = {p["rate"]: p["limits"]["max_concurrent"] for p in br.main_points(points) if p["router"] == "smg-ca"}
+    ca = {p["rate"]: p["limits"]["max_concurrent"] for p in main_points(points) if p["router"] == "smg-ca"}
     assert ca == {8.0: 64, 16.0: 32}
-    text = br.render_markdown(points, {})
+    text = render_markdown(points, {})
     assert "Per-rate concurrency sweep at 8 req/s" in text and "| 8 | **64** | **16** | 7.00 |" in text
 
 
 def test_main_points_keep_only_the_tuned_cache_aware_limits_and_skip_errors() -> None:
-    rows = br.main_points(synthetic_points())
+    rows = main_points(synthetic_points())
     ca = [p for p in rows if p["router"] == "smg-ca"]
     assert {(p["rate"], p["limits"]["max_concurrent"], p["limits"]["queue_size"]) for p in ca} == \
         {(8.0, 32, 16), (16.0, 32, 16)}
     assert not any("error" in p for p in rows)
     assert [p["router"] for p in rows if p["workload"] == "prefix" and p["rate"] == 16.0] == \
         ["smg-rr", "smg-ca", "cp-default", "cp-pab"]
-    assert br.tuned_limits(synthetic_points()) == {"prefix": (32, 16)}
+    assert tuned_limits(synthetic_points()) == {"prefix": (32, 16)}
 
 
 def test_smg_wins_names_goodput_latency_and_cpu_wins_only() -> None:
-    wins = br.smg_wins(synthetic_points())
-    text = "\n".join(wins)
+    found = smg_wins(synthetic_points())
+    text = "\n".join(found)
     assert "goodput, prefix at 16 req/s: 14.00 (smg-ca) against 12.00 (cp-default), 1.17x" in text
     assert "prefix at 8 req/s" not in text  # a tie is no win
     assert "azure at 6" not in text  # the daemon wins there
-    assert any(w.startswith("added latency") for w in wins)
-    assert any(w.startswith("router CPU, prefix") for w in wins)
-    daemon = br.wins(synthetic_points(), "cp")
+    assert any(w.startswith("added latency") for w in found)
+    assert any(w.startswith("router CPU, prefix") for w in found)
+    daemon = wins(synthetic_points(), "cp")
     assert daemon == ["goodput, azure at 6 req/s: 6.00 (cp-default) against 5.00 (smg-rr), 1.20x"]
 
 
@@ -304,7 +330,7 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     meta = {"git": {"commit": "abc1234", "dirty": False}, "started": "now", "machine": "2 vCPUs",
             "seconds": 30.0, "commands": ["scripts/bench_routers.sh"], "smg_version": "1.13.0",
             "notes": ["a note"]}
-    text = br.render_markdown(synthetic_points(), meta)
+    text = render_markdown(synthetic_points(), meta)
     assert "## Where smg wins" in text and "Machine caveats" in text and "emulated" in text
     assert "## Where the daemon wins" in text and "A FairBatching server crashed in 1 run(s)" in text
     assert "| 16 | smg-ca (C=32, Q=16) | **14.00** |" in text
@@ -313,7 +339,7 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     assert "| **32** | **16** | 14.00 |" in text
     assert "## Router added latency" in text and "| smg-rr |" in text
     assert "scripts/bench_routers.sh" in text and "- a note" in text
-    data = br.render_json(synthetic_points(), meta)
+    data = render_json(synthetic_points(), meta)
     assert data["sweeps"]["prefix"]["best"] == [32, 16] and data["sweeps"]["azure"] is None
     assert data["added_latency"]["cp-pab"]["added_ms"] == pytest.approx(3.5)
     assert data["cpu"]["prefix"]["cp-default"]["router_s_per_1000"] == pytest.approx(30.0)
@@ -327,17 +353,17 @@ def test_plans_and_the_cli_refuse_unknown_names(tmp_path: Path) -> None:
     ns = argparse.Namespace(quick=True, azure_rates=None, prefix_rates="5,6", workloads="prefix",
                             seconds=None, sweep_concurrency=None, sweep_queue=None,
                             sweep_queue_at=16, max_extensions=None, routers="smg-rr,cp-pab")
-    plan = br.build_plan(ns)
-    assert plan.rates["prefix"] == (5.0, 6.0) and plan.seconds == br.QUICK_SECONDS
+    plan = build_plan(ns)
+    assert plan.rates["prefix"] == (5.0, 6.0) and plan.seconds == QUICK_SECONDS
     assert plan.max_extensions == 0 and plan.routers == ("smg-rr", "cp-pab")
     with pytest.raises(SystemExit):
-        br.build_plan(argparse.Namespace(**{**vars(ns), "workloads": "nope"}))
+        build_plan(argparse.Namespace(**{**vars(ns), "workloads": "nope"}))
     with pytest.raises(SystemExit):
-        br.build_plan(argparse.Namespace(**{**vars(ns), "routers": "nginx"}))
+        build_plan(argparse.Namespace(**{**vars(ns), "routers": "nginx"}))
     assert parser_args  # the CLI takes the same names
     points = tmp_path / "points.jsonl"
     points.write_text("".join(json.dumps(p) + "\n" for p in synthetic_points()))
-    assert br.main(["--render-only", "--points", str(points), "--out", str(tmp_path)]) == 0
+    assert main(["--render-only", "--points", str(points), "--out", str(tmp_path)]) == 0
     assert "Where smg wins" in (tmp_path / "routers.md").read_text()
 
 
@@ -362,16 +388,16 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         pytest.skip("smg is not installed: `FB_EXTRAS=bench-router source scripts/_env.sh` "
                     "(or scripts/bench_routers.sh) makes its environment; or set FB_SMG")
     points = tmp_path / "points.jsonl"
-    command = [sys.executable, str(SCRIPTS / "bench_routers.py"), "--quick", "--workloads", "prefix",
+    command = [sys.executable, "-m", "benchmarks.routers", "--quick", "--workloads", "prefix",
                "--seconds", "8", "--smg", smg, "--points", str(points), "--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     saved = [json.loads(line) for line in points.read_text().splitlines()]
-    assert {p["router"] for p in saved} == set(br.ROUTERS)
+    assert {p["router"] for p in saved} == set(ROUTERS)
     for p in saved:
         assert "error" not in p, p
         assert p["result"]["completed"] > 0, p
         assert p["probe"]["router_ttft_s"] and p["cpu"]["router_s"] > 0
-    assert br.tuned_limits(saved)["prefix"][0] in br.QUICK_SWEEP_CONCURRENCY
+    assert tuned_limits(saved)["prefix"][0] in QUICK_SWEEP_CONCURRENCY
     text = (tmp_path / "routers.md").read_text()
     assert "## Where smg wins" in text and "Shared prefixes" in text

@@ -1,0 +1,69 @@
+"""Benchmark: SGLang's own router (smg, the SGLang Model Gateway) against this project's
+control-plane daemon, routing the same open-loop workloads to the same two SGLang servers.
+
+Two stock ``python -m sglang.launch_server`` servers run on the emulated GPU (profile
+``llama3.1-8b-h100``, step times x2) with FairBatching on (the shipped
+``configs/fairbatching.toml``, step model scaled like the GPU) and join one control-plane
+daemon as ranks ``bench-a/0`` and ``bench-b/0``. In front of them, in turn (every router
+at one rate before the next rate, so the machine's drift touches all alike):
+
+* ``smg-rr``       -- ``smg launch --policy round_robin`` (smg 1.13, its other defaults);
+* ``smg-ca``       -- ``smg launch --policy cache_aware`` with ``--max-concurrent-requests C
+  --queue-size Q --queue-timeout-secs 2`` (the TTFT target: a request queued longer has
+  missed it), C and Q swept per workload at its top rate until the best goodput is interior
+  to the grid (coordinate sweep: C at a fixed Q, then Q at the best C, each grid doubled
+  or halved at an edge, at most ``MAX_EXTENSIONS`` times; ``Bench.sweep``), plus the fixed
+  flags of ``SMG_CA_EXTRA`` (worker overload protection and the warm-up slice off; why:
+  beside it);
+* ``cp-default``   -- the daemon with its default balancer (``pab_least_loaded``) behind its
+  OpenAI gateway (``fairbatching-controlplane gateway``);
+* ``cp-pab``       -- the daemon with ``policy = "pab"`` (restarted between the two).
+
+smg talks HTTP to the servers' ports; the daemon reaches them through their control-plane
+ingress (ZeroMQ). Every request is ``POST /v1/completions``, streamed, with a text prompt
+(single-token words of the tiny model's tokenizer, so a prompt of N words is N tokens),
+``ignore_eos`` and the SLO of ``configs/slo.toml``'s ``standard`` class in
+``custom_params`` (TTFT 2000 ms, TPOT 50 ms; also the servers' default class).
+
+Workloads (Poisson arrivals, fixed seed; the same requests through every router):
+
+* ``azure``  -- the first ``rate x seconds`` requests of the bundled Azure conversation
+  sample (``sglang_ext/data/azure_conv_sample.csv``; prompt and output lengths as recorded,
+  prompts capped at 6144 tokens for the tiny model's 8192 context), as
+  :mod:`benchmarks.server.stock_vs_fairbatching`'s replay uses it, with fresh Poisson arrival times (the
+  simulator's ``Workload.with_arrivals``); prompts distinct per request (no prefix reuse).
+* ``prefix`` -- shared prefixes: each request is one of ``PREFIXES`` long system prompts
+  (``PREFIX_TOKENS`` tokens, drawn uniformly) followed by a short unique suffix; its prefix
+  is in a server's radix cache only if that server served it recently. The prefixes
+  (24 x 4096 tokens) do not fit one server's KV pool (``KV_TOKENS``) but half of them do:
+  a router that keeps each prefix on one server computes each prefill once.
+
+Metrics per (workload, router, rate): goodput = rate x SLO attainment (a request meets the
+SLO when it completes all its tokens with TTFT <= 2000 ms and TPOT <= 50 ms; TPOT per
+request = (last token - first token) / (tokens - 1), a mean, as in
+``sglang.benchmark.serving``; failures, 429s and timeouts are misses); TTFT/TPOT
+percentiles over completed requests; the prefill tokens the servers actually computed
+(from the emulated GPU's step log) over the prompt tokens sent; the router's CPU seconds
+per 1000 requests (``/proc/<pid>/stat`` utime+stime over the run; smg: its one process;
+the daemon: daemon + gateway processes; the SGLang servers' CPU beside it); and the
+router's added latency: a sequential probe before each run (``PROBES`` 32-token prompts,
+2 output tokens, alternately through the router and straight to a server) whose
+TTFT median through the router minus the median direct is the router's cost unloaded.
+
+Every finished run is appended to ``out/bench_routers/points.jsonl`` (raw logs beside it);
+``docs/bench/routers.md`` and ``routers.json`` are rendered from the points::
+
+    scripts/bench_routers.sh                  # the full run (about 40 min on 2 vCPUs)
+    scripts/bench_routers.sh --quick          # one rate per workload, 12 s runs, 3-point sweep (~8 min)
+    scripts/bench_routers.sh --render-only    # re-render docs/bench/routers.* from the points
+    scripts/bench_routers.sh --workloads prefix --azure-rates 6 --prefix-rates 8,12
+
+The daemon and the servers run in this project's SGLang environment; smg in its own small
+one (``FB_EXTRAS=bench-router``; ``--smg PATH`` or ``$FB_SMG`` names its executable).
+
+A server that dies mid-run (a FairBatching scheduler assertion was seen under KV pressure)
+is recorded with that run's point (``server_died``, marked in the tables) and the servers
+and the daemon are restarted before the next run. One seed per point: near a router's
+knee, repeated runs of one configuration differ a lot on this shared machine (see the
+page's sweep tables), so read single points with care.
+"""

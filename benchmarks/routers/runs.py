@@ -1,0 +1,217 @@
+"""The comparison's runs: the plan, and every (workload, rate, router) run saved as a point
+as soon as it finishes, smg cache_aware's limits swept first."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from benchmarks.routers.client import probe, run_requests
+from benchmarks.routers.metrics import cpu_per_1000, prefill_summary, summarize
+from benchmarks.routers.processes import crash_summary
+from benchmarks.routers.stack import DAEMON_POLICY, ROUTERS, SMG_QUEUE_TIMEOUT_S, Router, Stack
+from benchmarks.routers.sweep import edge_extension, pick_best, sweep_verdict
+from benchmarks.routers.workloads import SEED, bundled_azure_lengths, prompt_text, workload_requests
+from benchmarks.support.points import append_point, load_points
+
+DEFAULT_SECONDS = 30.0
+QUICK_SECONDS = 12.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run: workloads and rates, seconds of arrivals per run, smg cache_aware's
+    sweep, the routers."""
+
+    workloads: tuple[str, ...]
+    rates: dict[str, tuple[float, ...]]
+    seconds: float
+    sweep_concurrency: tuple[int, ...]
+    sweep_queue: tuple[int, ...]
+    sweep_queue_at: int
+    max_extensions: int
+    quick: bool
+    routers: tuple[str, ...] = ROUTERS
+    per_rate: bool = True
+
+
+class Bench:
+    """Runs the plan on a :class:`~benchmarks.routers.stack.Stack`, each run once: saved
+    points (``--append``) are not run again."""
+
+    def __init__(self, plan: Plan, stack: Stack, points_path: Path, meta: dict) -> None:
+        self.plan = plan
+        self.stack = stack
+        self.points_path = points_path
+        self.meta = meta
+        self.azure = bundled_azure_lengths() if "azure" in plan.workloads else None
+        self.runs: dict[tuple, dict] = {}
+        for p in load_points(points_path):  # --append: runs already saved are not run again
+            if "result" in p and "error" not in p:
+                limits = p.get("limits")
+                self.runs[(p["workload"], p["rate"], p["router"],
+                           None if limits is None else (limits["max_concurrent"], limits["queue_size"]))] = p
+
+    def router(self, name: str, limits: dict | None, tag: str) -> Router:
+        if name == "smg-rr":
+            return self.stack.start_smg(name, "round_robin", None, tag)
+        if name == "smg-ca":
+            return self.stack.start_smg(name, "cache_aware", limits, tag)
+        self.stack.stop_smg()
+        return self.stack.start_daemon(DAEMON_POLICY[name])
+
+    def run(self, workload: str, rate: float, name: str, limits: dict | None = None, phase: str = "main",
+            tuned: dict | None = None) -> dict:
+        key = (workload, rate, name, None if limits is None else (limits["max_concurrent"], limits["queue_size"]))
+        if key in self.runs:
+            return self.runs[key]
+        tag = f"{workload}-r{rate:g}-{name}" + ("" if limits is None else
+                                                f"-c{limits['max_concurrent']}-q{limits['queue_size']}")
+        print(f"  {tag} ...", file=sys.stderr, flush=True)
+        requests = workload_requests(workload, rate, self.plan.seconds, SEED, self.azure)
+        texts = [prompt_text(r, self.stack.words, SEED) for r in requests]
+        point = {"workload": workload, "rate": rate, "router": name, "limits": limits, "phase": phase,
+                 "seconds": self.plan.seconds, "seed": SEED, "requests": len(requests),
+                 "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self.meta["provenance"]}
+        started = time.monotonic()
+        try:
+            self.ensure_servers(tag)
+            router = self.router(name, limits, tag)
+            point["command"] = router.command
+            direct = [(u, self.stack.served_model) for u in self.stack.server_urls]
+            point["probe"] = asyncio.run(probe(router.url, router.model, direct, self.stack.words))
+            self.stack.flush()
+            for tail in self.stack.tails:
+                tail.skip()
+            cpu0, servers0 = router.cpu_s(), self.stack.servers_cpu_s()
+            load0 = os.getloadavg()
+            t0 = time.monotonic()
+            records = asyncio.run(run_requests(router.url, router.model, requests, texts))
+            wall = time.monotonic() - t0
+            cpu1, servers1 = router.cpu_s(), self.stack.servers_cpu_s()
+            time.sleep(0.3)  # the last steps reach the step logs
+            dead = [s.log_path.name for s in self.stack.servers if not s.alive()]
+            if dead:
+                point["server_died"] = {name: crash_summary(self.stack.raw / name) for name in dead}
+            computed = sum(t.prefill_tokens() for t in self.stack.tails)
+            sent = sum(r.prompt_tokens for r in requests)
+            served = sum(r.prompt_tokens for r, rec in zip(requests, records) if rec.status == 200)
+            point["result"] = summarize(records, rate)
+            point["prefill"] = prefill_summary(sent, served, computed)
+            point["cpu"] = {"router_s": round(cpu1 - cpu0, 3), "servers_s": round(servers1 - servers0, 3),
+                            "router_s_per_1000": cpu_per_1000(cpu1 - cpu0, len(requests)),
+                            "servers_s_per_1000": cpu_per_1000(servers1 - servers0, len(requests)),
+                            "run_wall_s": round(wall, 2)}
+            point["machine_during_run"] = {"load_average_before": load0, "load_average_after": os.getloadavg()}
+            point["probe_added"] = {k: point["probe"].get(k) for k in ("direct_ms", "router_ms", "added_ms")}
+            if tuned is not None:
+                point["tuned"] = tuned
+            r = point["result"]
+            print(f"  {tag}: goodput {r['goodput']:.2f} ({r['good']}/{r['requests']}), failed {r['failed']}, "
+                  f"TTFT p99 {r['ttft_ms']['p99']} ms, TPOT p99 {r['tpot_ms']['p99']} ms, prefill computed "
+                  f"{point['prefill']['computed_fraction']}, added {point['probe'].get('added_ms')} ms, "
+                  f"router CPU {point['cpu']['router_s_per_1000']} s/1000 ({wall:.0f} s)", file=sys.stderr, flush=True)
+        except Exception as error:  # noqa: BLE001 - saved with the point, the run goes on
+            point["error"] = f"{type(error).__name__}: {error}"
+            print(f"  {tag}: FAILED {point['error']}", file=sys.stderr, flush=True)
+        point["wall_s"] = round(time.monotonic() - started, 1)
+        append_point(self.points_path, point)
+        self.runs[key] = point
+        return point
+
+    def ensure_servers(self, tag: str) -> None:
+        """Restart the servers (and the daemon) when one has died (a crash is saved with the
+        point of the run it happened in; the stack starts afresh for the next)."""
+        if all(s.alive() for s in self.stack.servers):
+            return
+        note = f"before {tag}: a server had died; the servers and the daemon were restarted"
+        print(f"  {note}", file=sys.stderr, flush=True)
+        self.meta["notes"].append(note)
+        self.stack.restart()
+
+    def sweep(self, workload: str) -> dict:
+        """Coordinate sweep of smg cache_aware's limits at the workload's top rate."""
+        plan = self.plan
+        rate = max(plan.rates[workload])
+
+        def limits(c: int, q: int) -> dict:
+            return {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
+
+        def measured(c: int, q: int) -> dict:
+            p = self.run(workload, rate, "smg-ca", limits(c, q), phase="sweep")
+            r = p.get("result") or {"good": -1, "ttft_ms": {"p99": None}}
+            return {"c": c, "q": q, "good": r["good"], "ttft_p99": r["ttft_ms"]["p99"]}
+
+        def line(key: str, grid: list[int], fixed: dict, lower: int) -> tuple[int, list[int]]:
+            extensions = 0
+            while True:
+                results = [measured(**{**fixed, key: v}) for v in sorted(grid)]
+                best = pick_best(results, key)[key]
+                extra = edge_extension(grid, best, lower) if extensions < plan.max_extensions else None
+                if extra is None:
+                    return best, sorted(grid)
+                grid.append(extra)
+                extensions += 1
+
+        q0 = plan.sweep_queue_at
+        c_best, c_grid = line("c", list(plan.sweep_concurrency), {"q": q0}, 1)
+        q_best, q_grid = q0, [q0]
+        if plan.sweep_queue:
+            q_best, q_grid = line("q", sorted(set(plan.sweep_queue) | {q0}), {"c": c_best}, 0)
+        tuned = {"limits": [c_best, q_best], "rate": rate, "concurrency_grid": c_grid,
+                 "queue_during_concurrency": q0, "queue_grid": q_grid,
+                 "verdicts": {"max_concurrent": sweep_verdict(c_grid, c_best, 1),
+                              "queue_size": sweep_verdict(q_grid, q_best, 0) if len(q_grid) > 1 else "not swept"}}
+        key = (workload, rate, "smg-ca", (c_best, q_best))
+        point = dict(self.runs[key], tuned=tuned)  # saved again, with the choice
+        append_point(self.points_path, point)
+        self.runs[key] = point
+        print(f"  {workload}: smg-ca tuned to C={c_best}, Q={q_best} ({tuned['verdicts']})", file=sys.stderr)
+        return tuned
+
+    def workload(self, workload: str) -> None:
+        tuned, limits = None, None
+        if "smg-ca" in self.plan.routers:
+            tuned = self.sweep(workload)
+            c, q = tuned["limits"]
+            limits = {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
+        for rate in self.plan.rates[workload]:
+            for name in self.plan.routers:
+                point = self.run(workload, rate, name, limits if name == "smg-ca" else None,
+                                 tuned=tuned if name == "smg-ca" else None)
+                if name == "smg-ca" and self.plan.per_rate and rate != tuned["rate"] \
+                        and point.get("result", {}).get("attainment", 1.0) < 1.0:
+                    self.rate_sweep(workload, rate, tuned)
+
+    def rate_sweep(self, workload: str, rate: float, tuned: dict) -> None:
+        """Where the limits tuned at the top rate leave SLO misses at a lower rate, sweep the
+        concurrency limit at that rate too (the queue size as tuned), edges extended: each
+        rate gets smg-ca at its best, as the other benchmarks tune baselines per point."""
+        q = tuned["limits"][1]
+        grid = sorted(set(self.plan.sweep_concurrency) | {tuned["limits"][0]})
+        extensions = 0
+        while True:
+            results = []
+            for c in sorted(grid):
+                limits = {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
+                p = self.run(workload, rate, "smg-ca", limits, phase="rate-sweep")
+                r = p.get("result") or {"good": -1, "ttft_ms": {"p99": None}}
+                results.append({"c": c, "good": r["good"], "ttft_p99": r["ttft_ms"]["p99"]})
+            best = pick_best(results, "c")["c"]
+            extra = edge_extension(grid, best, 1) if extensions < self.plan.max_extensions else None
+            if extra is None:
+                break
+            grid.append(extra)
+            extensions += 1
+        choice = {"limits": [best, q], "grid": sorted(grid), "verdict": sweep_verdict(grid, best, 1)}
+        key = (workload, rate, "smg-ca", (best, q))
+        point = dict(self.runs[key], rate_tuned=choice)
+        append_point(self.points_path, point)
+        self.runs[key] = point
+        print(f"  {workload} at {rate:g}: smg-ca concurrency re-tuned to C={best} ({choice['verdict']})",
+              file=sys.stderr, flush=True)

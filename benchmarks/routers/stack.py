@@ -1,0 +1,278 @@
+"""The stack under test: two SGLang servers (FairBatching, emulated GPU) as ranks of one
+daemon, and in front of them the daemon with its gateway or smg."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.controlplane.processes import start_gateway
+from benchmarks.routers.processes import StepLogTail, group_cpu_s, proc_cpu_s
+from benchmarks.routers.workloads import chars_per_token
+from benchmarks.server.emulated import PROFILE, TIME_SCALE, write_fb_config
+from benchmarks.server.stock_server import launch
+from benchmarks.support.paths import pythonpath_with_checkout
+from benchmarks.support.ports import free_ports
+from benchmarks.support.processes import spawn, stop_group
+
+KV_TOKENS = 65_536  # per server: holds half of the shared prefixes with room to run, not all
+MAX_PREFILL_TOKENS = 16_384
+SERVER_ARGS = ("--max-total-tokens", str(KV_TOKENS), "--max-prefill-tokens", str(MAX_PREFILL_TOKENS))
+
+#: cache_aware's fixed tuning besides the swept limits. Worker overload protection (on by
+#: default: a worker with >= 8 waiting requests or >= 0.8 KV usage is left out of routing)
+#: breaks prefix affinity here, where the cached prefixes themselves fill most of a server's
+#: KV: measured at 12 req/s on the prefix workload (C=64, Q=16), 40% of the prompt tokens
+#: were computed and goodput was 5.9-7.6 req/s with it, 12% and 12.0 req/s without.
+#: smg restarts for every run (its prefix tree must match the servers' flushed caches), so
+#: its warm-up slice (the first 60 s of a worker: one cache miss in four and one hit in
+#: eight go to a "thin" worker) is off: cache_aware runs in its steady state.
+SMG_CA_EXTRA = ("--disable-worker-overload-protection", "--worker-warmup-secs", "0")
+SMG_QUEUE_TIMEOUT_S = 2  # = the TTFT target (whole seconds: smg's flag is an integer)
+
+ROUTERS = ("smg-rr", "smg-ca", "cp-default", "cp-pab")
+DAEMON_POLICY = {"cp-default": None, "cp-pab": "pab"}  # None: the daemon's default
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30.0, method: str | None = None) -> tuple[int, str]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.read().decode(errors="replace")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+    except (OSError, urllib.error.URLError) as error:
+        return 0, str(error)
+
+
+def flush_cache(url: str) -> None:
+    for _ in range(60):
+        status, text = http_json(f"{url}/flush_cache", {}, timeout=60, method="POST")
+        if status == 200:
+            return
+        time.sleep(1.0)  # requests still running (a 400 until idle)
+    raise RuntimeError(f"{url}/flush_cache kept failing: {status} {text[:200]}")
+
+
+@dataclass(frozen=True)
+class Router:
+    """A router as a run uses it: where to send requests, its processes (for their CPU time),
+    and its command line as the page shows it."""
+
+    name: str
+    url: str
+    model: str | None
+    pids: tuple[int, ...]
+    command: str
+    limits: dict | None = None
+
+    def cpu_s(self) -> float:
+        return sum(proc_cpu_s(pid) for pid in self.pids)
+
+
+class Stack:
+    """Two servers as ranks of one daemon; the daemon + gateway or smg in front."""
+
+    def __init__(self, raw: Path, smg: str, words: Sequence[str]) -> None:
+        self.raw = raw
+        self.smg = smg
+        self.words = words
+        self.python = sys.executable
+        self.servers: list = []
+        self.daemon: subprocess.Popen | None = None
+        self.gateway: subprocess.Popen | None = None
+        self.daemon_policy: str | None = "unset"
+        self.smg_process: subprocess.Popen | None = None
+        client, rank, report, self.gateway_port = free_ports(4)
+        self.addresses = {"client": f"tcp://127.0.0.1:{client}", "rank": f"tcp://127.0.0.1:{rank}",
+                          "report": f"tcp://127.0.0.1:{report}"}
+        self.model_dir = raw / "model"
+        self.step_logs = [raw / "steps-a.jsonl", raw / "steps-b.jsonl"]
+        self.tails = [StepLogTail(p) for p in self.step_logs]
+        self.chars_per_token = round(chars_per_token(words), 2)
+        self.restarts = 0
+        self.smg_ca_extra: tuple[str, ...] = SMG_CA_EXTRA
+
+    # ---- servers
+    def start_servers(self, suffix: str = "") -> None:
+        fb_config = write_fb_config(self.raw)
+        results: dict[int, object] = {}
+
+        def one(i: int, name: str) -> None:
+            env = {
+                "FAIRBATCHING_EMULATED_GPU": PROFILE,
+                "FAIRBATCHING_EMULATED_GPU_TIME_SCALE": str(TIME_SCALE),
+                "FAIRBATCHING_EMULATED_GPU_SEED": str(i),
+                "FAIRBATCHING_EMULATED_GPU_LOG": str(self.step_logs[i]),
+                "FAIRBATCHING_CONFIG": str(fb_config),
+                "FAIRBATCHING_CONTROLPLANE": self.addresses["rank"],
+                "FAIRBATCHING_CONTROLPLANE_REPORTS": self.addresses["report"],
+                "FAIRBATCHING_RANK_NAME": f"bench-{name}",
+                "PYTHONPATH": pythonpath_with_checkout(os.environ),
+            }
+            try:
+                results[i] = launch(self.model_dir, SERVER_ARGS, env, self.raw / f"server-{name}{suffix}.log")
+            except BaseException as error:  # reported below
+                results[i] = error
+
+        threads = [threading.Thread(target=one, args=(i, n)) for i, n in enumerate("ab")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.servers = [results[i] for i in range(2) if not isinstance(results[i], BaseException)]
+        errors = [results[i] for i in range(2) if isinstance(results[i], BaseException)]
+        if errors:
+            raise RuntimeError(f"a server failed to start: {errors[0]}")
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def served_model(self) -> str:
+        return str(self.model_dir)
+
+    def servers_cpu_s(self) -> float:
+        return sum(group_cpu_s(s.process.pid) for s in self.servers)
+
+    def flush(self) -> None:
+        for url in self.server_urls:
+            flush_cache(url)
+
+    # ---- daemon + gateway
+    def daemon_config_text(self, policy: str | None) -> str:
+        lines = ["[daemon]"] + [f'{k}_address = "{v}"' for k, v in self.addresses.items()]
+        if policy is not None:
+            lines.append(f'policy = "{policy}"')
+        lines.append(f"chars_per_token = {self.chars_per_token}  # the benchmark's text (one word = one token)")
+        lines.append('log_level = "warning"')
+        return "\n".join(lines) + "\n"
+
+    def start_daemon(self, policy: str | None) -> Router:
+        """The daemon with ``policy`` (None: its default) and its gateway, the two servers
+        joined as ranks; restarted only when the policy changes."""
+        if self.daemon is not None and self.daemon_policy == policy and self.daemon.poll() is None:
+            return self._daemon_router(policy)
+        self.spawn_daemon(policy)
+        self.wait_daemon()
+        return self._daemon_router(policy)
+
+    def spawn_daemon(self, policy: str | None) -> None:
+        self.stop_daemon()
+        tag = policy or "default"
+        config = self.raw / f"daemon-{tag}.toml"
+        config.write_text(self.daemon_config_text(policy))
+        self.daemon = spawn([self.python, "-m", "controlplane", "serve", "--config", str(config)],
+                            self.raw / f"daemon-{tag}.log")
+        self.gateway = start_gateway(self.addresses["client"], self.gateway_port,
+                                     self.raw / f"gateway-{tag}.log", ("--model", self.served_model))
+        self.daemon_policy = policy
+
+    def wait_daemon(self) -> None:
+        asyncio.run(self._wait_ranks(90.0))
+        deadline = time.monotonic() + 30
+        while http_json(f"http://127.0.0.1:{self.gateway_port}/health", timeout=5)[0] != 200:
+            if time.monotonic() > deadline or self.gateway.poll() is not None:
+                raise RuntimeError(f"the gateway did not become healthy; see {self.raw}")
+            time.sleep(0.5)
+
+    def _daemon_router(self, policy: str | None) -> Router:
+        assert self.daemon is not None and self.gateway is not None
+        return Router("cp-pab" if policy == "pab" else "cp-default", f"http://127.0.0.1:{self.gateway_port}",
+                      self.served_model, (self.daemon.pid, self.gateway.pid),
+                      f"fairbatching-controlplane serve --config daemon.toml  # policy = "
+                      f"{policy or 'default (pab_least_loaded)'}; + gateway --listen 127.0.0.1:PORT")
+
+    async def _wait_ranks(self, timeout: float) -> None:
+        from controlplane.client import AsyncClient
+
+        deadline = time.monotonic() + timeout
+        async with AsyncClient(self.addresses["client"], connect_timeout_s=2.0) as client:
+            while True:
+                try:
+                    status = await client.status(timeout_s=2.0)
+                    fresh = [r for r in status.ranks if not r.stale and r.reported_pab_tokens is not None]
+                    if len(fresh) >= 2:
+                        return
+                except Exception:  # noqa: BLE001 - the daemon is still starting
+                    pass
+                if time.monotonic() > deadline or (self.daemon and self.daemon.poll() is not None):
+                    raise RuntimeError(f"the servers did not join the daemon; see {self.raw}")
+                await asyncio.sleep(0.5)
+
+    def stop_daemon(self) -> None:
+        stop_group(self.gateway)
+        stop_group(self.daemon)
+        self.gateway = self.daemon = None
+
+    # ---- smg
+    def start_smg(self, name: str, policy: str, limits: dict | None, tag: str) -> Router:
+        self.stop_smg()
+        port, metrics_port = free_ports(2)
+        command = [self.smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+                   "--worker-urls", *self.server_urls, "--policy", policy,
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+                   "--log-level", "warn"]
+        if policy == "cache_aware":
+            command += list(self.smg_ca_extra)
+        if limits is not None:
+            command += ["--max-concurrent-requests", str(limits["max_concurrent"]),
+                        "--queue-size", str(limits["queue_size"]),
+                        "--queue-timeout-secs", str(limits["queue_timeout_s"])]
+        self.smg_process = spawn(command, self.raw / f"smg-{tag}.log")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            status, _ = http_json(f"{url}/v1/completions", {"model": self.served_model, "prompt": "the",
+                                                           "max_tokens": 1}, timeout=10)
+            if status == 200:
+                break
+            if time.monotonic() > deadline or self.smg_process.poll() is not None:
+                raise RuntimeError(f"smg did not start; see {self.raw}/smg-{tag}.log")
+            time.sleep(0.5)
+        shown = [os.path.basename(command[0]), *command[1:]]
+        shown[shown.index("--port") + 1] = "PORT"
+        shown[shown.index("--prometheus-port") + 1] = "PORT2"
+        i = shown.index("--worker-urls")
+        shown[i + 1:i + 3] = ["http://127.0.0.1:A", "http://127.0.0.1:B"]
+        return Router(name, url, self.served_model, (self.smg_process.pid,), shlex.join(shown), limits)
+
+    def stop_smg(self) -> None:
+        stop_group(self.smg_process, timeout=10)
+        self.smg_process = None
+
+    def restart(self) -> None:
+        policy = None if self.daemon_policy == "unset" else self.daemon_policy
+        self.stop_smg()
+        self.stop_daemon()
+        for server in self.servers:
+            server.stop()
+        self.servers = []
+        self.restarts += 1
+        for i, path in enumerate(self.step_logs):
+            self.step_logs[i] = path.with_name(f"{path.stem.split('.')[0]}.{self.restarts}.jsonl")
+        self.tails = [StepLogTail(p) for p in self.step_logs]
+        self.spawn_daemon(policy)
+        self.start_servers(suffix=f".{self.restarts}")
+        self.wait_daemon()
+
+    def close(self) -> None:
+        self.stop_smg()
+        self.stop_daemon()
+        for server in self.servers:
+            server.stop()
+        self.servers = []
