@@ -2,7 +2,7 @@
 profile fitted to it (:func:`~sglang_ext.sim.fitting.profile_fit.fit_profile`) and a step-model file
 fitted to it (:func:`~sglang_ext.policy.step_model.fit_step_model`).
 
-The grid's JSON sidecar (``<grid>.json``, written by ``scripts/profile_gpu.py``) names the
+The grid's JSON sidecar (``<grid>.json``, written by ``benchmarks/gpu/step_profiler.py``) names the
 model it ran (``config``: layers, hidden, heads, kv_heads, head_dim, inter, vocab, tied).  A
 base profile supplies what a grid cannot know: the GPU's peak rates and memory, and the noise,
 stall and memory fields.  When the grid's model is the base's, the base's model is kept with

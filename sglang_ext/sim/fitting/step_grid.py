@@ -1,5 +1,5 @@
 """Measured step-time grids: the CSV format of ``../shared/data/gpu/`` (one forward step per
-row, written by ``scripts/profile_gpu.py``), read strictly.
+row, written by ``benchmarks/gpu/step_profiler.py``), read strictly.
 
 Columns (any order; extra columns are ignored): ``kind`` (decode / prefill / mixed /
 random), ``n_prefill`` (prefill chunks), ``prefill_tokens`` (their new tokens),

@@ -1,4 +1,4 @@
-"""scripts/profile_gpu.py on the CPU with the built-in tiny model: the grid it writes reads
+""":mod:`benchmarks.gpu.step_profiler` on the CPU with the built-in tiny model: the grid it writes reads
 back with :func:`read_grid`, a stop (``--max-seconds``, SIGTERM) leaves a valid grid and says
 so, out-of-memory shapes are skipped, user mistakes get one-line errors; and the varlen
 packing agrees with per-sequence SDPA (checked against a reference ``varlen_attn``)."""
@@ -8,16 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import profile_gpu as pg  # noqa: E402
-
+import benchmarks.gpu.step_profiler as pg  # noqa: E402
 from sglang_ext.sim.fitting.step_grid import GRID_KINDS, read_grid  # noqa: E402
 
 SMALL = ["--model", "tiny", "--device", "cpu", "--max-tokens", "64", "--max-context", "256",

@@ -1,8 +1,8 @@
 """One forward step of a dense decoder, timed over a grid of batch shapes: the step-time
 grids of ``../shared/data/gpu/`` (read by :mod:`sglang_ext.sim.fitting.step_grid`)::
 
-    python scripts/profile_gpu.py --config PATH/config.json --out grid.csv
-    python scripts/profile_gpu.py --model tiny --device cpu --out /tmp/tiny.csv
+    python -m benchmarks.gpu.step_profiler --config PATH/config.json --out grid.csv
+    python -m benchmarks.gpu.step_profiler --model tiny --device cpu --out /tmp/tiny.csv
 
 The model takes its shapes from a Hugging Face ``config.json`` (dense decoders only; every
 model runs Llama's block) and random weights. Per layer: RMSNorm, fused QKV GEMM, RoPE, KV
@@ -41,9 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from sglang_ext.sim.fitting.step_grid import GRID_COLUMNS  # noqa: E402
+from sglang_ext.sim.fitting.step_grid import GRID_COLUMNS
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
             "num_experts_per_tok", "n_shared_experts")
@@ -840,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta = run(args, stop)
     except ProfileError as exc:
-        print(f"profile_gpu.py: error: {exc}", file=sys.stderr)
+        print(f"step_profiler: error: {exc}", file=sys.stderr)
         return 2
     finally:
         restore_signals()

@@ -1,6 +1,6 @@
 """Fit a simulator hardware profile to a measured step-time grid; write it and its report.
 
-    python scripts/fit_measured_profile.py --grid ../shared/data/gpu/llama3.1-8b-h100.csv \\
+    python -m benchmarks.gpu.fit_measured_profile --grid ../shared/data/gpu/llama3.1-8b-h100.csv \\
         --base llama3.1-8b-h100 --name llama3.1-8b-h100-measured \\
         --out-profile configs/profiles/llama3.1-8b-h100-measured.toml \\
         --out-doc docs/bench/measured_profile.md
@@ -19,17 +19,9 @@ import shlex
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from sglang_ext.policy.step_shape import StepShape  # noqa: E402
-from sglang_ext.sim.gpu import RooflineGpu  # noqa: E402
-from sglang_ext.sim.fitting.grid_fit import base_for_grid, read_grid_meta  # noqa: E402
-from sglang_ext.sim.profile import (  # noqa: E402
-    HardwareProfile,
-    bundled_profile_path,
-    load_profile,
-)
-from sglang_ext.sim.fitting.profile_fit import (  # noqa: E402
+from sglang_ext.policy.step_shape import StepShape
+from sglang_ext.sim.fitting.grid_fit import base_for_grid, read_grid_meta
+from sglang_ext.sim.fitting.profile_fit import (
     FIT_FIELDS,
     ProfileFit,
     Residuals,
@@ -38,7 +30,13 @@ from sglang_ext.sim.fitting.profile_fit import (  # noqa: E402
     residuals,
     step_errors,
 )
-from sglang_ext.sim.fitting.step_grid import GridRow, read_grid  # noqa: E402
+from sglang_ext.sim.fitting.step_grid import GridRow, read_grid
+from sglang_ext.sim.gpu import RooflineGpu
+from sglang_ext.sim.profile import (
+    HardwareProfile,
+    bundled_profile_path,
+    load_profile,
+)
 
 #: (label, shape): the reference steps the report compares.
 REFERENCE_STEPS = (
@@ -89,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-profile", required=True, type=Path, help="TOML to write")
     parser.add_argument("--out-doc", required=True, type=Path, help="markdown report to write")
     args = parser.parse_args(argv)
-    command = shlex.join(["python", "scripts/fit_measured_profile.py", *(argv or sys.argv[1:])])
+    command = shlex.join(["python", "-m", "benchmarks.gpu.fit_measured_profile",
+                          *(argv or sys.argv[1:])])
 
     rows = read_grid(args.grid)
     meta = read_grid_meta(args.grid)
