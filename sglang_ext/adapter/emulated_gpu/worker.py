@@ -22,7 +22,7 @@ from sglang.srt.runtime_context import get_parallel, get_schedule, get_spec
 from sglang_ext.adapter.batch_shape import batch_shape
 
 from .device import EmulatedDevice
-from .runner import EmulatedModelRunner
+from .model_runner import EmulatedModelRunner
 from .settings import ENV_LOG, ENV_PROFILE, EmulatedGpuConfigError, EmulationSettings
 from .timeline import DeviceDeadline, StepLog, sleep_until
 from .tokens import TokenPicker
