@@ -1,18 +1,13 @@
-"""Routing on Prefill Admission Budgets across SGLang's data-parallel ranks.
+"""The rank choice of SGLang's ``pab`` load-balance method across data-parallel ranks. Pure.
 
-The ledger lives in :mod:`controlplane.ledger` (shared with the control-plane daemon);
-this module re-exports it under the names SGLang's ``pab`` load-balance method uses and
-keeps that method's rank choice, which, unlike the daemon's ``pab`` balancer, always
-picks a rank (SGLang's controller has no admission queue).
+Unlike the daemon's ``pab`` balancer it always picks a rank (SGLang's controller has no
+admission queue). The ledger of budgets and debits it chooses from is
+:mod:`controlplane.ledger`, shared with the control-plane daemon.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-from controlplane.ledger import DispatchLedger, PabLedger, RankBudget
-
-__all__ = ["DispatchLedger", "PabLedger", "RankBudget", "choose_rank"]
 
 
 def choose_rank(budgets: Mapping[int, float], prompt_tokens: int) -> int:

@@ -44,8 +44,9 @@ import time
 from typing import Any
 
 from controlplane.balancer import routing_class
+from controlplane.ledger import PabLedger, RankBudget
 from sglang_ext.adapter.custom_params import custom_param, set_custom_param
-from sglang_ext.adapter.dp_balance import PabLedger, RankBudget, choose_rank
+from sglang_ext.adapter.dp_balance import choose_rank
 from sglang_ext.policy.slo import SloCatalog, SloError, slo_spec_of
 
 logger = logging.getLogger(__name__)

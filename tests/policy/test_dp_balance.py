@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_ext.adapter.dp_balance import PabLedger, RankBudget, choose_rank
+from controlplane.ledger import PabLedger, RankBudget
+from sglang_ext.adapter.dp_balance import choose_rank
 
 REPO = Path(__file__).resolve().parents[2]
 
