@@ -38,6 +38,11 @@ from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
 
 
+class PolicySettingError(ValueError):
+    """A policy's setting is outside what the policy accepts (a user's mistake: the CLIs
+    report it as a usage error)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyContext:
     global_slo: Slo  # the default SLO class; PAB's global SLO

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from sglang_ext.policy.admission import AdmissionError
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
-from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
+from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext, PolicySettingError
 from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.policy.step_model import StepModelFile
 from sglang_ext.policy.variants import FairBatchingWithMargin  # also registers the variants
@@ -65,7 +65,7 @@ def build_policy(scenario: Scenario, spec: PolicySpec, **context_overrides) -> B
     )
     try:
         return POLICIES.get(spec.base)(context)
-    except AdmissionError as exc:
+    except (AdmissionError, PolicySettingError) as exc:
         raise PolicySpecError(f"{spec.label}: {exc}") from None
 
 

@@ -10,16 +10,29 @@ import pytest
 from sim_helpers import drive_search, llama, make_policy, synthetic_requests
 
 from sglang_ext.policy.output_length import OutputEstimate
+from sglang_ext.policy.policies import PolicySettingError
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
 from sglang_ext.policy.view import RequestView
-from sglang_ext.sim.engine import SimEngine
-from sglang_ext.sim.runner import PolicySpecError, parse_policy
 from sglang_ext.sim.competitors.slo_anneal import (
-    DELAY, SQUEEZE, SWAP, AnnealSettings, Objective, Planner, PlanRequest, Running,
-    acceptance_probability, anneal, change_bp, draw_output, full_batches, propose,
+    DELAY,
+    SQUEEZE,
+    SWAP,
+    AnnealSettings,
+    Objective,
+    Planner,
+    PlanRequest,
+    Running,
+    acceptance_probability,
+    anneal,
+    change_bp,
+    draw_output,
+    full_batches,
+    propose,
 )
+from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.fitting.tuning import tune
+from sglang_ext.sim.runner import PolicySpecError, parse_policy
 
 CHAT = Slo.from_ms(2000, 50)
 CODE = Slo.end_to_end_ms(14000)
@@ -312,7 +325,7 @@ def test_same_seed_same_decisions():
 ])
 def test_bad_settings_are_refused(spec, message):
     parsed = parse_policy(spec)
-    with pytest.raises(PolicySpecError, match=message):
+    with pytest.raises(PolicySettingError, match=message):
         make_policy("slo-anneal", llama(), token_budget=parsed.token_budget,
                     settings=parsed.settings)
 

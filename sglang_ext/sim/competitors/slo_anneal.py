@@ -125,7 +125,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from sglang_ext.policy.output_length import PRIOR, OutputEstimate
-from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
+from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext, PolicySettingError
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepPredictor
 from sglang_ext.policy.view import BatchDecision, RequestState
@@ -146,13 +146,6 @@ MOVES = (SQUEEZE, DELAY, SWAP)
 Plan = list[list[int]]  # batches of indices into the planner's requests
 
 
-def _settings_error(message: str) -> ValueError:
-    # the spec parser's error type, so the CLI reports a bad setting as a usage error
-    from sglang_ext.sim.policy_spec import PolicySpecError
-
-    return PolicySpecError(message)
-
-
 @dataclass(frozen=True, slots=True)
 class AnnealSettings:
     batch: int = 8  # the paper's maximum batch size
@@ -167,18 +160,19 @@ class AnnealSettings:
         for name in INTEGER_SETTINGS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _settings_error(f"slo-anneal setting {name} must be an integer >= 1, "
+                raise PolicySettingError(f"slo-anneal setting {name} must be an integer >= 1, "
                                       f"got {value!r}")
         for name in ("temp", "stop_temp"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
-                raise _settings_error(f"slo-anneal setting {name} must be a finite number > 0, "
+                raise PolicySettingError(f"slo-anneal setting {name} must be a finite number > 0, "
                                       f"got {value!r}")
         if not self.stop_temp < self.temp:
-            raise _settings_error(f"slo-anneal setting stop_temp ({self.stop_temp:g}) must be "
+            raise PolicySettingError(f"slo-anneal setting stop_temp ({self.stop_temp:g}) must be "
                                   f"below temp ({self.temp:g})")
         if not 0.0 < self.decay < 1.0:
-            raise _settings_error(f"slo-anneal setting decay must be in (0, 1), got {self.decay!r}")
+            raise PolicySettingError(
+                f"slo-anneal setting decay must be in (0, 1), got {self.decay!r}")
 
     @classmethod
     def from_values(cls, values: dict[str, float]) -> AnnealSettings:
@@ -188,7 +182,7 @@ class AnnealSettings:
         for name, value in values.items():
             if name in INTEGER_SETTINGS:
                 if not (math.isfinite(value) and value == int(value)):
-                    raise _settings_error(f"slo-anneal setting {name} must be a whole number, "
+                    raise PolicySettingError(f"slo-anneal setting {name} must be a whole number, "
                                           f"got {value!r}")
                 value = int(value)
             fields[name] = value
