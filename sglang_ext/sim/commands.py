@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out and online error of each step-time predictor on a measured grid CSV",
     )
     check.add_argument("--grid", type=Path, required=True,
-                       help="a measured grid (the CSV format of scripts/profile_gpu.py)")
+                       help="a measured grid (the CSV format of python -m benchmarks.gpu.step_profiler)")
     check.add_argument("--seed", type=int, default=0, help="the 2/3 split and the serving order")
     check.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                        help="online steps before the error counts")
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit = commands.add_parser(
         "fit-grid",
         help="fit a simulator profile and a step-model file to a measured grid CSV",
-        description="Turn a measured step-time grid (scripts/profile_gpu.py) into a hardware "
+        description="Turn a measured step-time grid (python -m benchmarks.gpu.step_profiler) into a hardware "
         "profile for the simulator (the base's roofline with its efficiencies and overheads "
         "fitted) and a step-model file for the scheduler (`step_model` in "
         "configs/fairbatching.toml, or the simulator's --step-model), both fitted to "
