@@ -1,5 +1,12 @@
 """PNG figures of a sweep: effective RPS vs offered load; TTFT and TPOT CDFs at one load
-(and the end-to-end latency CDF when an SLO class is end-to-end)."""
+(and the end-to-end latency CDF when an SLO class is end-to-end).
+
+Every policy keeps one colour in both figures, none shared (:data:`PALETTE`, in the order
+the policies are named); the FairBatching family is drawn solid and everything else
+(the baselines, the other seed systems) dashed; a policy with admission control (its own
+``+MODE``, a ``-pab`` name, vLLM's queued-token cap, SGLang's waiting timeout) carries
+markers. The legend sits outside the data, to the right.
+"""
 
 from __future__ import annotations
 
@@ -14,23 +21,55 @@ import numpy as np
 
 from sglang_ext.sim.metrics import LatencySamples
 from sglang_ext.sim.sweep import display_label as _label
+from sglang_ext.sim.sweep import policy_kind
+
+#: one colour per policy: tab10, then dark and saturated ones unlike it (no light tints,
+#: which vanish on white), then tab20's tints; past them a colour repeats
+PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf", "#000000", "#f032e6", "#0000cd", "#b8860b", "#800000", "#469990",
+    "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d",
+)
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">")
+LEGEND_TITLE = "solid: FairBatching\ndashed: the others\nmarkers: admission control"
 
 
-def plot_effective_rps(document: Mapping, names: Sequence[str], path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def policy_styles(names: Sequence[str]) -> dict[str, dict]:
+    """Line keyword arguments per policy: its own colour, solid for the FairBatching family
+    and dashed otherwise, a marker when it has admission control."""
+    styles = {}
+    markers = iter(MARKERS * len(names))
+    for index, name in enumerate(dict.fromkeys(names)):
+        fairbatching, admission = policy_kind(name)
+        style = {"color": PALETTE[index % len(PALETTE)], "linestyle": "-" if fairbatching else "--",
+                 "linewidth": 1.8 if fairbatching else 1.5}
+        if admission:
+            style.update(marker=next(markers), markersize=5)
+        styles[name] = style
+    return styles
+
+
+def effective_rps_figure(document: Mapping, names: Sequence[str]) -> plt.Figure:
+    fig, ax = plt.subplots(figsize=(10, 5), layout="constrained")
+    styles = policy_styles(names)
     for name in names:
         entry = document["policies"][name]
         rates = [load["rate"] for load in entry["loads"]]
         effective = [load["effective_rps"] for load in entry["loads"]]
-        ax.plot(rates, effective, marker="o", label=_label(name, entry))
+        ax.plot(rates, effective, label=_label(name, entry), **styles[name])
     top = max(document["rates"])
     ax.plot([0, top], [0, top], color="grey", linestyle=":", linewidth=1, label="ideal")
     ax.set_title(f"{document['scenario']['profile']} — SLO {slo_text(document)}")
     ax.set_xlabel("offered load (req/s)")
     ax.set_ylabel("effective RPS (offered × attainment)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8,
+              title=LEGEND_TITLE, title_fontsize=7, alignment="left")
+    return fig
+
+
+def plot_effective_rps(document: Mapping, names: Sequence[str], path: Path) -> Path:
+    fig = effective_rps_figure(document, names)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -68,14 +107,16 @@ def _targets(classes: Mapping[str, Mapping], key: str) -> list[float]:
     return sorted({t[key] for t in kind})
 
 
-def plot_latency_cdfs(
-    document: Mapping, samples: Mapping[str, LatencySamples], names: Sequence[str], path: Path
-) -> Path:
+def latency_cdf_figure(
+    document: Mapping, samples: Mapping[str, LatencySamples], names: Sequence[str]
+) -> plt.Figure:
     classes = run_classes(document)
     panels = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "max TPOT per request (ms)")]
     if _targets(classes, "e2e_ms"):
         panels.append(("e2e_ms", "end-to-end latency (ms)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 3, 4.5),
+                             layout="constrained")
+    styles = policy_styles(names)
     for name in names:
         if name not in samples:
             continue
@@ -84,7 +125,8 @@ def plot_latency_cdfs(
             values = getattr(samples[name], key)
             if values:
                 ordered = np.sort(np.asarray(values))
-                ax.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=label)
+                ax.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=label,
+                        markevery=0.1, **styles[name])
     for ax, (key, title) in zip(axes, panels):
         for target in _targets(classes, key):
             ax.axvline(target, color="grey", linestyle=":", linewidth=1)
@@ -92,9 +134,17 @@ def plot_latency_cdfs(
         ax.set_xlabel(title)
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8, title=LEGEND_TITLE,
+               title_fontsize=7, alignment="left")
     fig.suptitle(f"latency CDFs at {document['cdf_rate']:g} req/s")
-    fig.tight_layout()
+    return fig
+
+
+def plot_latency_cdfs(
+    document: Mapping, samples: Mapping[str, LatencySamples], names: Sequence[str], path: Path
+) -> Path:
+    fig = latency_cdf_figure(document, samples, names)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

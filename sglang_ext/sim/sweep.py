@@ -5,7 +5,11 @@ A policy with tunables named without them (``sarathi``, ``fb-fb``,
 ``dynamic-batch`` and ``prefill-first``) is tuned to an interior best by
 ``sglang_ext.sim.fitting.tuning``: every setting it tries is reported as its own
 ``NAME@...`` entry, and ``NAME`` holds the best one (``best_of`` says which,
-``tuning`` lists every setting tried and any axis whose best is at a bound).
+``tuning`` lists every setting tried and any axis whose best is at a bound). A plan may
+instead run a family at a setting tuned before (a *preset*, from a tuned-settings file:
+``sglang_ext.sim.tuned``): ``NAME`` then holds that setting's runs, ``best_of`` names it and
+``tuning`` says where it came from (``from``, ``shipped``, ``tuned_by``, ``tuned_on``,
+``edge_axes``) instead of listing settings tried.
 
 Schema version 2 added, for end-to-end SLOs (``sglang_ext.policy.slo``): each load's
 ``e2e_ms`` percentiles and ``by_slo_class`` (per SLO class: kind, requests, attainment,
@@ -20,16 +24,19 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog
 from sglang_ext.sim.fitting.tuning import Search, TuningResult, tune
 from sglang_ext.sim.metrics import LatencySamples
 from sglang_ext.sim.runner import (
     PolicySpec,
+    PolicySpecError,
     RunResult,
     Scenario,
     build_policy,
@@ -47,28 +54,65 @@ DEFAULT_POLICIES = (
 BASELINES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
 )
+#: the baselines whose rule is an admission control (vLLM's queued-token cap, SGLang's
+#: waiting timeout: sglang_ext.sim.competitors.baselines)
+ADMISSION_BASELINES = ("sarathi-queue-cap", "sarathi-queue-timeout")
+
+
+def policy_kind(name: str) -> tuple[bool, bool]:
+    """(of the FairBatching family, with admission control) for a policy name: its own
+    ``+MODE``, a name that implies one (``fb-pab``), or an admission-control baseline."""
+    try:
+        spec = parse_policy(name)
+        factory = POLICIES.get(spec.base)
+    except (PolicySpecError, KeyError):
+        return False, False
+    fairbatching = bool(getattr(factory, "takes_admission", False))
+    admission = (spec.admission is not None or spec.base in ADMISSION_BASELINES
+                 or getattr(factory, "implied_admission", None) is not None)
+    return fairbatching, admission
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A tunable family run at a setting tuned before, not searched."""
+
+    name: str  # the family, e.g. sarathi
+    label: str  # its setting, e.g. sarathi@1024
+    tuning: dict  # its results.json ``tuning``: where the setting comes from
 
 
 @dataclass(frozen=True)
 class SweepPlan:
     requested: tuple[str, ...]  # names as passed to --policy
-    runs: tuple[PolicySpec, ...]  # concrete policies run as given
+    runs: tuple[PolicySpec, ...]  # concrete policies run as given (and presets' settings)
     tuned: tuple[str, ...] = ()  # families tuned by sglang_ext.sim.fitting.tuning
     budgets: tuple[int, ...] | None = None  # explicit --budgets: searched exactly
+    presets: tuple[Preset, ...] = ()  # families run at a setting tuned before
 
 
-def plan_sweep(names: Sequence[str], budgets: Sequence[int] | None = None) -> SweepPlan:
+def plan_sweep(
+    names: Sequence[str], budgets: Sequence[int] | None = None,
+    presets: Sequence[Preset] = (),
+) -> SweepPlan:
+    """Concrete policies run as given; a family named bare runs at its preset when there is
+    one, else it is tuned."""
+    by_name = {preset.name: preset for preset in presets}
     runs: list[PolicySpec] = []
     tuned: list[str] = []
+    used: list[Preset] = []
     for name in dict.fromkeys(names):
         spec = parse_policy(name)
-        if spec.is_tunable:
+        if spec.is_tunable and name in by_name:
+            used.append(by_name[name])
+            runs.append(parse_policy(by_name[name].label))
+        elif spec.is_tunable:
             tuned.append(name)
         else:
             runs.append(spec)
     return SweepPlan(
         tuple(dict.fromkeys(names)), tuple(dict.fromkeys(runs)), tuple(tuned),
-        tuple(budgets) if budgets else None,
+        tuple(budgets) if budgets else None, tuple(used),
     )
 
 
@@ -189,6 +233,11 @@ def assemble(
         )
         if best in samples:
             samples[name] = samples[best]
+    for preset in plan.presets:
+        policies[preset.name] = dict(policies[preset.label], best_of=preset.label,
+                                     tuning=dict(preset.tuning))
+        if preset.label in samples:
+            samples[preset.name] = samples[preset.label]
     document = {
         "schema_version": SCHEMA_VERSION,
         "scenario": {
@@ -235,12 +284,17 @@ def _jsonable(value: object) -> object:
 
 
 def display_label(name: str, entry: dict) -> str:
-    """``sarathi (1024)``: a tuned family with its best setting; ``[edge: budget]`` when
-    that best is at a bound of the searched range."""
+    """``sarathi (1024)``: a tuned family with its best setting; ``sarathi (1024, shipped)``
+    when that setting comes from the shipped tuned-settings file (``from file``: another
+    file) rather than this sweep's search; ``[edge: budget]`` when that best is at a bound
+    of the searched range."""
     if "best_of" not in entry:
         return name
-    text = f"{name} ({entry['best_of'].split('@', 1)[1]})"
-    edge = entry.get("tuning", {}).get("edge_axes")
+    tuning = entry.get("tuning", {})
+    origin = "" if "from" not in tuning else (", shipped" if tuning.get("shipped") else
+                                             ", from file")
+    text = f"{name} ({entry['best_of'].split('@', 1)[1]}{origin})"
+    edge = tuning.get("edge_axes")
     return f"{text} [edge: {', '.join(edge)}]" if edge else text
 
 
@@ -319,6 +373,66 @@ def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
             f"{cdf_rate:g} req/s ({_kinds_text(at_cdf.values(), classes)})."
         )
     return "\n".join(lines)
+
+
+def headline_table(document: dict, names: Sequence[str] | None = None) -> str:
+    """The headline on one screen: each policy's peak effective RPS and the load it is
+    reached at; for a policy without admission control, that peak against the best peak of
+    the baselines without one (a peak at the highest load is a lower bound and gets no
+    ratio); for every policy, its effective RPS at the highest load against the best
+    baseline's there (where admission controls are compared: they plateau rather than
+    collapse, so their peaks sit at or near the highest load)."""
+    policies = document["policies"]
+    names = list(names or document["requested"])
+    top = max(document["rates"])
+    at_top = {name: next((load["effective_rps"] for load in policies[name]["loads"]
+                          if load["rate"] == top), None) for name in policies}
+    baselines = [name for name in BASELINES if name in policies]
+    interior = [name for name in baselines if not policies[name].get("peak_at_highest_load")
+                and not policy_kind(name)[1]]
+    peak_base = max(interior, key=lambda n: policies[n]["peak_effective_rps"], default=None)
+    top_base = max((n for n in baselines if at_top[n] is not None),
+                   key=lambda n: at_top[n], default=None)
+    width = max(24, *(len(display_label(n, policies[n])) + 2 for n in names))
+    header = (f"{'policy':<{width}}{'peak eff RPS':>13}{'@ req/s':>9}{'vs peak*':>10}"
+              f"{f'eff @ {top:g}':>11}{f'vs @{top:g}**':>11}")
+    lines = [header, "-" * len(header)]
+    for name in names:
+        entry = policies[name]
+        if policy_kind(name)[1]:
+            versus_peak = "-"
+        elif peak_base is None or entry.get("peak_at_highest_load"):
+            versus_peak = "n/a" if peak_base is None else "n/a (>=)"
+        else:
+            versus_peak = _ratio(entry["peak_effective_rps"], policies[peak_base]["peak_effective_rps"])
+        value = at_top[name]
+        versus_top = ("-" if value is None or top_base is None
+                      else _ratio(value, at_top[top_base]))
+        lines.append(
+            f"{display_label(name, entry):<{width}}{peak_text(entry):>13}{entry['peak_rate']:>9g}"
+            f"{versus_peak:>10}{'-' if value is None else f'{value:.2f}':>11}{versus_top:>11}"
+        )
+    notes = []
+    if peak_base:
+        notes.append(
+            f"*  peak / the peak of {display_label(peak_base, policies[peak_base])}, "
+            f"{policies[peak_base]['peak_effective_rps']:.2f} at {policies[peak_base]['peak_rate']:g} "
+            "req/s: the best peak of the baselines without admission control, for the "
+            "policies without one. >= : a peak at the highest load, a lower bound, no ratio. "
+            "-: admission control (compared at the highest load)."
+        )
+    if top_base:
+        notes.append(
+            f"** effective RPS at {top:g} req/s / that of {display_label(top_base, policies[top_base])}, "
+            f"{at_top[top_base]:.2f}: the best baseline there."
+        )
+    for note in notes:
+        lines += textwrap.wrap(note, 100, subsequent_indent="   ")
+    return "\n".join(lines)
+
+
+def _ratio(value: float, base: float) -> str:
+    return "n/a" if base <= 0 else f"{value / base:.2f}x"
 
 
 def _classes_at(loads: Iterable[dict | None]) -> list[str]:
