@@ -45,8 +45,11 @@ def toml_value(value) -> str:
     return repr(value)
 
 
-@dataclass(frozen=True)
+@dataclass
 class ProcessDaemon:
+    """A daemon process and its files. Not frozen: a test that restarts the daemon on the
+    same address swaps in the new process (and log) so the fixture stops that one."""
+
     config: DaemonConfig
     config_path: Path
     process: subprocess.Popen
