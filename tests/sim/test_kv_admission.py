@@ -8,7 +8,6 @@ from sim_helpers import SLO, llama, make_policy, small_kv_profile, synthetic_req
 
 from sglang_ext.policy.admission import AdmissionMode, AdmissionSettings
 from sglang_ext.sim.engine import SimEngine
-from sglang_ext.sim.metrics import summarize
 
 
 def _engine(profile, mode: AdmissionMode = AdmissionMode.REJECT) -> SimEngine:

@@ -11,7 +11,7 @@ from sim_helpers import SLO, context_for, llama, make_policy, drive_search as dr
 from sglang_ext.policy.view import RequestView
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.runner import PolicySpecError, parse_policy
-from sglang_ext.sim.fitting.tuning import REFINE_STEP, Axis, best_value, budget_axis, tune
+from sglang_ext.sim.fitting.tuning import REFINE_STEP, Axis, best_value, tune
 
 
 def peaked(best: float, width: float = 1.0):
