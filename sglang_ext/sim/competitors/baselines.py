@@ -106,8 +106,9 @@ class Sarathi(BatchPolicy):
     """Sarathi-Serve stall-free batching: decode-first under a token budget.
 
     Every decode runs every step (stall-free), then partial prefills continue, then
-    waiting requests are admitted FCFS, chunked to the tokens the decodes left.
-    The budget is the tuned hyper-parameter: swept as ``sarathi@BUDGET``.
+    waiting requests are admitted FCFS, chunked to the tokens the decodes left (that
+    order is :meth:`prefill_order`, which ``sarathi-sjf`` and ``sarathi-priority``
+    override). The budget is the tuned hyper-parameter: swept as ``sarathi@BUDGET``.
 
     Decodes run past the budget: with more decodes than budget tokens every decode still
     runs and no prefill does. That is Sarathi-Serve's stall-free rule (a decode is never
@@ -124,12 +125,15 @@ class Sarathi(BatchPolicy):
         super().__init__(context)
         self.token_budget = context.token_budget or 512
 
+    @staticmethod
+    def prefill_order(request: RequestState) -> tuple:
+        """The sort key of the prompts in prefill (the one seam the ordered variants
+        override): partly prefilled first, then waiting requests FCFS."""
+        return (request.context == 0, request.arrival_seq)
+
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         decodes = tuple(r.req_id for r in requests if r.pending_prefill == 0)
-        prefills = sorted(
-            (r for r in requests if r.pending_prefill > 0),
-            key=lambda r: (r.context == 0, r.arrival_seq),
-        )
+        prefills = sorted((r for r in requests if r.pending_prefill > 0), key=self.prefill_order)
         chunks: list[tuple[Hashable, int]] = []
         fifo_prefills(prefills, self.token_budget - len(decodes), chunks)
         return BatchDecision(decodes, tuple(chunks))
@@ -207,3 +211,109 @@ class SarathiQueueTimeout(Sarathi):
         gone = set(expired)
         decision = super().form_batch([r for r in requests if r.req_id not in gone], now)
         return BatchDecision(decision.decode_ids, decision.prefill_chunks, abort_ids=expired)
+
+
+# ----------------------------------------------------------- ordered waiting queues
+# Length- and class-aware admission orders on the same Sarathi batch: each mixin only
+# overrides ``Sarathi.prefill_order``; the decodes, the budget, vLLM's queued-token cap
+# and SGLang's waiting timeout are those of the FCFS policies above, and so are their
+# settings, defaults and tuning axes (``sglang_ext.sim.fitting.tuning``).
+
+
+class ShortestFirst:
+    """Waiting prompts admitted shortest-first: by prompt tokens not yet computed (a
+    retracted request's recompute included), ties by arrival; a partly prefilled prompt
+    continues first (in arrival order), as SGLang's chunked request does.
+
+    Models a shortest-uncached-prefill-first waiting queue (an ``sjf`` ``--schedule-policy``,
+    in SGLang builds that have one; vLLM's ``--scheduling-policy priority`` with each
+    request's priority set to its prompt length). Simplified: no prefix cache, so the
+    uncached part is the whole prompt; no preemption of running requests for a shorter
+    arrival (memory retraction stays the engine's rule); no ageing, so a long prompt can
+    wait indefinitely under load.
+    """
+
+    @staticmethod
+    def prefill_order(request: RequestState) -> tuple:
+        waiting = request.context == 0
+        return (waiting, request.pending_prefill if waiting else 0, request.arrival_seq)
+
+
+class TightestClassFirst:
+    """Waiting prompts ordered by SLO class, tightest first: the smaller TTFT target, ties
+    by the smaller TPOT target (an end-to-end class by its envelope's first-token budget
+    and pace), then arrival; a partly prefilled prompt continues first (in arrival order).
+
+    Models SGLang's ``--enable-priority-scheduling`` and vLLM's ``--scheduling-policy
+    priority`` with the request's SLO class as its priority. Simplified: the priority is
+    derived from the SLO targets, not sent by the client; no preemption: SGLang (above
+    ``--priority-scheduling-preemption-threshold``) and vLLM (on a KV shortage, lowest
+    priority first) evict running requests of a looser class, ours never does (memory
+    retraction stays the engine's rule, whatever the class); no ageing.
+    """
+
+    @staticmethod
+    def prefill_order(request: RequestState) -> tuple:
+        if request.context > 0:
+            return (False, 0.0, 0.0, request.arrival_seq)
+        return (True, request.slo.ttft_s, request.slo.tpot_s, request.arrival_seq)
+
+
+@POLICIES.register("sarathi-sjf")
+class SarathiSjf(ShortestFirst, Sarathi):
+    """Sarathi with a shortest-first waiting queue (:class:`ShortestFirst`: shortest uncached
+    prefill first, vLLM's priority scheduling with priority = prompt length).
+    Everything else, and the simplifications, as ``sarathi``; swept as
+    ``sarathi-sjf@BUDGET``."""
+
+    name = "sarathi-sjf"
+
+
+@POLICIES.register("sarathi-sjf-queue-cap")
+class SarathiSjfQueueCap(ShortestFirst, SarathiQueueCap):
+    """``sarathi-sjf`` plus vLLM's queued-token cap (``--max-num-queued-tokens``), exactly
+    as ``sarathi-queue-cap``: same rule, default cap and tuning
+    (``sarathi-sjf-queue-cap@BUDGET,cap=TOKENS``). The cap counts prompt tokens whatever
+    the order, so it refuses the same arrivals; only who is served first differs."""
+
+    name = "sarathi-sjf-queue-cap"
+
+
+@POLICIES.register("sarathi-sjf-queue-timeout")
+class SarathiSjfQueueTimeout(ShortestFirst, SarathiQueueTimeout):
+    """``sarathi-sjf`` plus SGLang's waiting-queue timeout (``SGLANG_REQ_WAITING_TIMEOUT``),
+    exactly as ``sarathi-queue-timeout``: same rule, default and tuning
+    (``sarathi-sjf-queue-timeout@BUDGET,timeout=SECONDS``). Under load the long prompts
+    the order leaves behind are the ones that time out."""
+
+    name = "sarathi-sjf-queue-timeout"
+
+
+@POLICIES.register("sarathi-priority")
+class SarathiPriority(TightestClassFirst, Sarathi):
+    """Sarathi with waiting prompts ordered by SLO class, tightest first
+    (:class:`TightestClassFirst`: SGLang's ``--enable-priority-scheduling``, vLLM's
+    priority scheduling, with the class as the priority; no preemption). Everything else,
+    and the simplifications, as ``sarathi``; with one SLO class it is ``sarathi``. Swept as
+    ``sarathi-priority@BUDGET``."""
+
+    name = "sarathi-priority"
+
+
+@POLICIES.register("sarathi-priority-queue-cap")
+class SarathiPriorityQueueCap(TightestClassFirst, SarathiQueueCap):
+    """``sarathi-priority`` plus vLLM's queued-token cap (``--max-num-queued-tokens``),
+    exactly as ``sarathi-queue-cap`` (one cap for every class, from the default class's
+    TTFT; ``sarathi-priority-queue-cap@BUDGET,cap=TOKENS``)."""
+
+    name = "sarathi-priority-queue-cap"
+
+
+@POLICIES.register("sarathi-priority-queue-timeout")
+class SarathiPriorityQueueTimeout(TightestClassFirst, SarathiQueueTimeout):
+    """``sarathi-priority`` plus SGLang's waiting-queue timeout
+    (``SGLANG_REQ_WAITING_TIMEOUT``), exactly as ``sarathi-queue-timeout`` (one timeout for
+    every class, default the default class's TTFT;
+    ``sarathi-priority-queue-timeout@BUDGET,timeout=SECONDS``)."""
+
+    name = "sarathi-priority-queue-timeout"

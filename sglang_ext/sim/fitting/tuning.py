@@ -19,7 +19,9 @@ refined. Axes: the token budget, 32 to 8192 (grid doubling); every other setting
 default at the start budget (the policy's ``default_setting``) x 1/4 .. 4, within
 x 1/16 .. 16, integer for token counts (``cap``, ``chunk``): vLLM's queued-token cap, TTFT x
 prefill throughput at the budget (vLLM's sizing advice; the throughput is the profile's
-offline step-model fit); SGLang's queue timeout, the TTFT; the batching study's policies
+offline step-model fit); SGLang's queue timeout, the TTFT (both alike on the shortest-first
+and class-priority orders, ``sarathi-sjf-queue-cap``, ``sarathi-priority-queue-timeout``, ...,
+which inherit them); the batching study's policies
 (``sglang_ext.sim.competitors.study_policies``): fixed-batch's ``timeout_ms``, dynamic-batch's ``low``,
 ``high`` and ``latency_ms``, prefill-first's ``chunk``; ``slo-anneal``'s ``batch`` (its
 maximum batch size, integer). A family with settings runs coordinate search: each tuned
