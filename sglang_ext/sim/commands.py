@@ -1,9 +1,10 @@
-"""``python -m sglang_ext.sim {run,sweep,cluster,calibrate}`` — see ``--help`` of each."""
+"""``python -m sglang_ext.sim {run,sweep,capacity,cluster,calibrate}`` — see ``--help`` of each."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -16,7 +17,7 @@ from sglang_ext.policy.admission import AdmissionSettings
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog, SloError
 from sglang_ext.policy.step_model import STEP_FORMS, StepModelError, StepModelFile
-from sglang_ext.sim import demo
+from sglang_ext.sim import capacity, demo
 from sglang_ext.sim.cluster import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_QUEUE_TTL_S,
@@ -36,6 +37,7 @@ from sglang_ext.sim.fitting.grid_fit import fit_grid, read_grid_meta
 from sglang_ext.sim.fitting.predictor_check import DEFAULT_WARMUP, as_json, check_predictors, render
 from sglang_ext.sim.fitting.profile_fit import fitted_profile_toml
 from sglang_ext.sim.fitting.step_grid import GridError, read_grid
+from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS, worst_group
 from sglang_ext.sim.profile import (
     PROFILES_DIR,
     HardwareProfile,
@@ -108,6 +110,13 @@ def _budget_list(text: str) -> tuple[int, ...]:
     if not budgets or budgets[0] < 1:
         raise argparse.ArgumentTypeError("token budgets must be integers >= 1")
     return budgets
+
+
+def _target(text: str) -> float:
+    value = positive_float(text)
+    if value > 1.0:
+        raise argparse.ArgumentTypeError(f"a share of requests in (0, 1], got {text!r}")
+    return value
 
 
 def _arrivals(text: str) -> str:
@@ -292,6 +301,42 @@ def build_parser() -> argparse.ArgumentParser:
     _add_admission(sweep)
     _add_disagg(sweep)
     _common(sweep)
+    cap = commands.add_parser(
+        "capacity",
+        help="bisect the offered load to each policy's capacity (overall, worst prompt "
+        "bucket, worst SLO class)",
+        description="Capacity, the paper's measure: the highest offered load at which at "
+        "least --target of requests meet their SLO, overall, in the worst prompt-length "
+        "bucket and in the worst SLO class (the lowest-attainment group of at least "
+        "--min-group-requests requests). Attainment need not fall monotonically with load "
+        "(noise), so capacity is the highest probed load meeting the target such that every "
+        "lower probed load meets it too; the lowest probed load that fails closes the "
+        "bracket. Per policy: doubling or halving from --start until bracketed, then "
+        "geometric bisection until the bracket is within --tolerance "
+        "(sglang_ext.sim.capacity). A tunable family named bare runs on its defaults.",
+    )
+    cap.add_argument("--policy", action="append", dest="policies", metavar="POLICY",
+                     required=True, help="repeatable: each policy is bisected on its own")
+    cap.add_argument("--target", action="append", dest="targets", type=_target,
+                     metavar="SHARE",
+                     help="share of requests meeting their SLO, in (0, 1]; repeatable "
+                     f"(default: {' and '.join(f'{t:g}' for t in capacity.TARGETS)})")
+    cap.add_argument("--start", type=positive_float,
+                     help="first load probed, req/s (default: the trace's own rate)")
+    cap.add_argument("--tolerance", type=positive_float, default=capacity.DEFAULT_TOLERANCE,
+                     help="stop when the lowest failing load is within this fraction above "
+                     "the capacity (default: %(default)g)")
+    cap.add_argument("--min-rate", type=positive_float,
+                     help="never probe below this load (default: --start / 64)")
+    cap.add_argument("--max-rate", type=positive_float,
+                     help="never probe above this load (default: --start x 64)")
+    cap.add_argument("--min-group-requests", type=positive_int, default=MIN_GROUP_REQUESTS,
+                     help="the fewest requests a prompt bucket or SLO class needs to be the "
+                     "worst one (default: %(default)d)")
+    cap.add_argument("--jobs", type=int, help="policies bisected at once (default: all cores)")
+    _add_admission(cap)
+    _add_disagg(cap)
+    _common(cap)
     cluster = commands.add_parser(
         "cluster",
         help="data-parallel ranks behind the control plane's balancer, one offered load",
@@ -505,7 +550,7 @@ def _disagg_entry(config: DisaggConfig) -> dict:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from sglang_ext.sim.plots import plot_effective_rps, plot_latency_cdfs
+    from sglang_ext.sim.plots import plot_effective_rps, plot_fairness, plot_latency_cdfs
 
     names = _with_admission(args.policies or DEFAULT_POLICIES, args.admission)
     plan = plan_sweep(names, args.budgets)
@@ -542,6 +587,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     path = write_results(document, out)
     plot_effective_rps(document, plan.requested, out / "effective_rps.png")
     plot_latency_cdfs(document, samples, plan.requested, out / "latency_cdf.png")
+    plot_fairness(document, plan.requested, out / "fairness.png")
     print(summary_table(document))
     if args.save_tuned:
         args.save_tuned.parent.mkdir(parents=True, exist_ok=True)
@@ -553,8 +599,83 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     print("\n" + demo.closing_summary(
         document, plan, mode, full_rates=DEFAULT_RATES, rates_given=args.rates is not None,
         results=path,
-        plots=(out / "effective_rps.png", out / "latency_cdf.png"),
+        plots=(out / "effective_rps.png", out / "latency_cdf.png", out / "fairness.png"),
     ))
+    return 0
+
+
+_capacity_scenario: Scenario | None = None
+
+
+def _capacity_init(scenario: Scenario) -> None:
+    global _capacity_scenario
+    _capacity_scenario = scenario  # a worker's (forked: a scenario does not pickle)
+
+
+def _capacity_job(job: tuple) -> tuple[str, capacity.CapacitySearch, float]:
+    """One policy's bisection (a worker process's job): its label, search and wall time."""
+    spec, options, min_group = job
+    scenario = _capacity_scenario
+    assert scenario is not None
+    began = time.perf_counter()
+
+    def evaluate(rate: float) -> dict:
+        load = simulate(scenario, spec, rate).load
+        if min_group != MIN_GROUP_REQUESTS:
+            load["worst_prompt_bucket"] = worst_group(load["by_prompt_tokens"], min_group)
+            load["worst_slo_class"] = worst_group(load["by_slo_class"], min_group)
+        return load
+
+    search = capacity.bisect_capacity(evaluate, **options)
+    return spec.label, search, time.perf_counter() - began
+
+
+def _cmd_capacity(args: argparse.Namespace) -> int:
+    from concurrent.futures import ProcessPoolExecutor
+
+    labels = _with_admission(args.policies, args.admission)
+    specs = list({spec.label: spec for spec in map(parse_policy, labels)}.values())
+    scenario = _scenario(args, _disagg_config(args, specs))
+    for spec in specs:  # a policy that cannot be built fails before any simulation
+        build_policy(scenario, spec)
+    targets = tuple(sorted(set(args.targets or capacity.TARGETS)))
+    start = args.start or scenario.workload.mean_rate
+    options = {"targets": targets, "start": start, "tolerance": args.tolerance,
+               "min_rate": args.min_rate, "max_rate": args.max_rate}
+    if args.min_rate and args.max_rate and args.min_rate >= args.max_rate:
+        raise CliError("--min-rate must be below --max-rate")
+    jobs = [(spec, options, args.min_group_requests) for spec in specs]
+    workers = max(1, min(len(jobs), args.jobs or os.cpu_count() or 1))
+    began = time.perf_counter()
+    if workers == 1:
+        _capacity_init(scenario)
+        done = list(map(_capacity_job, jobs))
+    else:
+        with ProcessPoolExecutor(workers, initializer=_capacity_init,
+                                 initargs=(scenario,)) as pool:
+            done = list(pool.map(_capacity_job, jobs))
+    wall = time.perf_counter() - began
+    runs = [RunResult(label, load, None) for label, search, _ in done
+            for load in search.loads.values()]
+    plan = SweepPlan(tuple(spec.label for spec in specs), tuple(specs))
+    rates = sorted({run.load["rate"] for run in runs})
+    document, _ = assemble(scenario, plan, rates, start, runs)
+    for label, search, seconds in done:
+        document["policies"][label]["capacity"] = search.capacity
+        document["policies"][label]["capacity_search"] = {
+            "simulations": search.simulations, "wall_s": seconds,
+        }
+    document["capacity"] = {
+        "targets": list(targets), "measures": list(capacity.MEASURES), "start": start,
+        "tolerance": args.tolerance, "min_rate": args.min_rate or capacity.round_rate(start / 64),
+        "max_rate": args.max_rate or capacity.round_rate(start * 64),
+        "min_group_requests": args.min_group_requests,
+        "simulations": len(runs), "wall_s": wall, "jobs": workers,
+    }
+    print(capacity.bisection_table(document, plan.requested))
+    print(f"\n{len(runs)} simulations in {wall:.1f} s ({workers} at once)")
+    path = write_results(document, _out_dir(args))
+    print(f"\nwrote {path}")
     return 0
 
 
@@ -663,7 +784,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     handler = {
-        "run": _cmd_run, "sweep": _cmd_sweep, "cluster": _cmd_cluster,
+        "run": _cmd_run, "sweep": _cmd_sweep, "capacity": _cmd_capacity,
+        "cluster": _cmd_cluster,
         "calibrate": _cmd_calibrate, "predictor-check": _cmd_predictor_check,
         "fit-grid": _cmd_fit_grid,
     }[args.command]

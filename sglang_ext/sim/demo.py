@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_ext.sim.capacity import TARGETS, grid_capacity_table
+from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS
 from sglang_ext.sim.runner import Scenario
-from sglang_ext.sim.sweep import Preset, SweepPlan, headline_table
+from sglang_ext.sim.sweep import Preset, SweepPlan, display_label, headline_table
 from sglang_ext.sim.tuned import (
     SHIPPED,
     TunedSettings,
@@ -97,6 +99,21 @@ def start_note(mode: Mode, plan: SweepPlan) -> str | None:
     return None
 
 
+def capacity_lines(document: dict) -> list[str]:
+    """Capacity per policy from the grid (``sglang_ext.sim.capacity``), with its rule."""
+    targets = " and ".join(f"{t:.0%}" for t in TARGETS)
+    note = (
+        f"Capacity from the grid: the highest load where at least {targets} of requests "
+        "meet their SLO, every lower load of the grid meeting it too: overall / in the worst "
+        "prompt-length bucket / in the worst SLO class (the lowest-attainment group of at "
+        f"least {MIN_GROUP_REQUESTS} requests). A lower bound at the grid's resolution (the "
+        "next load fails: results.json `capacity`); >= : the highest load meets it; <: the "
+        "lowest fails. Finer: `python -m sglang_ext.sim capacity --policy P`."
+    )
+    return [grid_capacity_table(document, list(document["requested"]), label=display_label),
+            *textwrap.wrap(note, WIDTH)]
+
+
 def closing_summary(
     document: dict, plan: SweepPlan, mode: Mode, *, full_rates: Sequence[float],
     rates_given: bool, results: Path, plots: Sequence[Path],
@@ -124,6 +141,7 @@ def closing_summary(
     else:
         head += "."
     lines = [*textwrap.wrap(head, WIDTH), "", headline_table(document)]
+    lines += ["", *capacity_lines(document)]
     missing = [] if rates_given else sorted(set(full_rates) - set(rates))
     if mode.name == "quick":
         left_out = []

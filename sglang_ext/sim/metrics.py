@@ -18,6 +18,15 @@ Definitions (FairBatching §5.1):
   are measurements and include every request that qualifies, whatever its kind.
 - ``by_slo_class``: the same per SLO class (``RequestRecord.slo_class``; a record
   without one is grouped under ``UNCLASSED``).
+- ``worst_prompt_bucket`` / ``worst_slo_class``: the group (prompt-length bucket, SLO
+  class) with the lowest attainment among those with at least ``MIN_GROUP_REQUESTS``
+  requests (a smaller group is too noisy to decide it; ties go to the first in bucket
+  or name order); ``label`` and ``attainment`` are ``None`` when no group is that large.
+  ``sizes`` records every group's request count.
+- token goodput = prompt + output tokens of the requests that met their SLO, per second
+  of the run's duration (the ``duration_s`` given to ``summarize``, as for
+  ``output_tokens_per_s``: the simulator's is from time 0 to the last event or the last
+  arrival, whichever is later, the drain included while requests still run).
 """
 
 from __future__ import annotations
@@ -147,6 +156,8 @@ def summarize(records: Iterable[RequestRecord], offered_rate: float, duration_s:
     max_tbts = [r.max_tbt_s for r in finished if r.tokens_emitted >= 2]
     attainment = met / total
     output_tokens = sum(r.tokens_emitted for r in records)
+    by_prompt = attainment_by_prompt_tokens(records)
+    by_class = attainment_by_slo_class(records)
     return {
         "rate": offered_rate,
         "requests": total,
@@ -166,9 +177,39 @@ def summarize(records: Iterable[RequestRecord], offered_rate: float, duration_s:
         "mean_tpot_ms": percentiles_ms(mean_tpots),
         "max_tbt_ms": percentiles_ms(max_tbts),
         "e2e_ms": percentiles_ms([r.e2e_s for r in finished]),
-        "by_prompt_tokens": attainment_by_prompt_tokens(records),
-        "by_slo_class": attainment_by_slo_class(records),
+        "by_prompt_tokens": by_prompt,
+        "by_slo_class": by_class,
+        "worst_prompt_bucket": worst_group(by_prompt),
+        "worst_slo_class": worst_group(by_class),
+        "token_goodput": token_goodput(records, duration_s),
     }
+
+
+#: the fewest requests a prompt-length bucket or SLO class needs to be the worst one
+MIN_GROUP_REQUESTS = 20
+
+
+def worst_group(groups: dict[str, dict], min_requests: int = MIN_GROUP_REQUESTS) -> dict:
+    """The lowest-attainment group of ``by_prompt_tokens`` or ``by_slo_class`` among those
+    with at least ``min_requests`` requests (ties: the first in ``groups``' order):
+    ``{"label", "attainment", "requests", "min_requests", "sizes"}``; ``label`` and
+    ``attainment`` (and ``requests``) are ``None`` when no group has that many."""
+    eligible = [(name, group) for name, group in groups.items()
+                if group["requests"] >= min_requests]
+    worst = min(eligible, key=lambda item: item[1]["attainment"], default=None)
+    return {
+        "label": None if worst is None else worst[0],
+        "attainment": None if worst is None else worst[1]["attainment"],
+        "requests": None if worst is None else worst[1]["requests"],
+        "min_requests": min_requests,
+        "sizes": {name: group["requests"] for name, group in groups.items()},
+    }
+
+
+def token_goodput(records: Iterable[RequestRecord], duration_s: float) -> float:
+    """Prompt + output tokens per second of the requests that met their SLO."""
+    tokens = sum(r.prompt_tokens + r.output_tokens for r in records if r.slo_met)
+    return tokens / duration_s if duration_s > 0 else math.nan
 
 
 def _ttfts(served: Iterable[RequestRecord]) -> list[float]:

@@ -1,5 +1,6 @@
 """PNG figures of a sweep: effective RPS vs offered load; TTFT and TPOT CDFs at one load
-(and the end-to-end latency CDF when an SLO class is end-to-end).
+(and the end-to-end latency CDF when an SLO class is end-to-end); effective RPS against
+the worst prompt-length bucket's attainment (fairness).
 
 Every policy keeps one colour in both figures, none shared (:data:`PALETTE`, in the order
 the policies are named); the FairBatching family is drawn solid and everything else
@@ -70,6 +71,49 @@ def effective_rps_figure(document: Mapping, names: Sequence[str]) -> plt.Figure:
 
 def plot_effective_rps(document: Mapping, names: Sequence[str], path: Path) -> Path:
     fig = effective_rps_figure(document, names)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def fairness_figure(document: Mapping, names: Sequence[str]) -> plt.Figure:
+    """Effective RPS against the worst prompt-length bucket's attainment, one point per load,
+    joined in load order (the first load's point ringed): throughput bought at whose
+    expense. A load without a worst bucket (no bucket large enough) is left out."""
+    fig, ax = plt.subplots(figsize=(10, 5), layout="constrained")
+    styles = policy_styles(names)
+    for name in names:
+        entry = document["policies"][name]
+        points = [(load["worst_prompt_bucket"]["attainment"], load["effective_rps"])
+                  for load in entry["loads"]
+                  if (load.get("worst_prompt_bucket") or {}).get("attainment") is not None]
+        if not points:
+            continue
+        style = dict(styles[name])
+        style.setdefault("marker", ".")
+        style.setdefault("markersize", 5)
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, label=_label(name, entry), **style)
+        ax.plot(xs[:1], ys[:1], marker="o", markersize=9, markerfacecolor="none",
+                markeredgecolor=style["color"], linestyle="none")
+    minimum = next((load["worst_prompt_bucket"]["min_requests"]
+                    for entry in document["policies"].values() for load in entry["loads"]
+                    if "worst_prompt_bucket" in load), None)
+    ax.set_title(f"{document['scenario']['profile']} — SLO {slo_text(document)}\n"
+                 "effective RPS against worst-bucket attainment, per load (ringed: the lowest)",
+                 fontsize=10)
+    ax.set_xlabel("SLO attainment of the worst prompt-length bucket"
+                  + (f" (buckets of >= {minimum} requests)" if minimum else ""))
+    ax.set_ylabel("effective RPS (offered × attainment)")
+    ax.set_xlim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8,
+              title=LEGEND_TITLE, title_fontsize=7, alignment="left")
+    return fig
+
+
+def plot_fairness(document: Mapping, names: Sequence[str], path: Path) -> Path:
+    fig = fairness_figure(document, names)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -32,8 +32,9 @@ from pathlib import Path
 
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog
+from sglang_ext.sim import capacity
 from sglang_ext.sim.fitting.tuning import Search, TuningResult, tune
-from sglang_ext.sim.metrics import LatencySamples
+from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS, LatencySamples
 from sglang_ext.sim.runner import (
     PolicySpec,
     PolicySpecError,
@@ -258,6 +259,7 @@ def assemble(
         "requested": list(plan.requested),
         "policies": policies,
     }
+    capacity.annotate(document)
     return document, samples
 
 
@@ -338,7 +340,7 @@ def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
         f"{'policy':<{width}}{'peak eff RPS':>13}{'@ rate':>8}{'vs best':>10}"
         f"{f'eff @ {top:g}':>12}  |  "
         f"{f'at {cdf_rate:g} req/s:':<16}"
-        f"{'attain':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
+        f"{'attain':>8}{'worst bucket':>19}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
         + "".join(f"{name:>{_class_width(name)}}" for name in classes)
     )
     lines = [header, "-" * len(header)]
@@ -348,7 +350,8 @@ def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
         cells = ""
         if at is not None:
             cells = (
-                f"{at['attainment']:>8.3f}{_ms(at['ttft_ms']['p50']):>10}{_ms(at['ttft_ms']['p99']):>8}"
+                f"{at['attainment']:>8.3f}{_worst_cell(at):>19}"
+                f"{_ms(at['ttft_ms']['p50']):>10}{_ms(at['ttft_ms']['p99']):>8}"
                 f"{_ms(at['tpot_ms']['p50']):>10}{_ms(at['tpot_ms']['p99']):>8}"
                 + "".join(_class_cell(at, slo_class) for slo_class in classes)
             )
@@ -367,6 +370,10 @@ def summary_table(document: dict, names: Sequence[str] | None = None) -> str:
             "plateau instead of collapsing, so compare them at the highest load: the eff @ "
             "column). [edge: X]: the tuned best sits at a bound of axis X."
         )
+    lines.append(
+        f"\nworst bucket: the attainment of the prompt-length bucket with the lowest one at "
+        f"{cdf_rate:g} req/s, among the buckets of at least {MIN_GROUP_REQUESTS} requests."
+    )
     if classes:
         lines.append(
             f"\n{', '.join(classes)}: the SLO attainment of each class's requests at "
@@ -457,6 +464,14 @@ def _kinds_text(loads: Iterable[dict | None], classes: Sequence[str]) -> str:
         for name, group in (load or {}).get("by_slo_class", {}).items():
             kinds.setdefault(name, group["kind"])
     return ", ".join(f"{name}: {kinds[name]}" for name in classes)
+
+
+def _worst_cell(load: dict) -> str:
+    """``0.912 >=4096``: the worst prompt bucket's attainment and label; ``-`` when none."""
+    worst = load.get("worst_prompt_bucket") or {}
+    if worst.get("label") is None:
+        return "-"
+    return f"{worst['attainment']:.3f} {worst['label']:<9}"
 
 
 def _ms(value: float | None) -> str:
