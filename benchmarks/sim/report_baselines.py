@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-from sglang_ext.sim.sweep import BASELINES
+from sglang_ext.sim.sweep import ADMISSION_BASELINES, BASELINES
 
-#: the baselines with an admission control (Sarathi with vLLM's queued-token cap or
-#: SGLang's waiting timeout, in FCFS, shortest-first or class-priority order): their peaks
-#: can sit at the highest load tried
-ADMISSION_BASELINES = (
-    "sarathi-queue-cap", "sarathi-queue-timeout",
-    "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
-    "sarathi-priority-queue-cap", "sarathi-priority-queue-timeout",
-)
 #: the baselines without admission control: their best's peak is the knee of the load axis
 NO_ADMISSION = tuple(name for name in BASELINES if name not in ADMISSION_BASELINES)
 

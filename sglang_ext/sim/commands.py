@@ -146,7 +146,8 @@ def _add_admission(parser: argparse.ArgumentParser) -> None:
         "--admission", type=_admission, metavar="MODE[:RULE]",
         help="admission control of every FairBatching-family policy named without its own "
         "+MODE: reject, defer or reject:pab (sglang_ext.policy.admission); the baselines keep "
-        "theirs (sarathi-queue-cap, sarathi-queue-timeout)",
+        "theirs (sarathi-queue-cap, sarathi-queue-timeout and their -sjf- and -priority- "
+        "orders)",
     )
 
 

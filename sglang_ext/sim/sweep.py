@@ -56,8 +56,13 @@ BASELINES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
 )
 #: the baselines whose rule is an admission control (vLLM's queued-token cap, SGLang's
-#: waiting timeout: sglang_ext.sim.competitors.baselines)
-ADMISSION_BASELINES = ("sarathi-queue-cap", "sarathi-queue-timeout")
+#: waiting timeout; in FCFS, shortest-first or class-priority order:
+#: sglang_ext.sim.competitors.baselines)
+ADMISSION_BASELINES = (
+    "sarathi-queue-cap", "sarathi-queue-timeout",
+    "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
+    "sarathi-priority-queue-cap", "sarathi-priority-queue-timeout",
+)
 
 
 def policy_kind(name: str) -> tuple[bool, bool]:
