@@ -64,16 +64,12 @@ def effective_rps_figure(document: Mapping, names: Sequence[str]) -> plt.Figure:
     ax.set_xlabel("offered load (req/s)")
     ax.set_ylabel("effective RPS (offered × attainment)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8,
-              title=LEGEND_TITLE, title_fontsize=7, alignment="left")
+    _legend_outside(ax)
     return fig
 
 
 def plot_effective_rps(document: Mapping, names: Sequence[str], path: Path) -> Path:
-    fig = effective_rps_figure(document, names)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(effective_rps_figure(document, names), path)
 
 
 def fairness_figure(document: Mapping, names: Sequence[str]) -> plt.Figure:
@@ -107,16 +103,12 @@ def fairness_figure(document: Mapping, names: Sequence[str]) -> plt.Figure:
     ax.set_ylabel("effective RPS (offered × attainment)")
     ax.set_xlim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8,
-              title=LEGEND_TITLE, title_fontsize=7, alignment="left")
+    _legend_outside(ax)
     return fig
 
 
 def plot_fairness(document: Mapping, names: Sequence[str], path: Path) -> Path:
-    fig = fairness_figure(document, names)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fairness_figure(document, names), path)
 
 
 def run_classes(document: Mapping) -> dict[str, Mapping]:
@@ -188,7 +180,16 @@ def latency_cdf_figure(
 def plot_latency_cdfs(
     document: Mapping, samples: Mapping[str, LatencySamples], names: Sequence[str], path: Path
 ) -> Path:
-    fig = latency_cdf_figure(document, samples, names)
+    return save_figure(latency_cdf_figure(document, samples, names), path)
+
+
+def save_figure(fig: plt.Figure, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _legend_outside(ax: plt.Axes) -> None:
+    """The legend right of the data, so no curve is hidden behind it."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8,
+              title=LEGEND_TITLE, title_fontsize=7, alignment="left")
