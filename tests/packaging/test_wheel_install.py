@@ -209,8 +209,8 @@ def test_a_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path):
 
     run = steps.ok("sim run", [python, "-m", "sglang_ext.sim", "run", "--policy", "sarathi@1024",
                                "--rate", "4", "--head-seconds", "10"], env=env, cwd=elsewhere)
-    rows = [line.split()[0] for line in run.stdout.splitlines()[2:] if line.strip()
-            and not line.startswith("wrote")]
+    table = run.stdout.split("\n\n")[0].splitlines()
+    rows = [line.split()[0] for line in table[2:]]  # the rows under the header and its rule
     assert rows == ["sarathi@1024"] and "at 4 req/s:" in run.stdout, run.stdout
     (written,) = [line.split(" ", 1)[1] for line in run.stdout.splitlines()
                   if line.startswith("wrote ")]
