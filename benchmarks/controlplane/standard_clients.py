@@ -51,12 +51,13 @@ from pathlib import Path
 from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
 from benchmarks.controlplane.processes import start_gateway, start_sim_ranks, wait_for_ranks
 from benchmarks.server.client_runs import write_random_dataset
-from benchmarks.support.machine import cpu_times, cpu_usage, git_state, machine_info
+from benchmarks.support.machine import cpu_times, cpu_usage, machine_info
 from benchmarks.support.paths import DOCS_BENCH, REPO, relative
 from benchmarks.support.ports import free_port
 from benchmarks.support.processes import stop_group
 from controlplane.client import Client
 from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
+from sglang_ext.provenance import git_state
 
 PROFILE = "llama3.1-8b-h100"
 POLICY = "fb-anchor-margin"
@@ -527,7 +528,7 @@ def main() -> int:
     ]
     results = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "git": git_state(), "machine": machine_info(), "sglang_version": sglang.__version__,
+        "git": git_state(REPO), "machine": machine_info(), "sglang_version": sglang.__version__,
         "setup": {"ranks": args.ranks, "profile": PROFILE, "policy": POLICY, "time_scale": 1.0,
                   "rate": args.rate, "seconds": seconds, "prompts": prompts, "seed": args.seed,
                   "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "range_ratio": RANGE_RATIO, "slo": SLO,

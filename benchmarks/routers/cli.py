@@ -34,9 +34,10 @@ from benchmarks.routers.workloads import (
     chars_per_token,
     single_token_words,
 )
-from benchmarks.support.machine import cpu_model, git_state
+from benchmarks.support.machine import cpu_model
 from benchmarks.support.paths import DOCS_BENCH, REPO, relative
 from benchmarks.support.points import load_points, move_aside
+from sglang_ext.provenance import git_state
 
 RAW_ROOT = REPO / "out" / "bench_routers"
 DEFAULT_POINTS = RAW_ROOT / "points.jsonl"

@@ -90,7 +90,7 @@ from benchmarks.server.client_runs import (
 from benchmarks.server.emulated import MAX_PROMPT_TOKENS, PROFILE, TIME_SCALE, write_fb_config
 from benchmarks.server.machine_watch import Watch, wait_quiet
 from benchmarks.server.stock_server import CPU_ARGS, Server, launch
-from benchmarks.support.machine import git_state, machine_info
+from benchmarks.support.machine import machine_info
 from benchmarks.support.paths import DOCS_BENCH, REPO, relative
 from benchmarks.support.points import (
     append_point,
@@ -102,6 +102,7 @@ from benchmarks.support.points import (
     point_key,
     spread,
 )
+from sglang_ext.provenance import git_state
 
 KV_TOKENS = 200_000
 MAX_PREFILL_TOKENS = 16_384
@@ -343,7 +344,7 @@ def run_config(plan: Plan, config: ServerConfig, todo: list[tuple[str, float, in
     saved = []
 
     def save(point: dict) -> None:
-        point.update(server=server_record, **provenance, **git_state(),
+        point.update(server=server_record, **provenance, **git_state(REPO),
                      date_utc=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"))
         append_point(points_path, point)
         saved.append(point)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.support.paths import REPO
+from sglang_ext.provenance import git_state
 
 
 def cpu_model() -> str | None:
@@ -23,26 +23,13 @@ def cpu_model() -> str | None:
     return None
 
 
-def git_state(repo: Path = REPO) -> dict:
-    """``{"commit": short HEAD, "dirty": tracked files changed}`` (commit "unknown" if git fails)."""
-    try:
-        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": "unknown", "dirty": None}
-    return {"commit": commit, "dirty": dirty}
-
-
 def machine_info() -> dict:
     """The CPU, the CPUs this process may run on, Python, the load and the commit, now."""
     try:
         affinity = sorted(os.sched_getaffinity(0))
     except AttributeError:
         affinity = None
-    git = git_state()
+    git = git_state(REPO)
     return {
         "cpu_model": cpu_model() or platform.processor() or "unknown",
         "logical_cpus": os.cpu_count(),

@@ -17,6 +17,7 @@ from sglang_ext.policy.admission import AdmissionSettings
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog, SloError
 from sglang_ext.policy.step_model import STEP_FORMS, StepModelError, StepModelFile
+from sglang_ext.provenance import git_commit
 from sglang_ext.sim import capacity, demo
 from sglang_ext.sim.cluster import (
     DEFAULT_MAX_QUEUED,
@@ -68,7 +69,6 @@ from sglang_ext.sim.sweep import (
 )
 from sglang_ext.sim.tuned import (
     TunedSettingsError,
-    git_commit,
     scenario_fingerprint,
     settings_toml,
 )

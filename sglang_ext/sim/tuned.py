@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import time
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -178,18 +177,6 @@ def load(path: Path = SHIPPED) -> TunedSettings:
             raise TunedSettingsError(f"{path}: [tuned.{name}] best = {family.best!r} is not a "
                                      f"setting of {name}")
     return settings
-
-
-def git_commit(cwd: Path | None = None) -> str | None:
-    """The checkout's short commit (``+dirty`` with local changes), or None outside git."""
-    try:
-        def git(*args: str) -> str:
-            return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                                  check=True, timeout=10).stdout.strip()
-        commit = git("rev-parse", "--short", "HEAD")
-        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def families_of(document: Mapping) -> dict[str, TunedFamily]:

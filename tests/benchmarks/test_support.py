@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.support.machine import cpu_times, cpu_usage, git_state, machine_info, machine_line
+from benchmarks.support.machine import cpu_times, cpu_usage, machine_info, machine_line
 from benchmarks.support.paths import REPO, relative
 from benchmarks.support.ports import free_port, free_ports
 from benchmarks.support.processes import spawn, stop_group
 from benchmarks.support.sse import json_events, json_events_async
+from sglang_ext.provenance import git_state
 
 STREAM = [b": a comment", b'data: {"n": 1}', b"", b'data:{"n": 2}\n', b"event: x",
           b"data: [DONE]", b'data: {"n": 3}']
