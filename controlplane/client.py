@@ -28,6 +28,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
@@ -368,6 +369,9 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline_at = started + deadline_s if deadline_s is not None else None
+        # uvloop's loop.time() is cached per iteration in milliseconds: a fine clock for the
+        # deadline's timers, too coarse for a latency (a fast answer read 0.0 s)
+        started_perf = time.perf_counter()
         inbox = self._inboxes[request_id] = _Inbox(self.stream_buffer)
         attempts, outstanding, recovering, streamed = 0, False, False, False
         rank: str | None = None
@@ -398,7 +402,7 @@ class AsyncClient:
                 inbox.incarnation = None
                 if isinstance(message, Finish):
                     yield self._result(message, texts, token_ids, completion_tokens, rank, attempts,
-                                       loop.time() - started)
+                                       time.perf_counter() - started_perf)
                     return
                 if isinstance(message, _Stop):
                     outstanding = not message.cancel_sent
