@@ -205,6 +205,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "bundled sample, all of a given trace)",
     )
     workload.add_argument(
+        "--skip-seconds", type=non_negative_float,
+        help="drop the trace's first S seconds before --head-seconds, for a later window "
+        "(e.g. --skip-seconds 1500 --head-seconds 300 of the shared 1-hour Azure trace)",
+    )
+    workload.add_argument(
         "--class-mix", type=_class_mix, metavar="NAME:FRACTION,...",
         help="assign each request an SLO class of --slo-config, drawn with --seed "
         "(e.g. interactive:0.2,standard:0.5,relaxed:0.3); default: every request in the "
@@ -452,6 +457,8 @@ def _workload(args: argparse.Namespace, catalog: SloCatalog) -> Workload:
     else:
         workload = load_workload(args.trace, args.format)
         head = args.head_seconds
+    if args.skip_seconds:
+        workload = workload.skip(args.skip_seconds)
     if head is not None:
         workload = workload.head(head)
     unknown = {

@@ -111,6 +111,21 @@ class Workload:
         kept = tuple(r for r in self.requests if r.arrival_s - start < seconds)
         return replace(self, requests=kept, source=f"{self.source}[:{seconds:g}s]")
 
+    def skip(self, seconds: float) -> Workload:
+        """Requests arriving at least ``seconds`` after the first one: a later window of a
+        trace, with :meth:`head` for its length."""
+        if not seconds >= 0.0:
+            raise WorkloadError(f"skip: seconds must be >= 0, got {seconds!r}")
+        start = self.requests[0].arrival_s
+        kept = tuple(r for r in self.requests if r.arrival_s - start >= seconds)
+        if not kept:
+            span = self.requests[-1].arrival_s - start
+            raise WorkloadError(
+                f"{self.source}: no request arrives {seconds:g} s or later after the first "
+                f"(the trace spans {span:g} s)"
+            )
+        return replace(self, requests=kept, source=f"{self.source}[{seconds:g}s:]")
+
     def scaled_to_rate(self, rate: float) -> Workload:
         """Stretch or compress arrival times (from 0.0) so that ``mean_rate == rate``."""
         _check_rate(rate)

@@ -408,6 +408,19 @@ def test_non_positive_max_token_budget(tmp_path, capsys):
     assert "--max-token-budget" in line
 
 
+def test_skip_seconds_runs_a_later_window(tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", "--policy", "fb", "--rate", "8", "--skip-seconds", "200",
+                 "--head-seconds", "20", "--out", str(out)]) == 0
+    scenario = json.loads((out / "results.json").read_text())["scenario"]
+    assert scenario["workload"].endswith("[200s:][:20s]")
+
+
+def test_skip_seconds_past_the_trace_is_a_clean_error(tmp_path, capsys):
+    line = _user_error(["run", "--skip-seconds", "100000", "--out", str(tmp_path)], capsys)
+    assert "no request arrives 100000 s or later" in line
+
+
 def test_unwritable_out_is_a_clean_error(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

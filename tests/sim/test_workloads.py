@@ -113,6 +113,19 @@ def test_head_is_relative_to_first_arrival() -> None:
             workload.head(bad)
 
 
+def test_skip_keeps_a_later_window() -> None:
+    workload = make([5.0, 6.0, 7.0, 8.0])
+    later = workload.skip(2.0)
+    assert [r.arrival_s for r in later.requests] == [7.0, 8.0]
+    assert [r.arrival_s for r in later.head(1.0).requests] == [7.0]
+    assert later.source.endswith("[2s:]")
+    assert workload.skip(0.0).requests == workload.requests
+    with pytest.raises(WorkloadError, match="no request arrives 9 s or later"):
+        workload.skip(9.0)
+    with pytest.raises(WorkloadError):
+        workload.skip(-1.0)
+
+
 def test_scaled_to_rate_is_exact_and_starts_at_zero() -> None:
     workload = load_workload(FIXTURES / "azure_small.csv", "azure")
     scaled = workload.scaled_to_rate(7.5)
