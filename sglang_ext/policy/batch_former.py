@@ -39,6 +39,8 @@ from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepPredictor
 from sglang_ext.policy.view import BatchDecision, RequestState
 
+import os
+KEEP=bool(os.environ.get('KEEP'))
 DEFAULT_MAX_TOKEN_BUDGET = 8192
 #: A TPOT below this multiple of the smallest step (one decode, no context) cannot be
 #: honoured without taking more than half of every step from the other requests.
@@ -136,40 +138,101 @@ def triage(
     """
     if not requests:
         return None
+    if hopeless:
+        return _triage_with_hopeless(requests, now, anchored, floor, hopeless, deadline_guard_s)
+    # One pass, every lookup bound to a local: this loop is most of a decision's time
+    # (one iteration per active request). The arithmetic is token_deadline's, operation
+    # for operation, so every slack is bit-for-bit the same.
     decodes: list[tuple[float, RequestState]] = []
     prefills: list[tuple[float, RequestState]] = []
     late_decodes: list[tuple[float, RequestState]] = []
     late_prefills: list[tuple[float, RequestState]] = []
-    min_slack = math.inf
+    add_decode, add_prefill = decodes.append, prefills.append
+    if floor is None:  # the printed algorithm: nobody is late
+        late_before = serviceable = -math.inf
+    else:
+        late_before, serviceable = 0.0, floor.min_serviceable_tpot_s
+    guard = deadline_guard_s
+    min_tpot = math.inf
+    for request in requests:
+        slo = request.slo
+        tpot = slo.tpot_s
+        index = request.next_output_index
+        if anchored and index and (first := request.first_token_time) is not None:
+            slack = first + tpot * index - now
+        else:
+            slack = request.arrival + slo.ttft_s + tpot * index - now
+        if slack < late_before or tpot < serviceable:
+            if request.pending_prefill:
+                late_prefills.append((slack, request))
+            else:
+                late_decodes.append((slack, request))
+            continue
+        if tpot < min_tpot:
+            min_tpot = tpot
+        if guard:
+            slack -= guard
+        if request.pending_prefill:
+            add_prefill((slack, request))
+        else:
+            add_decode((slack, request))
+    return _grouped(decodes, prefills, late_decodes, late_prefills, min_tpot, floor, guard)
+
+
+def _grouped(
+    decodes: list[tuple[float, RequestState]], prefills: list[tuple[float, RequestState]],
+    late_decodes: list[tuple[float, RequestState]], late_prefills: list[tuple[float, RequestState]],
+    min_tpot: float, floor: ServiceFloor | None, deadline_guard_s: float,
+) -> Triage:
+    """Sorts the groups (each stably, from arrival order), takes the time budget and
+    splits the decodes at the urgent threshold. ``min_slack`` is the smallest in-time
+    slack: the head of a sorted group."""
+    decodes.sort(key=_by_slack)
+    prefills.sort(key=_by_slack)
+    if min_tpot == math.inf:  # nobody in time
+        init_time_budget = math.inf if floor is None else floor.fallback_budget_s
+    else:
+        if decodes and prefills:
+            min_slack = decodes[0][0] if decodes[0][0] < prefills[0][0] else prefills[0][0]
+        else:
+            min_slack = (decodes or prefills)[0][0]
+        init_time_budget = max(min_slack, min_tpot - deadline_guard_s)
+    split = bisect_left(decodes, init_time_budget + min_tpot, key=_by_slack)
+    if len(late_decodes) > 1:
+        late_decodes.sort(key=_arrival_order)
+    if len(late_prefills) > 1:
+        late_prefills.sort(key=_arrival_order)
+    return Triage(
+        init_time_budget, min_tpot, decodes[:split], prefills, decodes[split:],
+        late_decodes, late_prefills,
+    )
+
+
+def _triage_with_hopeless(
+    requests: Sequence[RequestState], now: float, anchored: bool, floor: ServiceFloor | None,
+    hopeless: frozenset, deadline_guard_s: float,
+) -> Triage:
+    """:func:`triage` under admission mode ``defer``: ``hopeless`` requests are late too."""
+    decodes: list[tuple[float, RequestState]] = []
+    prefills: list[tuple[float, RequestState]] = []
+    late_decodes: list[tuple[float, RequestState]] = []
+    late_prefills: list[tuple[float, RequestState]] = []
     min_tpot = math.inf
     serviceable = 0.0 if floor is None else floor.min_serviceable_tpot_s
     for request in requests:
         tpot = request.slo.tpot_s
         slack = token_deadline(request, anchored) - now
         if (floor is not None and (slack < 0.0 or tpot < serviceable)) or (
-            hopeless and request.req_id in hopeless
+            request.req_id in hopeless
         ):
             (late_prefills if request.pending_prefill else late_decodes).append((slack, request))
             continue
         slack -= deadline_guard_s
-        if slack < min_slack:
-            min_slack = slack
         if tpot < min_tpot:
             min_tpot = tpot
         (prefills if request.pending_prefill else decodes).append((slack, request))
-    if min_tpot == math.inf:
-        init_time_budget = math.inf if floor is None else floor.fallback_budget_s
-    else:
-        init_time_budget = max(min_slack, min_tpot - deadline_guard_s)
-    decodes.sort(key=_by_slack)
-    split = bisect_left(decodes, init_time_budget + min_tpot, key=_by_slack)
-    prefills.sort(key=_by_slack)
-    late_decodes.sort(key=_arrival_order)
-    late_prefills.sort(key=_arrival_order)
-    return Triage(
-        init_time_budget, min_tpot, decodes[:split], prefills, decodes[split:],
-        late_decodes, late_prefills,
-    )
+    return _grouped(decodes, prefills, late_decodes, late_prefills, min_tpot, floor,
+                    deadline_guard_s)
 
 
 def smooth_step(
