@@ -18,7 +18,7 @@
     mode = "reject"                         # "off" (default), "reject" or "defer"
     rule = "edf"                            # "edf" (default) or "pab"
     max_defer_s = 2                         # defer: end one with no first token this long past its TTFT
-    give_up = "longest"                     # defer: serve last the longest prefills ("latest": no length bias)
+    give_up = "longest"                     # defer: serve last the longest prefills ("fair": drawn blind to length; "latest")
     retry_after_s = 1                       # reject: the 429's Retry-After
     max_budget_age_s = 0.5                  # reject: an older published budget is not trusted
     headroom = 0.1                          # fraction of the prefill rate held back

@@ -99,11 +99,15 @@ class AdmissionRule(str, Enum):
 
 class GiveUp(str, Enum):
     """Which queued prefill ``defer`` gives up when not all can make their TTFT:
-    ``longest`` (the most on time; long prompts pay) or ``latest`` (the one that does not
-    fit, in deadline order; no length bias)."""
+    ``longest`` (the most on time; long prompts pay), ``latest`` (the one that does not
+    fit, in deadline order; a short prompt behind it may still fit where a long one would
+    not, so long prompts still pay) or ``fair`` (a not-yet-started one drawn without
+    regard to length: each request's place in a fixed pseudo-random order, so every
+    prompt length gives up about the same share of its requests)."""
 
     LONGEST = "longest"
     LATEST = "latest"
+    FAIR = "fair"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,16 +185,21 @@ class AdmissionSettings:
     @property
     def evicts_longest(self) -> bool:
         """``defer`` giving up the longest prefills (its default)."""
-        return self.mode is AdmissionMode.DEFER and self.give_up is not GiveUp.LATEST
+        return self.mode is AdmissionMode.DEFER and self.give_up in (None, GiveUp.LONGEST)
+
+    @property
+    def evicts_fairly(self) -> bool:
+        """``defer`` giving up prefills drawn without regard to their length."""
+        return self.mode is AdmissionMode.DEFER and self.give_up is GiveUp.FAIR
 
     @property
     def label(self) -> str:
-        """``reject``, ``defer``, ``defer:latest`` or ``reject:pab`` (the simulator's
-        policy-label suffix)."""
+        """``reject``, ``defer``, ``defer:latest``, ``defer:fair`` or ``reject:pab`` (the
+        simulator's policy-label suffix)."""
         parts = [self.mode.value]
         if self.rule is not AdmissionRule.EDF:
             parts.append(self.rule.value)
-        if self.give_up is GiveUp.LATEST:
+        if self.give_up in (GiveUp.LATEST, GiveUp.FAIR):
             parts.append(self.give_up.value)
         return ":".join(parts)
 
@@ -330,8 +339,10 @@ class QueueForecast:
 def forecast(
     requests: Sequence[RequestState], now: float, coefficients: StepPredictor,
     default_tpot_s: float, headroom: float = DEFAULT_HEADROOM, kv: KvOutlook | None = None,
-    evict_longest: bool = False,
+    evict_longest: bool = False, evict_fairly: bool = False,
 ) -> QueueForecast:
+    """The forecast at ``now``. Which prefills ``defer`` gives up when not all fit
+    (:class:`GiveUp`): ``evict_longest``, ``evict_fairly``, else each that does not fit."""
     rate = prefill_rate(requests, coefficients, default_tpot_s, headroom)
     queue = []
     usable = coefficients.usable()
@@ -348,7 +359,10 @@ def forecast(
         queue.append((deadline, request.arrival_seq, work, need, request.req_id, started))
     queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
     hopeless: set[Hashable] = set()
-    kept = _on_time(queue, rate, now, hopeless) if evict_longest else queue
+    if evict_longest or evict_fairly:
+        kept = _on_time(queue, rate, now, hopeless, _longest if evict_longest else _drawn)
+    else:
+        kept = queue
     deadlines: list[float] = []
     work_through: list[float] = []
     spares: list[float] = []
@@ -381,22 +395,40 @@ def forecast(
     )
 
 
-def _on_time(queue: list[tuple], rate: float, now: float, hopeless: set[Hashable]) -> list[tuple]:
+_FIBONACCI = 0x9E3779B97F4A7C15
+_MASK_64 = (1 << 64) - 1
+
+
+def _longest(arrival_seq: int, pending: float) -> float:
+    return pending
+
+
+def _drawn(arrival_seq: int, pending: float) -> float:
+    """The request's place in a fixed pseudo-random order (Fibonacci hashing of its arrival
+    number): the same at every decision, and blind to its length."""
+    return float((arrival_seq * _FIBONACCI) & _MASK_64)
+
+
+def _on_time(
+    queue: list[tuple], rate: float, now: float, hopeless: set[Hashable],
+    victim_key: Callable[[int, float], float] = _longest,
+) -> list[tuple]:
     """Moore-Hodgson over the deadline-ordered queue: when an entry would finish past its
-    deadline, drop the not-yet-started entry with the most pending tokens so far (into
-    ``hopeless``), which keeps the most entries on time. Returns the kept, in order."""
+    deadline, drop the not-yet-started entry so far with the largest ``victim_key`` (into
+    ``hopeless``): with ``_longest`` the one with the most pending tokens, which keeps the
+    most entries on time. Returns the kept, in order."""
     dropped: set[int] = set()
-    longest: list[tuple[float, int]] = []
+    victims: list[tuple[float, int]] = []
     work = 0.0
-    for position, (deadline, _, pending, _, req_id, started) in enumerate(queue):
+    for position, (deadline, arrival_seq, pending, _, req_id, started) in enumerate(queue):
         work += pending
         if not started:
-            heapq.heappush(longest, (-pending, -position))
+            heapq.heappush(victims, (-victim_key(arrival_seq, pending), -position))
         capacity = rate * (deadline - now)
-        while work > capacity and longest:
-            negative, negative_position = heapq.heappop(longest)
-            work += negative
-            dropped.add(-negative_position)
+        while work > capacity and victims:
+            victim = -heapq.heappop(victims)[1]
+            work -= queue[victim][2]
+            dropped.add(victim)
         if work > capacity and position not in dropped:
             work -= pending
             dropped.add(position)
@@ -423,6 +455,7 @@ def class_budgets(
     headroom: float = DEFAULT_HEADROOM,
     kv: KvOutlook | None = None,
     evict_longest: bool = False,
+    evict_fairly: bool = False,
 ) -> dict[str, float]:
     """Each SLO class's admission budget in prompt tokens, from one rank state (``kv``:
     the ``edf`` rule's KV term and ``evict_longest`` its queue under ``defer``; the paper's
@@ -432,7 +465,8 @@ def class_budgets(
             name: prefill_admission_budget(requests, now, coefficients, slo)
             for name, slo in classes.items()
         }
-    queue = forecast(requests, now, coefficients, default_tpot_s, headroom, kv, evict_longest)
+    queue = forecast(requests, now, coefficients, default_tpot_s, headroom, kv, evict_longest,
+                     evict_fairly)
     return {name: queue.budget(slo.ttft_s) for name, slo in classes.items()}
 
 

@@ -162,7 +162,7 @@ class BatchPolicy:
         return class_budgets(
             self.admission.rule, requests, now, self.step_model.coefficients, classes,
             self.context.global_slo.tpot_s, self.admission.headroom, self.kv_outlook,
-            self.admission.evicts_longest,
+            self.admission.evicts_longest, self.admission.evicts_fairly,
         )
 
 
@@ -213,6 +213,7 @@ class _LatenessGuarded(BatchPolicy):
             hopeless = forecast(
                 requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
                 self.admission.headroom, self.kv_outlook, self.admission.evicts_longest,
+                self.admission.evicts_fairly,
             ).hopeless
         return triage(
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,

@@ -92,6 +92,30 @@ def test_defer_keeps_the_most_prefills_on_time_by_dropping_the_longest():
     assert evicting.work_through == (1500, 3000)
 
 
+def test_fair_defer_draws_its_victim_blind_to_length():
+    from sglang_ext.policy.admission import _drawn
+
+    def queue(long_seq: int, short_seq: int) -> list:
+        return [request("long", 0.6, prefill=4000, arrival_seq=long_seq),
+                request("short1", 0.7, prefill=1500, arrival_seq=short_seq),
+                request("short2", 0.8, prefill=1500, arrival_seq=2)]
+
+    # one of "long" and "short1" must go; fairly, the one drawn later in the fixed order
+    for long_seq, short_seq in ((0, 1), (1, 0)):
+        fair = forecast(queue(long_seq, short_seq), NOW, COEF, TPOT, headroom=0.0,
+                        evict_fairly=True)
+        drawn = "long" if _drawn(long_seq, 0) > _drawn(short_seq, 0) else "short1"
+        assert fair.hopeless == {drawn}
+    # the order is fixed per request and blind to length, and both lengths lose
+    assert _drawn(7, 10) == _drawn(7, 99999)
+    assert {"long", "short1"} == {
+        next(iter(forecast(queue(a, b), NOW, COEF, TPOT, headroom=0.0, evict_fairly=True).hopeless))
+        for a, b in ((0, 1), (1, 0))}
+    settings = AdmissionSettings(AdmissionMode.DEFER, give_up=GiveUp.FAIR)
+    assert settings.evicts_fairly and not settings.evicts_longest
+    assert settings.label == "defer:fair"
+
+
 def test_a_started_prefill_is_not_dropped_for_later_ones():
     started = request("started", 0.6, prefill=4000, context=500, arrival_seq=0)
     queued = [started, request("short1", 0.7, prefill=1500, arrival_seq=1),
