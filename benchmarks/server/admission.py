@@ -11,6 +11,13 @@ Configurations, each one ``python -m sglang.launch_server`` (SGLang 0.5.23, emul
   ``--max-queued-requests Q`` (SGLang refuses an arrival while Q requests wait);
 * ``mixed-best-timeout``: the best with ``SGLANG_REQ_WAITING_TIMEOUT`` = the TTFT target
   (SGLang ends a request still waiting that long);
+* ``mixed-best-queue-Q-sjf``: the best queue limit (by mean effective RPS over the rates)
+  with SGLang's priority scheduling shortest prompt first (``--enable-priority-scheduling
+  --schedule-low-priority-values-first``); **it needs the client to set each request's
+  priority to its prompt length** (``trace_replay --priority prompt-length``): a full
+  queue then drops its longest waiting prompt for a shorter arrival. (Every request here
+  is in one class, so a priority from the class would change nothing.) SGLang's
+  semantics: ``benchmarks/server/priority.py``;
 * ``fb-reject``, ``fb-defer``: ``FAIRBATCHING_CONFIG`` = the shipped config (step model x
   time scale) with ``[admission] mode = "reject"`` / ``"defer"``.
 
@@ -18,7 +25,10 @@ Workload: ``python -m benchmarks.server.trace_replay`` of the bundled Azure conv
 prompt and output lengths, ``gamma:4`` arrivals (bursty, seeded) at each rate, every
 request in the ``standard`` class (TTFT 2 s, TPOT 50 ms). Effective RPS = rate x
 attainment; a refused (429), ended (503) or unfinished request is a miss for every
-configuration.
+configuration. Besides effective RPS the table has, per point, attainment per prompt-length
+bucket, the worst bucket and the worst SLO class (groups of at least 20 requests) and
+token goodput (prompt + output tokens per second of the requests that met their SLO), the
+simulator's definitions (``sglang_ext.sim.metrics``).
 
 Every finished point is appended to ``out/bench_sglang_admission/points.jsonl`` at once;
 ``--resume`` skips the points already there, ``--configs`` runs a subset, and the table
@@ -48,11 +58,14 @@ from benchmarks.server.client_runs import (
 )
 from benchmarks.server.emulated import PROFILE, TIME_SCALE, write_fb_config
 from benchmarks.server.machine_watch import Watch, wait_quiet
+from benchmarks.server.priority import NONE, PROMPT_LENGTH
+from benchmarks.server.priority import launch_args as priority_args
 from benchmarks.server.stock_server import launch
 from benchmarks.server.stock_vs_fairbatching import COMMON_ARGS
 from benchmarks.support.paths import DOCS_BENCH, REPO
 from benchmarks.support.points import append_point, done_keys
 from benchmarks.support.points import load_points as _load_points
+from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS
 
 ARRIVALS = "gamma:4"
 SLO_CLASS = "standard"
@@ -73,6 +86,7 @@ class Config:
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     admission: str | None = None  # FairBatching's [admission] mode; None: stock
+    priority: str = NONE  # the replay client's --priority (benchmarks/server/priority.py)
 
 
 def mixed(chunk: int) -> tuple[str, ...]:
@@ -92,6 +106,31 @@ def admission_configs(best_chunk: int) -> list[Config]:
         Config("fb-reject", COMMON_ARGS, admission="reject"),
         Config("fb-defer", COMMON_ARGS, admission="defer"),
     ]
+
+
+def sjf_config(best_chunk: int, queue: int) -> Config:
+    """The best queue limit with SGLang's priority scheduling, shortest prompt first (the
+    client sends priority = prompt length)."""
+    return Config(f"mixed-{best_chunk}-queue-{queue}-sjf",
+                  (*mixed(best_chunk), "--max-queued-requests", str(queue), *priority_args(PROMPT_LENGTH)),
+                  priority=PROMPT_LENGTH)
+
+
+def best_queue(points: list[dict], chunk: int) -> int | None:
+    """The queue limit of ``chunk`` with the highest mean effective RPS over the rates every
+    measured limit has (None before any is measured)."""
+    names = {f"mixed-{chunk}-queue-{q}": q for q in QUEUE_LIMITS}
+    measured: dict[int, dict[float, list[float]]] = {}
+    for p in points:
+        if p["config"] in names and "effective_rps" in p:
+            measured.setdefault(names[p["config"]], {}).setdefault(p["rate"], []).append(p["effective_rps"])
+    if not measured:
+        return None
+    common = set.intersection(*(set(rates) for rates in measured.values()))
+    if not common:
+        return None
+    return max(sorted(measured), key=lambda q: sum(
+        sum(values) / len(values) for rate, values in measured[q].items() if rate in common))
 
 
 def load_points() -> list[dict]:
@@ -139,7 +178,8 @@ def run_point(url: str, config: Config, rate: float, seed: int, raw: Path, quiet
     head = replay_head_seconds(rate, SECONDS)
     output = raw / f"{stem}.json"
     output.unlink(missing_ok=True)
-    command = replay_command(url, rate, head, ARRIVALS, seed, f"{SLO_CLASS}:1", output)
+    command = replay_command(url, rate, head, ARRIVALS, seed, f"{SLO_CLASS}:1", output,
+                             priority=config.priority)
     print(f"  {stem} ...", file=sys.stderr, flush=True)
     with Watch(pid) as watch:
         code, wall = run_command(command, raw / f"{stem}.log", timeout_s=1200)
@@ -150,11 +190,18 @@ def run_point(url: str, config: Config, rate: float, seed: int, raw: Path, quiet
     if code != 0 or not output.exists():
         point["error"] = f"exit code {code}; see {raw / (stem + '.log')}"
         return point
-    result = json.loads(output.read_text())
-    point.update({key: result[key] for key in (
+    return {**point, **point_result(json.loads(output.read_text()))}
+
+
+def point_result(result: dict) -> dict:
+    """What a point keeps of the replay's summary (per SLO class: requests and attainment)."""
+    kept = {key: result[key] for key in (
         "effective_rps", "attainment", "ttft_attainment", "tpot_attainment", "rejected",
-        "aborted", "unfinished", "requests", "ttft_ms", "tpot_ms", "by_prompt_tokens")})
-    return point
+        "aborted", "unfinished", "requests", "ttft_ms", "tpot_ms", "by_prompt_tokens",
+        "worst_prompt_bucket", "worst_slo_class", "token_goodput")}
+    kept["by_slo_class"] = {name: {"requests": group["requests"], "attainment": group["attainment"]}
+                            for name, group in result["by_slo_class"].items()}
+    return kept
 
 
 def run_config(config: Config, rates: tuple[float, ...], seeds: tuple[int, ...], done: set,
@@ -226,12 +273,51 @@ def render(points: list[dict]) -> str:
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     lines += ["", "Best stock per rate: " + ", ".join(
         f"{r:g} req/s: `{best_stock[r]}`" for r in rates if best_stock[r]) + "."]
+    lines += _groups_table(cell, rates, configs)
     lines += _by_prompt_table(cell, rates, best_stock, configs)
     good = {(p["config"], p["rate"], p["seed"]) for p in points if "error" not in p}
     failed = [p for p in points if "error" in p and (p["config"], p["rate"], p["seed"]) not in good]
     if failed:
         lines += ["", "Failed points: " + "; ".join(f"{p['config']} @ {p['rate']:g} ({p['error']})" for p in failed)]
     return "\n".join(lines) + "\n"
+
+
+def _worst_text(runs: list[dict], key: str) -> str:
+    """The worst group over the seeds: its label (the most frequent; with how many seeds
+    named it when they disagree) and its mean attainment."""
+    groups = [p[key] for p in runs if isinstance(p.get(key), dict)]
+    if not groups:
+        return "-"
+    labels = [g["label"] for g in groups]
+    label = max(dict.fromkeys(labels), key=labels.count)
+    if label is None:
+        return f"- (no group of >= {MIN_GROUP_REQUESTS})"
+    values = [g["attainment"] for g in groups if g["label"] == label]
+    seeds = f" ({labels.count(label)} of {len(labels)} seeds)" if labels.count(label) < len(labels) else ""
+    return f"`{label}` {sum(values) / len(values):.0%}{seeds}"
+
+
+def _groups_table(cell: dict, rates: list[float], configs: list[str]) -> list[str]:
+    """Per configuration and rate: the worst prompt-length bucket, the worst SLO class and
+    token goodput (means over seeds)."""
+    if not any("token_goodput" in p for runs in cell.values() for p in runs):
+        return []
+    lines = ["", ("Worst prompt-length bucket and worst SLO class (lowest attainment among groups "
+                  f"of at least {MIN_GROUP_REQUESTS} requests) and token goodput (prompt + output "
+                  "tokens per second of the requests that met their SLO), means over seeds:"), "",
+             "| config | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
+             "|---|" + "---|" * len(rates)]
+    for config in configs:
+        cells = []
+        for rate in rates:
+            runs = [p for p in cell.get((config, rate), []) if "token_goodput" in p]
+            if not runs:
+                cells.append("-")
+                continue
+            cells.append(f"bucket {_worst_text(runs, 'worst_prompt_bucket')}, class "
+                         f"{_worst_text(runs, 'worst_slo_class')}, {_mean(runs, 'token_goodput'):,.0f} tok/s")
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _by_prompt_table(cell: dict, rates: list[float], best_stock: dict, configs: list[str]) -> list[str]:
@@ -297,6 +383,14 @@ def main() -> int:
         else:
             for config in admission_configs(chunk):
                 if wanted is None or config.name in wanted or config.name.split("-queue")[0] in wanted:
+                    run_config(config, rates, seeds, done, model_dir, RAW, args.quiet_wait)
+            queue = best_queue(load_points(), chunk)
+            if queue is None:
+                print("no queue limit measured yet; the shortest-first configuration needs the "
+                      "best of them", file=sys.stderr)
+            else:
+                config = sjf_config(chunk, queue)
+                if wanted is None or config.name in wanted or "sjf" in wanted:
                     run_config(config, rates, seeds, done, model_dir, RAW, args.quiet_wait)
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(render(load_points()))

@@ -58,15 +58,19 @@ def replay_head_seconds(rate: float, target_s: float) -> float:
 
 
 def replay_command(url: str, rate: float, head_s: float, arrivals: str, seed: int,
-                   slo_mix: str, output: Path) -> list[str]:
+                   slo_mix: str, output: Path, priority: str = "none") -> list[str]:
     """``python -m benchmarks.server.trace_replay`` of the bundled trace's head, prompts
-    capped at :data:`~benchmarks.server.emulated.MAX_PROMPT_TOKENS`."""
-    return [
+    capped at :data:`~benchmarks.server.emulated.MAX_PROMPT_TOKENS`; ``priority`` (a mode
+    of :mod:`benchmarks.server.priority`) is passed on unless it is ``"none"``."""
+    command = [
         sys.executable, "-m", "benchmarks.server.trace_replay", "--url", url,
         "--rate", f"{rate:g}", "--head", f"{head_s:g}", "--arrivals", arrivals,
         "--seed", str(seed), "--slo-mix", slo_mix,
         "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--out", str(output),
     ]  # fmt: skip
+    if priority != "none":
+        command += ["--priority", priority]
+    return command
 
 
 def run_command(command: Sequence[str], log_path: Path, timeout_s: float) -> tuple[int, float]:

@@ -1,7 +1,7 @@
 """Benchmark: stock SGLang vs tuned stock vs FairBatching, side by side, on the emulated GPU,
 run in parts, resumable, over several seeds (mean and spread per point).
 
-Five server configurations of the stock ``python -m sglang.launch_server`` (SGLang 0.5.23,
+Eight server configurations of the stock ``python -m sglang.launch_server`` (SGLang 0.5.23,
 this project's plugin installed), all on the emulated GPU (profile ``llama3.1-8b-h100``,
 step times x2 -- ``FAIRBATCHING_EMULATED_GPU_TIME_SCALE=2``) with the same KV size
 (``--max-total-tokens``) and the same explicit ``--max-prefill-tokens``:
@@ -11,6 +11,20 @@ step times x2 -- ``FAIRBATCHING_EMULATED_GPU_TIME_SCALE=2``) with the same KV si
   ``--enable-mixed-chunk --chunked-prefill-size N`` (decodes ride along with small prefill
   chunks, Sarathi-style). Every comparison is against the best of the three *per point*
   (workload and rate; by the mean over seeds of replay attainment / random goodput);
+* ``stock-mixed-512-queue-16`` -- the best stock configuration with SGLang's admission
+  control: the best chunk size of the replay here (512, at 4 and 7 req/s) with the best
+  queue limit of the admission benchmark (``--max-queued-requests 16``,
+  ``benchmarks/server/admission.py``: best stock at 16 and 24 req/s);
+* ``stock-mixed-512-queue-16-priority`` -- the same with ``--enable-priority-scheduling``,
+  the replay client setting each request's ``priority`` from its SLO class (minus its TTFT
+  target in ms: interactive before standard; ``--priority class``);
+* ``stock-mixed-512-queue-16-sjf`` -- the same with ``--enable-priority-scheduling
+  --schedule-low-priority-values-first``, shortest prompt first: **it needs the client to
+  set priority = prompt length** (``--priority prompt-length``; SGLang has no
+  shortest-first order that combines with priority scheduling). A full queue drops its
+  least urgent waiting request for a more urgent arrival. Both priority configurations run
+  the replay workload only: (a)'s load generator sends one priority for every request.
+  SGLang's semantics, with file and line: ``benchmarks/server/priority.py``;
 * ``fairbatching``      -- ``FAIRBATCHING_CONFIG`` = the shipped ``configs/fairbatching.toml``
   with its initial step model scaled by the time scale (as a deployment starts from
   coefficients fitted on its own GPU) and the SLO classes of ``configs/slo.toml``.
@@ -29,7 +43,11 @@ Two workloads at each rate, each with every seed S:
     about ``--replay-seconds`` of arrivals at that rate), exact prompt/output lengths, SLO
     classes ``interactive:0.5,standard:0.5`` drawn with ``--seed S``. Its TPOT is the
     simulator's: per request the *max* over tokens j of ``(t_j - t_first) / j``, stricter
-    than (a)'s mean.
+    than (a)'s mean. Its summary is the simulator's: besides attainment it has attainment per
+    prompt-length bucket (<512, 512-1023, 1024-2047, 2048-4095, >=4096 tokens) and per SLO
+    class, the worst bucket and the worst class (among groups of at least 20 requests, as
+    in the simulator), and token goodput (prompt + output tokens per second of the requests
+    that met their SLO), in a second table.
 
 Every finished point (config, workload, rate, seed) is appended at once to
 ``out/bench_sglang/points.jsonl`` (``--points``) with its command, exit code, wall time,
@@ -56,8 +74,12 @@ same configuration (and launch flags), workload, rate, seed and run-defining par
 per workload, the points run with the parameters of the last point saved for it.
 
 Duration: about 70-90 s per run plus about 30 s per server start, so the full default run
-(5 configs x 6 rates x 3 seeds = 90 runs, 5 server starts) takes about 2-2.5 hours on the
-2-vCPU VM; ``--quick`` (20 s runs) with ``--seeds 1`` about 7-10 min for all five configs.
+(6 configs x 6 rates + 2 configs x 3 replay rates, x 3 seeds = 126 runs, 8 server starts)
+takes about 3-3.5 hours on the 2-vCPU VM; ``--quick`` (20 s runs) with ``--seeds 1`` about
+10-14 min for all eight configs. The priority configurations alone::
+
+    scripts/bench_sglang.sh --quick --seeds 1 --workloads replay \
+        --configs stock-mixed-512-queue-16,stock-mixed-512-queue-16-priority,stock-mixed-512-queue-16-sjf
 
 The server and the load generator share this machine's CPUs, and so do other people's
 processes: each run records the CPU use and any foreign SGLang server seen while it ran
@@ -75,7 +97,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -89,6 +111,8 @@ from benchmarks.server.client_runs import (
 )
 from benchmarks.server.emulated import MAX_PROMPT_TOKENS, PROFILE, TIME_SCALE, write_fb_config
 from benchmarks.server.machine_watch import Watch, wait_quiet
+from benchmarks.server.priority import CLASS, NONE, PROMPT_LENGTH
+from benchmarks.server.priority import launch_args as priority_args
 from benchmarks.server.stock_server import CPU_ARGS, Server, launch
 from benchmarks.support.machine import machine_info
 from benchmarks.support.paths import DOCS_BENCH, REPO, relative
@@ -103,6 +127,7 @@ from benchmarks.support.points import (
     spread,
 )
 from sglang_ext.provenance import git_state
+from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS, prompt_bucket_labels
 
 KV_TOKENS = 200_000
 MAX_PREFILL_TOKENS = 16_384
@@ -141,6 +166,8 @@ class ServerConfig:
     args: tuple[str, ...]
     fairbatching: bool
     description: str
+    priority: str = NONE  # the replay client's --priority (benchmarks/server/priority.py)
+    workloads: tuple[str, ...] = WORKLOADS  # the workloads it runs
 
 
 MIXED_PREFIX = "stock-mixed-"
@@ -155,15 +182,45 @@ def _mixed(chunk: int) -> ServerConfig:
     )
 
 
+# The best stock configuration with a queue limit, which the priority configurations extend:
+# the replay's best chunk here (512 at 4 and 7 req/s, docs/bench/sglang/table.md) and the
+# admission benchmark's best queue limit (16 at 16 and 24 req/s, docs/bench/sglang_admission.md).
+QUEUED_CHUNK = 512
+QUEUE_LIMIT = 16
+QUEUED_NAME = f"{MIXED_PREFIX}{QUEUED_CHUNK}-queue-{QUEUE_LIMIT}"
+
+
+def _queued(priority: str = NONE) -> ServerConfig:
+    """``stock-mixed-512-queue-16``, and with SGLang's priority scheduling: ``-priority`` (the
+    SLO class as the priority) or ``-sjf`` (shortest prompt first: the client sets each
+    request's priority to its prompt length)."""
+    base = (*_mixed(QUEUED_CHUNK).args, "--max-queued-requests", str(QUEUE_LIMIT))
+    what = f"stock-mixed-{QUEUED_CHUNK} with SGLang's queue limit {QUEUE_LIMIT}"
+    if priority == NONE:
+        return ServerConfig(QUEUED_NAME, base, False, what)
+    if priority == CLASS:
+        return ServerConfig(f"{QUEUED_NAME}-priority", (*base, *priority_args(CLASS)), False,
+                            f"{what}, priority scheduling: priority = the SLO class (tightest "
+                            "TTFT first; client --priority class)", CLASS, ("replay",))
+    return ServerConfig(f"{QUEUED_NAME}-sjf", (*base, *priority_args(PROMPT_LENGTH)), False,
+                        f"{what}, priority scheduling, low values first: priority = prompt "
+                        "length (shortest first; client --priority prompt-length)",
+                        PROMPT_LENGTH, ("replay",))
+
+
 CONFIGS = (
     ServerConfig("stock", COMMON_ARGS, False, "SGLang defaults; plugin installed, FAIRBATCHING_CONFIG unset"),
     *(_mixed(chunk) for chunk in CHUNKS),
+    _queued(),
+    _queued(CLASS),
+    _queued(PROMPT_LENGTH),
     ServerConfig("fairbatching", COMMON_ARGS, True,
                  "FAIRBATCHING_CONFIG = configs/fairbatching.toml (step model x time scale)"),
 )
 CONFIG_ORDER = {c.name: i for i, c in enumerate(CONFIGS)}
 STOCK_NAMES = tuple(c.name for c in CONFIGS if not c.fairbatching)
-MIXED_NAMES = tuple(n for n in STOCK_NAMES if n.startswith(MIXED_PREFIX))
+# the chunk sizes the best stock-mixed is picked from (the queued configurations are not)
+MIXED_NAMES = tuple(f"{MIXED_PREFIX}{chunk}" for chunk in CHUNKS)
 
 
 # ------------------------------------------------------------------ runs
@@ -283,7 +340,7 @@ def run_point(plan: Plan, server: Server, config: ServerConfig, workload: str, r
         output = raw / f"{stem}.json"
         output.unlink(missing_ok=True)
         command = replay_command(server.url, rate, head, REPLAY_ARRIVALS, seed, REPLAY_SLO_MIX,
-                                 relative(output))
+                                 relative(output), priority=config.priority)
         extra = {"head_s": head, "workload_seed": seed}
     print(f"  {stem}: {shlex.join(command[1:])[:160]} ...", file=sys.stderr, flush=True)
     with Watch(server.process.pid) as watch:
@@ -310,7 +367,9 @@ def server_settings(url: str) -> dict:
     keys = ("chunked_prefill_size", "max_prefill_tokens", "max_total_num_tokens",
             "enable_mixed_chunk", "disable_radix_cache", "schedule_policy",
             "disable_overlap_schedule", "max_running_requests", "stream_interval",
-            "schedule_conservativeness", "version")
+            "schedule_conservativeness", "max_queued_requests", "enable_priority_scheduling",
+            "schedule_low_priority_values_first", "priority_scheduling_preemption_threshold",
+            "version")
     return {key: info.get(key) for key in keys}
 
 
@@ -320,6 +379,8 @@ def todo_points(plan: Plan, config: ServerConfig, done: set[tuple]) -> list[tupl
     todo = []
     for seed in plan.seeds:
         for workload in plan.workloads:
+            if workload not in config.workloads:
+                continue
             for rate in plan.rates(workload):
                 probe = {"config": config.name, "workload": workload, "rate": rate, "seed": seed,
                          "params": run_params(plan, workload), "launch_args": list(config.args)}
@@ -406,6 +467,8 @@ def _dig(*path: str) -> Callable[[dict], float | None]:
     return get
 
 
+PROMPT_BUCKETS = tuple(prompt_bucket_labels())  # <512, 512-1023, ..., >=4096
+
 RANDOM_METRICS = (
     Metric("goodput", "goodput (req/s)", _dig("request_goodput"), "rate", 2, compare=True),
     Metric("attainment", "SLO attainment", _dig("slo_attainment"), "share", compare=True),
@@ -440,8 +503,23 @@ REPLAY_METRICS = (
     )),
     Metric("output_tok_s", "output tok/s", _dig("output_tokens_per_s"), "rate", 0, compare=True),
     Metric("requests", "requests", _dig("requests"), "count"),
+    # issue 28: who pays -- per prompt-length bucket and SLO class, the worst of each, and
+    # token goodput (the simulator's definitions, sglang_ext.sim.metrics)
+    *(m for label in PROMPT_BUCKETS for m in (
+        Metric(f"bucket:{label}", f"{label} tokens attainment",
+               _dig("by_prompt_tokens", label, "attainment"), "share"),
+        Metric(f"bucket:{label}:requests", f"{label} tokens requests",
+               _dig("by_prompt_tokens", label, "requests"), "count"),
+    )),
+    Metric("worst_bucket_attainment", "worst prompt bucket attainment",
+           _dig("worst_prompt_bucket", "attainment"), "share", compare=True),
+    Metric("worst_class_attainment", "worst SLO class attainment",
+           _dig("worst_slo_class", "attainment"), "share", compare=True),
+    Metric("token_goodput", "token goodput (tok/s)", _dig("token_goodput"), "rate", 0, compare=True),
 )
 METRICS = {"random": RANDOM_METRICS, "replay": REPLAY_METRICS}
+# The worst-group labels a replay cell names (the most frequent over its seeds).
+WORST_GROUPS = {"worst_bucket_attainment": "worst_prompt_bucket", "worst_class_attainment": "worst_slo_class"}
 METRIC = {(w, m.key): m for w, ms in METRICS.items() for m in ms}
 # The headline metric that picks the best stock-mixed chunk size; ties: the lower p99 TPOT.
 HEADLINE = {"random": "goodput", "replay": "attainment"}
@@ -479,8 +557,20 @@ def aggregate(points: list[dict]) -> Cells:
             "failed_seeds": sorted(p["seed"] for p in group if p not in good),
             "failed": [f"seed {p['seed']}: {p.get('error')}" for p in group if p not in good],
             "metrics": {m.key: spread(m.get(p["result"]) for p in good) for m in METRICS[workload]},
+            "labels": {key: worst_labels(p["result"].get(group) for p in good)
+                       for key, group in WORST_GROUPS.items()} if workload == "replay" else {},
         }
     return cells
+
+
+def worst_labels(groups: Iterable[dict | None]) -> list[list]:
+    """The worst group's label over the seeds: ``[[label, seeds], ...]``, most frequent
+    first (``None``: no group was large enough; results without the field are skipped)."""
+    counts: dict[str | None, int] = {}
+    for group in groups:
+        if isinstance(group, dict):
+            counts[group.get("label")] = counts.get(group.get("label"), 0) + 1
+    return [[label, n] for label, n in sorted(counts.items(), key=lambda kv: -kv[1])]
 
 
 def _mean(cells: Cells, workload: str, rate: float, config: str, key: str) -> float | None:
@@ -720,6 +810,52 @@ def replay_table(cells: Cells, best_mixed: dict) -> list[str]:
             f"| {c('effective_rps')} | {c('envelope_attainment')} "
             f"| {c('ttft_p50')} / {c('ttft_p99')} | {c('max_tpot_p50')} / {c('max_tpot_p99')} "
             f"| {c('mean_tpot_p99')} | {c('max_tbt_p50')} / {c('max_tbt_p99')} |{classes} {c('output_tok_s')} |"
+        )
+    return lines
+
+
+def _worst_cell(cells: Cells, rate: float, config: str, key: str) -> str:
+    """The worst group's label (the most frequent over the seeds; how many seeds named it
+    when they disagree) and its attainment, mean and spread over the seeds."""
+    cell = cells.get(("replay", rate, config), {})
+    labels = cell.get("labels", {}).get(key) or []
+    value = _cell(cells, "replay", rate, config, key)
+    if not labels:
+        return value
+    seeds = sum(n for _, n in labels)
+    label, n = labels[0]
+    if label is None:
+        return f"- <sub>no group of >= {MIN_GROUP_REQUESTS}</sub>"
+    named = f"`{label}`" + (f" ({n} of {seeds} seeds)" if n < seeds else "")
+    return f"{named} {value}"
+
+
+def replay_groups_table(cells: Cells, best_mixed: dict) -> list[str]:
+    """Who pays: attainment per prompt-length bucket (mean requests per bucket in small
+    type), the worst bucket, attainment per SLO class, the worst class, token goodput."""
+    lines = [
+        "| rate req/s | config | " + " | ".join(f"{label} tokens" for label in PROMPT_BUCKETS)
+        + " | worst bucket | " + " | ".join(REPLAY_CLASSES) + " | worst class | token goodput tok/s |",
+        "|---:|---|" + "---:|" * len(PROMPT_BUCKETS) + "---|" + "---:|" * len(REPLAY_CLASSES) + "---|---:|",
+    ]
+    for rate, config in _ordered(cells, "replay"):
+        if not cells[("replay", rate, config)]["seeds"]:
+            continue
+        name = config + (" *(best mixed)*" if best_mixed.get(("replay", rate)) == config else "")
+
+        def c(key: str, rate: float = rate, config: str = config) -> str:
+            return _cell(cells, "replay", rate, config, key)
+
+        buckets = []
+        for label in PROMPT_BUCKETS:
+            att = c(f"bucket:{label}")
+            size = _mean(cells, "replay", rate, config, f"bucket:{label}:requests")
+            buckets.append(att if size is None else f"{att} <sub>n={size:.0f}</sub>")
+        lines.append(
+            f"| {rate:g} | {name} | " + " | ".join(buckets)
+            + f" | {_worst_cell(cells, rate, config, 'worst_bucket_attainment')} | "
+            + " | ".join(c(f"{n}_attainment") for n in REPLAY_CLASSES)
+            + f" | {_worst_cell(cells, rate, config, 'worst_class_attainment')} | {c('token_goodput')} |"
         )
     return lines
 
@@ -1008,6 +1144,17 @@ def render(doc: dict) -> str:
             *replay_table(cells, best_mixed),
             "",
             best_mixed_line(cells, best_mixed, "replay"),
+            "",
+            "**Who pays** (the simulator's summary of the same runs, `sglang_ext.sim.metrics`): "
+            "SLO attainment per prompt-length bucket (mean requests per bucket in small type; "
+            f"prompts capped at {MAX_PROMPT_TOKENS} tokens) and per SLO class; the worst bucket "
+            f"and the worst class are the lowest-attainment groups of at least {MIN_GROUP_REQUESTS} "
+            "requests (named by the most frequent over the seeds, then its attainment); token "
+            "goodput = prompt + output tokens per second of the requests that met their SLO "
+            "(over the run's wall time, the drain included). A `-` in a worst column: no group "
+            "that large, or a point saved before these fields existed.",
+            "",
+            *replay_groups_table(cells, best_mixed),
             "",
         ]
     lines += [

@@ -12,6 +12,17 @@ numbers include HTTP and detokenizer overheads, as a user would see them::
 A response other than 200 (a 429 of admission control, a 503) counts as a rejection, a
 miss in the attainment, as in the simulator.
 
+``--priority class`` sends each request with SGLang's ``priority`` from its SLO class
+(tightest TTFT most urgent), ``--priority prompt-length`` with its prompt length (for a
+server started with ``--schedule-low-priority-values-first``: shortest first); both need
+``--enable-priority-scheduling`` on the server (``benchmarks/server/priority.py``).
+
+The summary is the simulator's (``sglang_ext.sim.metrics.summarize``): attainment overall,
+per SLO class and per prompt-length bucket, the worst bucket and the worst class (among
+groups of at least 20 requests), token goodput (prompt + output tokens per second of the
+requests that met their SLO), latency percentiles. It is printed as JSON, with a one-line
+digest on stderr.
+
 Needs ``aiohttp`` (installed with SGLang).
 """
 
@@ -28,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.server.priority import NONE, PRIORITY_MODES, request_priority
 from benchmarks.support.sse import json_events_async
 from sglang_ext.bundled import CONFIGS_DIR
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
@@ -85,10 +97,11 @@ def parse_slo_mix(text: str, catalog: SloCatalog) -> list[tuple[str, float]]:
 async def replay_to_server(
     url: str, requests: Sequence[ReplayRequest], catalog: SloCatalog, *,
     max_prompt_tokens: int | None = None, timeout_s: float = 600.0,
-    token_times: dict[str, list[float]] | None = None,
+    token_times: dict[str, list[float]] | None = None, priority: str = NONE,
 ) -> list[RequestRecord]:
     """Send every request at its time; ``token_times``, when given, receives each
-    request's send time followed by its token arrival times (``time.perf_counter()``)."""
+    request's send time followed by its token arrival times (``time.perf_counter()``);
+    ``priority`` is a mode of :mod:`benchmarks.server.priority`."""
     import aiohttp
 
     records: list[RequestRecord] = []
@@ -109,8 +122,10 @@ async def replay_to_server(
             arrivals = None
             if token_times is not None:
                 arrivals = token_times[request.rid] = [origin + record.arrival]
-            tasks.append(asyncio.create_task(
-                _one(session, url, request, record, origin, max_prompt_tokens, arrivals)))
+            prompt = _sent_prompt_tokens(request, max_prompt_tokens)
+            tasks.append(asyncio.create_task(_one(
+                session, url, request, record, origin, prompt, arrivals,
+                request_priority(priority, catalog, request.slo_class, prompt))))
         await asyncio.gather(*tasks)
     return records
 
@@ -121,9 +136,12 @@ def _server_slo(catalog: SloCatalog, request: ReplayRequest) -> Slo:
     return catalog.classes[request.slo_class].with_expected_output(request.output_tokens)
 
 
-async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRecord,
-               origin: float, max_prompt_tokens: int | None, arrivals: list[float] | None) -> None:
-    prompt = request.prompt_tokens if max_prompt_tokens is None else min(request.prompt_tokens, max_prompt_tokens)
+def _sent_prompt_tokens(request: ReplayRequest, max_prompt_tokens: int | None) -> int:
+    return request.prompt_tokens if max_prompt_tokens is None else min(request.prompt_tokens, max_prompt_tokens)
+
+
+def request_body(request: ReplayRequest, prompt: int, priority: int | None = None) -> dict:
+    """The ``/generate`` body of one request (``priority`` left out when ``None``)."""
     body = {
         "rid": request.rid,
         # Distinct per request (seeded by its id): a prompt shared by every request would be
@@ -136,6 +154,15 @@ async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRe
         },
         "stream": True,
     }
+    if priority is not None:
+        body["priority"] = priority
+    return body
+
+
+async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRecord,
+               origin: float, prompt: int, arrivals: list[float] | None,
+               priority: int | None) -> None:
+    body = request_body(request, prompt, priority)
     try:
         async with session.post(f"{url}/generate", json=body) as response:
             if response.status != 200:
@@ -170,6 +197,24 @@ def write_token_times(path: Path, requests: Sequence[ReplayRequest],
                                          "sent_at": times[0], "tokens": times[1:]}) + "\n")
 
 
+def summary_line(summary: dict) -> str:
+    """A one-line digest of a summary: attainment, the worst prompt bucket and SLO class,
+    token goodput."""
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}%"
+
+    def worst(group: dict) -> str:
+        if group["label"] is None:
+            return f"- (no group of >= {group['min_requests']} requests)"
+        return f"{group['label']} {pct(group['attainment'])} (n={group['requests']})"
+
+    return (f"attainment {pct(summary['attainment'])} of {summary['requests']}, "
+            f"effective RPS {summary['effective_rps']:.2f}; worst prompt bucket "
+            f"{worst(summary['worst_prompt_bucket'])}; worst SLO class "
+            f"{worst(summary['worst_slo_class'])}; token goodput "
+            f"{summary['token_goodput']:,.0f} tok/s")
+
+
 def _load(args: argparse.Namespace) -> Workload:
     try:
         workload = bundled_sample() if args.trace is None else load_workload(args.trace, args.format)
@@ -194,6 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slo-mix", default="standard:1", help="CLASS:WEIGHT,... for requests the trace leaves unclassed")
     parser.add_argument("--max-prompt-tokens", type=int, help="cap prompt lengths (server context limit)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--priority", choices=PRIORITY_MODES, default=NONE,
+                        help="SGLang's per-request priority: none (left out), class (minus the "
+                        "class's TTFT target in ms: tightest first, SGLang's default sign) or "
+                        "prompt-length (the prompt's tokens: shortest first, for a server with "
+                        "--schedule-low-priority-values-first); needs --enable-priority-scheduling")
     parser.add_argument("--out", help="write the summary JSON here")
     parser.add_argument("--token-times", metavar="PATH",
                         help="write each request's send and token arrival times (perf_counter "
@@ -211,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     token_times: dict[str, list[float]] | None = {} if args.token_times else None
     records = asyncio.run(replay_to_server(args.url, requests, catalog,
                                            max_prompt_tokens=args.max_prompt_tokens,
-                                           token_times=token_times))
+                                           token_times=token_times, priority=args.priority))
     duration = time.perf_counter() - started
     summary = summarize(records, args.rate, duration)
     summary["per_class"] = {
@@ -225,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
+    print(summary_line(summary), file=sys.stderr)
     return 0
 
 

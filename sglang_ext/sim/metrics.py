@@ -271,13 +271,20 @@ def _class_summary(members: list[RequestRecord]) -> dict:
 PROMPT_TOKEN_EDGES = (512, 1024, 2048, 4096)
 
 
+def prompt_bucket_labels(edges: Sequence[int] = PROMPT_TOKEN_EDGES) -> list[str]:
+    """The prompt-length buckets' labels in order: ``"<512"``, ``"512-1023"``, ...,
+    ``">=4096"`` (the keys of ``by_prompt_tokens``; tables use them as columns)."""
+    labels = [f"<{edges[0]}"] + [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])]
+    labels.append(f">={edges[-1]}")
+    return labels
+
+
 def attainment_by_prompt_tokens(
     records: Iterable[RequestRecord], edges: Sequence[int] = PROMPT_TOKEN_EDGES
 ) -> dict[str, dict[str, float]]:
     """SLO and TTFT attainment per prompt-length bucket (``"<512"``, ``"512-1023"``, ...,
     ``">=4096"``; empty buckets left out): who pays for a rule that favours short prompts."""
-    labels = [f"<{edges[0]}"] + [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])]
-    labels.append(f">={edges[-1]}")
+    labels = prompt_bucket_labels(edges)
     buckets: dict[str, list[RequestRecord]] = {label: [] for label in labels}
     for record in records:
         buckets[labels[bisect_right(edges, record.prompt_tokens)]].append(record)
