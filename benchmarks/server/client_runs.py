@@ -1,6 +1,7 @@
 """Running a load generator against a server: its inputs (the bundled trace's head for a
-rate, a random-words dataset), its command line, its run with a log, and flushing the
-server's prefix cache between runs."""
+rate, a random-words dataset), its command line, its run with a log, flushing the server's
+prefix cache between runs, and the per-request records of ``sglang.benchmark.serving``'s
+result for the simulator's summaries."""
 
 from __future__ import annotations
 
@@ -13,11 +14,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from benchmarks.server.emulated import MAX_PROMPT_TOKENS
 from benchmarks.support.paths import REPO
+from sglang_ext.policy.slo import Slo
+from sglang_ext.sim.metrics import RequestRecord
+
+#: the per-request lists ``sglang.benchmark.serving --output-details`` adds to its result
+SERVING_DETAILS = ("input_lens", "output_lens", "ttfts", "itls", "errors")
 
 _WORDS = (
     "large language model serving systems batch many requests into every forward step a "
@@ -96,3 +102,31 @@ def flush_cache(url: str) -> None:
             reply.read()
     except urllib.error.HTTPError as error:
         raise RuntimeError(f"/flush_cache: HTTP {error.code}: {error.read()[:200]!r}") from None
+
+
+def serving_records(result: Mapping, slo: Slo, slo_class: str) -> list[RequestRecord] | None:
+    """Per-request records of a ``sglang.benchmark.serving`` result written with
+    ``--output-details`` (``None`` without them), for the simulator's summaries.
+
+    The tool keeps each request's prompt and output length, TTFT and the gaps between the
+    chunks it streamed. A record gets that TTFT and its output tokens spread evenly from the
+    first to the last chunk, so its max-TPOT is the tool's own (mean) TPOT, ``(last -
+    first) / (n - 1)``, and its SLO verdict the tool's ``--goodput`` rule (up to the few
+    milliseconds between the last chunk and the end of the stream, which the tool's
+    latency includes). A request with an error is aborted: a miss.
+    """
+    if not all(isinstance(result.get(key), list) for key in SERVING_DETAILS):
+        return None
+    records = []
+    for index, (prompt, output, ttft, gaps, error) in enumerate(
+            zip(*(result[key] for key in SERVING_DETAILS), strict=True)):
+        record = RequestRecord(index, 0.0, slo, int(prompt), int(output), slo_class)
+        if error or output < 1:
+            record.aborted = True
+        else:
+            last = ttft + sum(gaps)
+            record.on_token(0, ttft)
+            for token in range(1, output):
+                record.on_token(token, ttft + (last - ttft) * token / (output - 1))
+        records.append(record)
+    return records

@@ -37,7 +37,9 @@ Two workloads at each rate, each with every seed S:
     one SLO for every request, sent in ``custom_params`` and used for ``--goodput``. Its
     TPOT is per request ``(latency - TTFT) / (output tokens - 1)``, a mean. Its ``--seed``
     is ``100000 * S + k``, k = 1, 2, 3 at the default rates 10, 16, 22 req/s (so seed 0
-    repeats the earlier one-seed runs), otherwise k = round(1000 * rate).
+    repeats the earlier one-seed runs), otherwise k = round(1000 * rate). With
+    ``--output-details`` its per-request records also give the simulator's worst prompt
+    bucket and token goodput (by its own TTFT and mean-TPOT rule: ``client_runs.serving_records``).
 (b) ``python -m benchmarks.server.trace_replay``: the bundled Azure conversation sample at trace
     timestamps (``--arrivals trace``, rescaled to the rate; the head of the trace holding
     about ``--replay-seconds`` of arrivals at that rate), exact prompt/output lengths, SLO
@@ -107,6 +109,7 @@ from benchmarks.server.client_runs import (
     replay_command,
     replay_head_seconds,
     run_command,
+    serving_records,
     write_random_dataset,
 )
 from benchmarks.server.emulated import MAX_PROMPT_TOKENS, PROFILE, TIME_SCALE, write_fb_config
@@ -126,8 +129,9 @@ from benchmarks.support.points import (
     point_key,
     spread,
 )
+from sglang_ext.policy.slo import Slo
 from sglang_ext.provenance import git_state
-from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS, prompt_bucket_labels
+from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS, prompt_bucket_labels, summarize
 
 KV_TOKENS = 200_000
 MAX_PREFILL_TOKENS = 16_384
@@ -139,6 +143,7 @@ RANDOM_INPUT_LEN = 1024
 RANDOM_OUTPUT_LEN = 128
 RANDOM_RANGE_RATIO = 0.5  # lengths uniform in [0.5 L, L]
 RANDOM_SLO = {"ttft_ms": 2000, "tpot_ms": 50}  # = the "standard" class of configs/slo.toml
+RANDOM_SLO_CLASS = "standard"
 # (b) the trace replay
 REPLAY_SLO_MIX = "interactive:0.5,standard:0.5"
 REPLAY_CLASSES = tuple(part.split(":")[0] for part in REPLAY_SLO_MIX.split(","))
@@ -282,7 +287,7 @@ def random_command(url: str, model_dir: Path, dataset: Path, rate: float, prompt
         "--num-prompts", str(prompts), "--request-rate", f"{rate:g}", "--seed", str(seed),
         "--goodput", f"ttft:{slo['ttft_ms']}", f"tpot:{slo['tpot_ms']}",
         "--extra-request-body", json.dumps({"custom_params": {"slo": slo}}),
-        "--flush-cache", "--disable-tqdm", "--output-file", str(output),
+        "--flush-cache", "--disable-tqdm", "--output-details", "--output-file", str(output),
     ]  # fmt: skip
 
 
@@ -296,10 +301,34 @@ RANDOM_KEYS = (
 )
 
 
+# What (a) keeps of the simulator's summary of its per-request records.
+RANDOM_GROUP_KEYS = ("requests", "attainment", "by_prompt_tokens", "worst_prompt_bucket",
+                     "worst_slo_class", "token_goodput")
+
+
 def parse_random(output: Path) -> dict:
+    """The tool's summary (:data:`RANDOM_KEYS`), and under ``"groups"`` the simulator's
+    summary of its per-request records (:func:`random_groups`)."""
     lines = [line for line in output.read_text().splitlines() if line.strip()]
     result = json.loads(lines[-1])
-    return {key: result.get(key) for key in RANDOM_KEYS}
+    parsed = {key: result.get(key) for key in RANDOM_KEYS}
+    groups = random_groups(result)
+    if groups is not None:
+        parsed["groups"] = groups
+    return parsed
+
+
+def random_groups(result: dict) -> dict | None:
+    """Attainment per prompt-length bucket, the worst bucket and class and token goodput of
+    a ``sglang.benchmark.serving --output-details`` result (its one SLO, its duration; the
+    tool's mean-TPOT rule, :func:`~benchmarks.server.client_runs.serving_records`); None
+    without the details."""
+    slo = Slo.from_ms(RANDOM_SLO["ttft_ms"], RANDOM_SLO["tpot_ms"])
+    records = serving_records(result, slo, RANDOM_SLO_CLASS)
+    if not records or not result.get("duration"):
+        return None
+    summary = summarize(records, result.get("request_rate") or math.nan, result["duration"])
+    return {key: summary[key] for key in RANDOM_GROUP_KEYS}
 
 
 @dataclass
@@ -481,6 +510,13 @@ RANDOM_METRICS = (
     Metric("throughput", "throughput (req/s)", _dig("request_throughput"), "rate", 2),
     Metric("output_tok_s", "output tok/s", _dig("output_throughput"), "rate", 0, compare=True),
     Metric("completed", "completed", _dig("completed"), "count"),
+    # issue 28, from the per-request records (random_groups): one SLO, so its worst class is all
+    *(Metric(f"bucket:{label}", f"{label} tokens attainment",
+             _dig("groups", "by_prompt_tokens", label, "attainment"), "share") for label in PROMPT_BUCKETS),
+    Metric("worst_bucket_attainment", "worst prompt bucket attainment",
+           _dig("groups", "worst_prompt_bucket", "attainment"), "share", compare=True),
+    Metric("token_goodput", "token goodput (tok/s)", _dig("groups", "token_goodput"), "rate", 0,
+           compare=True),
 )
 REPLAY_METRICS = (
     Metric("attainment", "attainment", _dig("attainment"), "share", compare=True),
@@ -518,8 +554,14 @@ REPLAY_METRICS = (
     Metric("token_goodput", "token goodput (tok/s)", _dig("token_goodput"), "rate", 0, compare=True),
 )
 METRICS = {"random": RANDOM_METRICS, "replay": REPLAY_METRICS}
-# The worst-group labels a replay cell names (the most frequent over its seeds).
+# The worst-group labels a cell names (the most frequent over its seeds), and where they are.
 WORST_GROUPS = {"worst_bucket_attainment": "worst_prompt_bucket", "worst_class_attainment": "worst_slo_class"}
+
+
+def _groups_of(workload: str, result: dict) -> dict:
+    """Where a result keeps the simulator's group summary: the replay's at its top level,
+    (a)'s under ``"groups"``."""
+    return result if workload == "replay" else (result.get("groups") or {})
 METRIC = {(w, m.key): m for w, ms in METRICS.items() for m in ms}
 # The headline metric that picks the best stock-mixed chunk size; ties: the lower p99 TPOT.
 HEADLINE = {"random": "goodput", "replay": "attainment"}
@@ -557,8 +599,8 @@ def aggregate(points: list[dict]) -> Cells:
             "failed_seeds": sorted(p["seed"] for p in group if p not in good),
             "failed": [f"seed {p['seed']}: {p.get('error')}" for p in group if p not in good],
             "metrics": {m.key: spread(m.get(p["result"]) for p in good) for m in METRICS[workload]},
-            "labels": {key: worst_labels(p["result"].get(group) for p in good)
-                       for key, group in WORST_GROUPS.items()} if workload == "replay" else {},
+            "labels": {key: worst_labels(_groups_of(workload, p["result"]).get(group) for p in good)
+                       for key, group in WORST_GROUPS.items()},
         }
     return cells
 
@@ -771,20 +813,23 @@ def _row_head(cells: Cells, best_mixed: dict, workload: str, rate: float, config
 def random_table(cells: Cells, best_mixed: dict) -> list[str]:
     lines = [
         "| rate req/s | config | seeds | goodput req/s | SLO attainment | TTFT att. | TPOT att. "
-        "| TTFT p50 / p99 ms | TPOT p50 / p99 ms | throughput req/s | output tok/s | completed |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TTFT p50 / p99 ms | TPOT p50 / p99 ms | throughput req/s | output tok/s | completed "
+        "| worst prompt bucket | token goodput tok/s |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for rate, config in _ordered(cells, "random"):
         head = _row_head(cells, best_mixed, "random", rate, config)
         if not cells[("random", rate, config)]["seeds"]:
             lines.append(head + "| failed: " + "; ".join(cells[("random", rate, config)]["failed"])
-                         + " " + "|" * 9)
+                         + " " + "|" * 11)
             continue
         c = lambda key: _cell(cells, "random", rate, config, key)  # noqa: E731
         lines.append(
             f"{head}| {c('goodput')} | {c('attainment')} | {c('ttft_attainment')} | {c('tpot_attainment')} "
             f"| {c('ttft_p50')} / {c('ttft_p99')} | {c('tpot_p50')} / {c('tpot_p99')} "
-            f"| {c('throughput')} | {c('output_tok_s')} | {c('completed')} |"
+            f"| {c('throughput')} | {c('output_tok_s')} | {c('completed')} "
+            f"| {_worst_cell(cells, 'random', rate, config, 'worst_bucket_attainment')} "
+            f"| {c('token_goodput')} |"
         )
     return lines
 
@@ -814,12 +859,12 @@ def replay_table(cells: Cells, best_mixed: dict) -> list[str]:
     return lines
 
 
-def _worst_cell(cells: Cells, rate: float, config: str, key: str) -> str:
+def _worst_cell(cells: Cells, workload: str, rate: float, config: str, key: str) -> str:
     """The worst group's label (the most frequent over the seeds; how many seeds named it
     when they disagree) and its attainment, mean and spread over the seeds."""
-    cell = cells.get(("replay", rate, config), {})
+    cell = cells.get((workload, rate, config), {})
     labels = cell.get("labels", {}).get(key) or []
-    value = _cell(cells, "replay", rate, config, key)
+    value = _cell(cells, workload, rate, config, key)
     if not labels:
         return value
     seeds = sum(n for _, n in labels)
@@ -853,9 +898,9 @@ def replay_groups_table(cells: Cells, best_mixed: dict) -> list[str]:
             buckets.append(att if size is None else f"{att} <sub>n={size:.0f}</sub>")
         lines.append(
             f"| {rate:g} | {name} | " + " | ".join(buckets)
-            + f" | {_worst_cell(cells, rate, config, 'worst_bucket_attainment')} | "
+            + f" | {_worst_cell(cells, 'replay', rate, config, 'worst_bucket_attainment')} | "
             + " | ".join(c(f"{n}_attainment") for n in REPLAY_CLASSES)
-            + f" | {_worst_cell(cells, rate, config, 'worst_class_attainment')} | {c('token_goodput')} |"
+            + f" | {_worst_cell(cells, 'replay', rate, config, 'worst_class_attainment')} | {c('token_goodput')} |"
         )
     return lines
 
@@ -1117,7 +1162,12 @@ def render(doc: dict) -> str:
             f"`custom_params.slo = {json.dumps(RANDOM_SLO)}` (the `standard` class) and goodput counts a "
             f"request only if TTFT <= {RANDOM_SLO['ttft_ms']} ms and TPOT <= {RANDOM_SLO['tpot_ms']} ms. "
             "**This tool's TPOT is per request (latency - TTFT) / (output tokens - 1), a mean**: a "
-            "request whose decode stalls for a while and then catches up still passes.",
+            "request whose decode stalls for a while and then catches up still passes. The last "
+            "two columns are the simulator's summary of the tool's per-request records "
+            "(`--output-details`; by the same TTFT and mean-TPOT rule): the prompt-length bucket "
+            f"with the lowest attainment among those of at least {MIN_GROUP_REQUESTS} requests, "
+            "and token goodput (prompt + output tokens per second of the requests that met the "
+            "SLO, over the tool's duration). One SLO class, so its worst class is every request.",
             "",
             *random_table(cells, best_mixed),
             "",

@@ -2,10 +2,12 @@
 server flags of each mode, the priority each request is sent with, SGLang's own order of
 those priorities) and the summary columns of the real-server tables (attainment per
 prompt-length bucket and SLO class, the worst of each, token goodput) from synthetic
-records."""
+records: the replay's, and those of ``sglang.benchmark.serving --output-details``."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 import benchmarks.server.admission as adm
 import benchmarks.server.stock_vs_fairbatching as bs
 from benchmarks.server import priority
-from benchmarks.server.client_runs import replay_command
+from benchmarks.server.client_runs import replay_command, serving_records
 from benchmarks.server.trace_replay import ReplayRequest, request_body, summary_line
 from sglang_ext.bundled import CONFIGS_DIR
 from sglang_ext.policy.slo import SloCatalog
@@ -195,3 +197,49 @@ def test_admission_table_has_the_worst_groups_and_token_goodput() -> None:
     kept = point("x", 10)
     assert kept["by_slo_class"] == {"interactive": {"requests": 25, "attainment": 1.0},
                                     "standard": {"requests": 25, "attainment": 0.4}}
+
+
+# ------------------------------------------------------------------ (a): sglang.benchmark.serving's records
+def _serving_result(n_short: int, n_long_met: int, n_long_missed: int) -> dict:
+    """A ``--output-details`` result: short prompts (600 tokens) that meet the SLO, long
+    ones (1100) of which some meet and some run at a mean TPOT of 60 ms; one error."""
+    rows = ([(600, 10, 0.2, [0.03] * 9, "")] * n_short
+            + [(1100, 10, 0.5, [0.04] * 9, "")] * n_long_met
+            + [(1100, 10, 0.5, [0.01, 0.53] + [0.0] * 7, "")] * n_long_missed  # 540 ms / 9
+            + [(700, 0, 0.0, [], "HTTP 503")])
+    keys = ("input_lens", "output_lens", "ttfts", "itls", "errors")
+    return {**{key: [row[i] for row in rows] for i, key in enumerate(keys)},
+            "duration": 20.0, "request_rate": 16.0}
+
+
+def test_serving_records_keep_the_tools_ttft_and_mean_tpot_rule() -> None:
+    slo = CATALOG.classes["standard"]
+    assert serving_records({"ttfts": []}, slo, "standard") is None  # no --output-details
+    records = serving_records(_serving_result(1, 1, 1), slo, "standard")
+    short, long_met, stalled, failed = records
+    assert short.slo_met and long_met.slo_met
+    # a stall then a catch-up: mean TPOT 60 ms > 50 ms, a miss under the tool's rule too
+    assert not stalled.slo_met and stalled.max_tpot_s == pytest.approx(0.06)
+    assert long_met.max_tpot_s == pytest.approx(0.04) and long_met.ttft_s == 0.5
+    assert failed.aborted and not failed.slo_met
+    assert (short.prompt_tokens, short.output_tokens, short.slo_class) == (600, 10, "standard")
+
+
+def test_random_workload_rows_get_the_worst_bucket_and_token_goodput(tmp_path: Path) -> None:
+    result = {key: None for key in bs.RANDOM_KEYS} | _serving_result(25, 10, 10)
+    result.update(request_goodput=1.75, slo_attainment=35 / 46, completed=45)
+    output = tmp_path / "out.jsonl"
+    output.write_text(json.dumps(result) + "\n")
+    parsed = bs.parse_random(output)
+    groups = parsed["groups"]
+    assert groups["worst_prompt_bucket"]["label"] == "1024-2047"  # 10 of 20 met
+    assert groups["worst_prompt_bucket"]["attainment"] == 0.5
+    assert groups["attainment"] == pytest.approx(parsed["slo_attainment"])  # the tool's verdicts
+    assert groups["token_goodput"] == pytest.approx((25 * 610 + 10 * 1110) / 20.0)
+    point = {"config": "stock-mixed-512", "workload": "random", "rate": 16.0, "seed": 0, "result": parsed}
+    cells = bs.aggregate([point])
+    row = next(line for line in bs.random_table(cells, {}) if line.startswith("| 16 |"))
+    assert row.endswith("| `1024-2047` 50.0% | 1,318 |")
+    # a point saved before --output-details: dashes
+    old = {**point, "result": {key: parsed[key] for key in bs.RANDOM_KEYS}}
+    assert bs.random_table(bs.aggregate([old]), {})[-1].endswith("| - | - |")
