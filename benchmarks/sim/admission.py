@@ -1,6 +1,6 @@
 """Admission control in the simulator: FairBatching's admission modes against the
 admission controls users have (vLLM's queued-token cap, SGLang's waiting timeout, both on
-Sarathi and tuned to their best), on the shared Azure conversation trace under bursty
+Sarathi in FCFS, shortest-first and class-priority order, tuned to their best), on the shared Azure conversation trace under bursty
 ``gamma:4`` arrivals, for each GPU profile, with one SLO class and with a mix of three.
 
 Writes ``docs/bench/admission.md`` and each sweep's ``results.json`` under ``--out``.
@@ -22,9 +22,12 @@ from pathlib import Path
 
 from benchmarks.support.paths import DOCS_BENCH, REPO, SHARED_AZURE_TRACE
 
-BASELINES = ("sarathi-queue-cap", "sarathi-queue-timeout")
+BASELINES = (
+    "sarathi-queue-cap", "sarathi-queue-timeout", "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
+    "sarathi-priority-queue-cap", "sarathi-priority-queue-timeout",
+)
 FAIRBATCHING = (
-    "fb-anchor-margin+reject", "fb-anchor-margin+defer", "fb-anchor-margin+defer:latest",
+    "fb-smooth+defer", "fb-anchor-margin+reject", "fb-anchor-margin+defer", "fb-anchor-margin+defer:latest",
     "fb-anchor-margin+reject:pab",
     "fb+reject",
 )
