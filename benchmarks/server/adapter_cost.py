@@ -36,6 +36,7 @@ def scenario(config: Path | None, mixed: bool = False) -> dict:
                   "slo": {"class": "standard"}} for i in range(WAITING)]
     result = {"requests": requests, "overlap": False, "max_total_tokens": 400_000,
               "timeout_s": 900, "max_steps": 400, "enable_mixed_chunk": mixed,
+              "record_triage": False,
               "chunked_prefill_size": 512 if mixed else 8192}
     if config is not None:
         result["config"] = str(config)

@@ -65,6 +65,8 @@ class _Window:
         ttft, tpot = slo.ttft_s, slo.tpot_s
         count = len(requests)
         knee = isinstance(model, KneeStepModel)
+        decode_cost_s = model.decode_cost_s
+        prefill_cost_s = model.prefill_cost_s
         min_slack = ttft
         decode_time = 0.0
         queued_prompt = 0
@@ -77,10 +79,11 @@ class _Window:
             if slack < min_slack:
                 min_slack = slack
             steps = (ttft - slack) / tpot
-            pending, context = request.pending_prefill, request.context
+            pending = request.pending_prefill
             if steps > 0:
-                decode_time += steps * model.decode_cost_s(context + pending, count)
-            queued_prompt += pending
-            if knee and pending:
-                queued_time += model.prefill_cost_s(pending, context, model.knee_tokens)
+                decode_time += steps * decode_cost_s(request.context + pending, count)
+            if pending:
+                queued_prompt += pending
+                if knee:
+                    queued_time += prefill_cost_s(pending, request.context, model.knee_tokens)
         return cls((ttft - min_slack) / tpot + 1, decode_time, queued_prompt, queued_time)

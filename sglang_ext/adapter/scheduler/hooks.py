@@ -164,16 +164,14 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     records = state.records
     in_flight = _in_flight_reqs(self)
     parked_reqs = state.parked_reqs
-    views: list[LiveRequestView] = [
-        records.decode_view(req, req in in_flight, state.device_free_at)
-        for req in (*running_batch.reqs, *parked_reqs)
-    ]
+    views: list[LiveRequestView] = records.decode_views(
+        (*running_batch.reqs, *parked_reqs), in_flight, state.device_free_at)
     chunked = self.chunked_req
     chunked_view = None
     if chunked is not None:
         chunked_view = records.prefill_view(chunked)
         views.append(chunked_view)
-    views.extend(records.prefill_view(req) for req in self.waiting_queue)
+    views += records.prefill_views(self.waiting_queue)
 
     started += state.maybe_collect_garbage(views, time.perf_counter(), "slack")
     now = state.decision_time(time.perf_counter())
@@ -235,7 +233,10 @@ def _realise_decodes(scheduler: Scheduler, state: FairBatchingState, running: An
     that only grows costs one split, not a merge and a split every step."""
     chosen = set(decision.decode_ids)
     parked = state.parked
-    if parked is not None and any(req.rid in chosen or must_decode(req) for req in parked.reqs):
+    if parked is not None and (
+        not chosen.isdisjoint([req.rid for req in parked.reqs])
+        or any(map(must_decode, parked.reqs))
+    ):
         running = unpark(scheduler, running)
         parked = None
     reqs = running.reqs
@@ -385,7 +386,7 @@ def _on_idle(self: Scheduler, *args: Any, **kwargs: Any) -> None:
     if state.parked is not None:
         self.running_batch = unpark(self, self.running_batch)
     now = time.perf_counter()
-    views = [state.records.prefill_view(req) for req in self.waiting_queue]
+    views = state.records.prefill_views(self.waiting_queue)
     state.update_pab(views, now)
     if not self.running_batch.reqs and self.chunked_req is None:
         if state.trace is not None:

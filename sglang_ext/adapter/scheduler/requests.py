@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Container, Iterable
 from typing import Any
 
 from sglang_ext.adapter.admission_gate import ADMISSION_STAMP_KEY
@@ -21,7 +22,7 @@ from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 
 logger = logging.getLogger(__name__)
 
-RECORD_ATTR = "_fairbatching_record"
+RECORD_ATTR = "_fairbatching_record"  # decode_views and prefill_views read it by name
 MAX_ECHOED_GATES = 64
 
 
@@ -111,6 +112,53 @@ class RequestRecords:
         first = req.time_stats.prefill_finished_time
         view.first_token_time = first if first else (in_flight_ends_at if in_flight else None)
         return view
+
+    def decode_views(self, reqs: Iterable[Any], in_flight: Container[Any],
+                     in_flight_ends_at: float) -> list[LiveRequestView]:
+        """:meth:`decode_view` of each of ``reqs``, in order, with ``req in in_flight``: one
+        loop with its lookups bound, as it runs for every decoding request every step."""
+        views: list[LiveRequestView] = []
+        add = views.append
+        attach = self._attach
+        for req in reqs:
+            try:
+                view = req._fairbatching_record  # RECORD_ATTR, read without getattr's call
+            except AttributeError:
+                view = attach(req)
+            produced = len(req.output_ids)
+            first = req.time_stats.prefill_finished_time
+            if in_flight and req in in_flight:
+                produced += 1
+                view.first_token_time = first if first else in_flight_ends_at
+            else:
+                view.first_token_time = first if first else None
+            view.next_output_index = produced
+            view.pending_prefill = 0
+            view.context = view.prompt_tokens + produced
+            add(view)
+        return views
+
+    def prefill_views(self, reqs: Iterable[Any]) -> list[LiveRequestView]:
+        """:meth:`prefill_view` of each of ``reqs``, in order, in one loop."""
+        views: list[LiveRequestView] = []
+        add = views.append
+        attach = self._attach
+        for req in reqs:
+            try:
+                view = req._fairbatching_record  # RECORD_ATTR
+            except AttributeError:
+                view = attach(req)
+            produced = len(req.output_ids)
+            total = view.prompt_tokens + produced
+            cached = req.prefix_len
+            if cached > total - 1:
+                cached = total - 1
+            view.next_output_index = produced
+            view.pending_prefill = total - cached
+            view.context = cached
+            view.first_token_time = req.time_stats.prefill_finished_time or None
+            add(view)
+        return views
 
     def prefill_view(self, req: Any) -> LiveRequestView:
         """A request with prompt (or, after retraction, recompute) tokens not in KV yet."""
