@@ -298,12 +298,19 @@ def pack(
 
     deferrable = groups.deferrable_decodes
     if deferrable and tokens_left > 0:
-        context = sum([request.context for _, request in deferrable])
-        predicted = step.with_decodes(len(deferrable), context)
-        if len(deferrable) <= tokens_left and predicted <= budget:
-            decode_ids.extend([request.req_id for _, request in deferrable])
-            step.add_decodes(len(deferrable), context, predicted)
-        else:
+        count = len(deferrable)
+        # All of them at once, if they fit. With weights >= 0 (``usable()`` is the model
+        # itself) a step is no shorter with more decode context, so when they do not fit
+        # even at zero context the sum of their contexts is not needed.
+        if count <= tokens_left and (coefficients.usable() is not coefficients
+                                     or step.with_decodes(count, 0) <= budget):
+            context = sum([request.context for _, request in deferrable])
+            predicted = step.with_decodes(count, context)
+            if predicted <= budget:
+                decode_ids.extend([request.req_id for _, request in deferrable])
+                step.add_decodes(count, context, predicted)
+                deferrable = None
+        if deferrable:
             _pack_deferrable(deferrable, step, budget, tokens_left, decode_ids)
 
     return BatchDecision(tuple(decode_ids), tuple(chunks), step.predicted, time_budget_s)
