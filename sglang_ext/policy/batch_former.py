@@ -102,6 +102,9 @@ class Triage:
     # with a ServiceFloor: late or unserviceable requests, in arrival order
     late_decodes: list[tuple[float, RequestState]] = field(default_factory=list)
     late_prefills: list[tuple[float, RequestState]] = field(default_factory=list)
+    # the urgent and late decodes' KV context summed, when whoever built these groups
+    # already had it (smooth_step), so that pack does not sum it again; None: not known
+    always_context: int | None = None
 
 
 def token_deadline(request: RequestState, anchored: bool) -> float:
@@ -250,11 +253,12 @@ def smooth_step(
     ``None`` otherwise, and Algorithm 1 spends slack where it is needed."""
     if not math.isfinite(time_budget_s) or time_budget_s <= 0.0:
         return None
-    decodes = groups.urgent_decodes + groups.late_decodes + groups.deferrable_decodes
-    decode_tokens = len(decodes)
-    spare = time_budget_s - coefficients.step_s(
-        decode_tokens, 0, decode_tokens, sum([request.context for _, request in decodes]), 0.0)
+    context = None  # the decodes' KV context: needed only to pace queued prefills
     if groups.prefills:
+        decodes = groups.urgent_decodes + groups.late_decodes + groups.deferrable_decodes
+        decode_tokens = len(decodes)
+        context = sum([request.context for _, request in decodes])
+        spare = time_budget_s - coefficients.step_s(decode_tokens, 0, decode_tokens, context, 0.0)
         if spare <= 0.0:
             return None
         steps_per_second = time_budget_s / spare
@@ -265,8 +269,10 @@ def smooth_step(
                 return None
     # triage split one slack-sorted list at a threshold: the concatenation stays sorted
     urgent = groups.urgent_decodes + groups.deferrable_decodes
+    # pack sums the same decodes' context in another order: reuse it only when exact (ints)
     return Triage(time_budget_s, groups.min_tpot_s, urgent, groups.prefills, [],
-                  groups.late_decodes, groups.late_prefills)
+                  groups.late_decodes, groups.late_prefills,
+                  context if type(context) is int else None)
 
 
 def pack(
@@ -286,7 +292,10 @@ def pack(
     """
     always = groups.urgent_decodes + groups.late_decodes
     decode_ids: list[Hashable] = [request.req_id for _, request in always]
-    step = _Step(coefficients, len(always), sum([request.context for _, request in always]))
+    context = groups.always_context
+    if context is None:
+        context = sum([request.context for _, request in always])
+    step = _Step(coefficients, len(always), context)
     budget = math.inf if time_budget_s is None else time_budget_s
     chunks: list[tuple[Hashable, int]] = []
     tokens_left = token_budget - len(always)
