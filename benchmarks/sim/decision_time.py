@@ -497,8 +497,11 @@ def markdown(doc: dict) -> str:
                   "floats, as an SGLang adapter passing `time.monotonic()` would."]
     lines += [
         "- What the variants add to `fb` (read from the code): `fb-margin` / "
-        "`fb-anchor-margin` read `step_model.error` every step, which sorts the error window "
-        "(up to 256 entries) for its p95; "
+        "`fb-anchor-margin` refresh their margin in `observe_step`, after the step (sorting "
+        "the error window of up to 256 entries for its p95), so a decision only reads it; "
+        "their knee step model costs a little more per prediction than `fb`'s linear one; "
+        "`fb-smooth` first tries a step of one TPOT with every decode (one more pass over the "
+        "decodes and the prefills' costs); "
         "`fb-kairos` sorts the prefill group twice more and scores each prefill; `fb-anchor` "
         "only changes the slack formula. The baselines do no per-request slack arithmetic: "
         "`sglang-default` and `sarathi` filter and sort the prefills only, `vllm-default` sorts "
