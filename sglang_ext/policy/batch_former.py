@@ -257,6 +257,8 @@ def smooth_step(
     if groups.prefills:
         decodes = groups.urgent_decodes + groups.late_decodes + groups.deferrable_decodes
         decode_tokens = len(decodes)
+        if _misses_first_prefill(groups.prefills[0], coefficients, time_budget_s, decode_tokens):
+            return None
         context = sum([request.context for _, request in decodes])
         spare = time_budget_s - coefficients.step_s(decode_tokens, 0, decode_tokens, context, 0.0)
         if spare <= 0.0:
@@ -273,6 +275,26 @@ def smooth_step(
     return Triage(time_budget_s, groups.min_tpot_s, urgent, groups.prefills, [],
                   groups.late_decodes, groups.late_prefills,
                   context if type(context) is int else None)
+
+
+def _misses_first_prefill(
+    first: tuple[float, RequestState], coefficients: StepPredictor, time_budget_s: float,
+    decode_tokens: int,
+) -> bool:
+    """Whether :func:`smooth_step` is refused at its first prefill whatever the decodes'
+    context, known without summing it: with weights >= 0 (``usable()`` is the model
+    itself) the step's decodes cost at least their cost at zero context, so the time
+    left for prefill is at most what it is then, the pace no faster, and a first prefill
+    late at that pace is late at the real one (each rounding is monotone, so the float
+    comparison is decided the same way). ``False``: not known, check exactly."""
+    if coefficients.usable() is not coefficients:
+        return False
+    spare = time_budget_s - coefficients.step_s(decode_tokens, 0, decode_tokens, 0, 0.0)
+    if spare <= 0.0:
+        return True
+    slack, request = first
+    queued = coefficients.prefill_cost_s(request.pending_prefill, request.context, decode_tokens)
+    return queued * (time_budget_s / spare) + time_budget_s > slack
 
 
 def pack(
