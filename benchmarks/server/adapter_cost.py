@@ -3,30 +3,40 @@
 Drives one SGLang 0.5.23 ``Scheduler`` (emulated GPU, CPU) step by step through
 :mod:`benchmarks.server.scheduler_harness` with and without FairBatching, and reports
 ``get_next_batch_to_run`` wall time per step (p50/p99) at a load of about 256 running
-requests and a queue of long prompts, plus the adapter's own decision time. ``stock``
-is SGLang's default (prefill-first, chunk 8192); ``stock-mixed`` adds
+requests and a queue of 64 long prompts, plus the adapter's own decision time per step
+(views of every request, PAB, the policy's ``form_batch``, parking the deferred
+decodes: what FairBatching adds before SGLang's own prefill admission). ``stock`` is
+SGLang's default (prefill-first, chunk 8192); ``stock-mixed`` adds
 ``--enable-mixed-chunk`` with a 512-token chunk, which builds mixed batches as
-FairBatching does. Writes
-``docs/bench/adapter.json``. Run with the test environment's Python
-(``FB_EXTRAS=dev,sglang source scripts/_env.sh``)::
+FairBatching does. FairBatching runs the shipped config's policy
+(``configs/fairbatching.toml``) unless ``--policy`` names another. Only busy steps count
+(at least 128 decoding or parked requests). The three run in ``--rounds`` interleaved
+rounds (each in a fresh interpreter) and the samples of all rounds are pooled, so a slow
+stretch of a shared machine hits all three alike. The issue's check: FairBatching's
+adapter plus policy no slower than stock's own ``get_next_batch_to_run`` at the same load.
+Writes ``docs/bench/adapter.json``. Run pinned to one core with the test environment's
+Python (``FB_EXTRAS=dev,sglang source scripts/_env.sh``)::
 
-    python -m benchmarks.server.adapter_cost
+    taskset -c 1 python -m benchmarks.server.adapter_cost
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import platform
 import statistics
 import tempfile
+import tomllib
 from pathlib import Path
 
 from benchmarks.server.scheduler_harness import HarnessFailed, run_scenario
+from benchmarks.support.machine import cpu_times, cpu_usage, machine_info, machine_line
 from benchmarks.support.paths import DOCS_BENCH, REPO
 
 RUNNING = 256
 WAITING = 64
+BUSY = RUNNING // 2  # a step counts when at least this many requests decode or are parked
+SHIPPED_CONFIG = REPO / "configs" / "fairbatching.toml"
 
 
 def scenario(config: Path | None, mixed: bool = False) -> dict:
@@ -36,8 +46,7 @@ def scenario(config: Path | None, mixed: bool = False) -> dict:
                   "slo": {"class": "standard"}} for i in range(WAITING)]
     result = {"requests": requests, "overlap": False, "max_total_tokens": 400_000,
               "timeout_s": 900, "max_steps": 400, "enable_mixed_chunk": mixed,
-              "record_triage": False,
-              "chunked_prefill_size": 512 if mixed else 8192}
+              "chunked_prefill_size": 512 if mixed else 8192, "record_triage": False}
     if config is not None:
         result["config"] = str(config)
     return result
@@ -48,39 +57,97 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(name: str, config: Path | None, workdir: Path, mixed: bool = False) -> dict:
+def summary(values: list[float]) -> dict:
+    return {"p50": percentile(values, 0.5), "p90": percentile(values, 0.9),
+            "p99": percentile(values, 0.99), "mean": round(statistics.fmean(values), 1),
+            "steps": len(values)}
+
+
+def run(name: str, config: Path | None, workdir: Path, mixed: bool = False) -> dict[str, list[float]]:
+    """One run; the busy steps' ``get_next_batch_to_run`` times and, with FairBatching,
+    the adapter's decision times of the same steps (microseconds)."""
     try:
         report = run_scenario(scenario(config, mixed), workdir, name, timeout_s=1800)
     except HarnessFailed as error:
         raise SystemExit(f"{name} failed: {error}") from None
-    busy = [s["get_next_batch_us"] for s in report["steps"]
-            if s.get("decodes") and len(s["decodes"]) + len(s.get("parked", [])) >= RUNNING // 2]
-    return {
-        "steps_measured": len(busy),
-        "get_next_batch_us": {"p50": percentile(busy, 0.5), "p99": percentile(busy, 0.99),
-                              "mean": round(statistics.fmean(busy), 1)},
-        "fairbatching_decision_us": (report["fairbatching"] or {}).get("decision_us"),
-    }
+    busy = [s for s in report["steps"]
+            if s.get("decodes") and len(s["decodes"]) + len(s.get("parked", [])) >= BUSY]
+    return {"get_next_batch_us": [s["get_next_batch_us"] for s in busy],
+            "decision_us": [s["decision_us"] for s in busy if "decision_us" in s]}
 
 
-def main() -> None:
+def shipped_policy() -> str:
+    return tomllib.loads(SHIPPED_CONFIG.read_text())["policy"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", default=None,
+                        help=f"FairBatching's policy (default: the shipped config's, {shipped_policy()})")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved rounds of the three runs, samples pooled (default 2)")
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH / "adapter.json", help="JSON written")
+    args = parser.parse_args(argv)
+    policy = args.policy or shipped_policy()
+    info = machine_info()
     workdir = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
     config = workdir / "fb.toml"
-    config.write_text(f'policy = "fb-anchor-margin"\nslo_file = "{REPO}/configs/slo.toml"\n'
+    config.write_text(f'policy = "{policy}"\nslo_file = "{REPO}/configs/slo.toml"\n'
                       f'step_model = "{REPO}/configs/step_models/llama3.1-8b-h100.toml"\n')
-    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-               "load": f"{RUNNING} decoding requests, {WAITING} queued 2048-token prompts",
-               "stock": run("stock", None, workdir),
-               "stock-mixed": run("stock-mixed", None, workdir, mixed=True),
-               "fairbatching": run("fairbatching", config, workdir)}
-    out = DOCS_BENCH / "adapter.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    for name in ("stock", "stock-mixed", "fairbatching"):
-        r = results[name]
-        print(f"{name:13s} get_next_batch_to_run p50 {r['get_next_batch_us']['p50']:8.0f} us  "
-              f"p99 {r['get_next_batch_us']['p99']:8.0f} us  ({r['steps_measured']} busy steps)"
-              + (f"; adapter+policy p50/p99 {r['fairbatching_decision_us']}" if r["fairbatching_decision_us"] else ""))
-    print(f"wrote {out}")
+    runs = {"stock": (None, False), "stock-mixed": (None, True), "fairbatching": (config, False)}
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"get_next_batch_us": [], "decision_us": []} for name in runs}
+    per_round: dict[str, list[dict]] = {name: [] for name in runs}
+    before = cpu_times()
+    for round_ in range(args.rounds):
+        for name, (cfg, mixed) in runs.items():
+            got = run(name, cfg, workdir, mixed)
+            for key, values in got.items():
+                samples[name][key] += values
+            per_round[name].append({key: summary(values) for key, values in got.items() if values})
+            print(f"round {round_ + 1}/{args.rounds} {name:13s} get_next_batch_to_run p50 "
+                  f"{percentile(got['get_next_batch_us'], 0.5):7.0f} us"
+                  + (f", adapter+policy p50 {percentile(got['decision_us'], 0.5):6.0f} us"
+                     if got["decision_us"] else ""), flush=True)
+    usage = cpu_usage(before, cpu_times())
+    results = {name: {key: summary(values) for key, values in cell.items() if values}
+               for name, cell in samples.items()}
+    stock, fb = results["stock"]["get_next_batch_us"], results["fairbatching"]["decision_us"]
+    doc = {
+        "machine": machine_line(info),
+        "machine_info": info,
+        "cpu_usage_during_runs": usage,
+        "load": f"{RUNNING} decoding requests (three SLO classes), {WAITING} queued 2048-token "
+                f"prompts from step 40; busy steps only (>= {BUSY} decoding or parked)",
+        "fairbatching_policy": policy,
+        "rounds": args.rounds,
+        "command": "taskset -c 1 python -m benchmarks.server.adapter_cost"
+                   + (" " + " ".join(argv) if argv else ""),
+        "note": "get_next_batch_us: SGLang's Scheduler.get_next_batch_to_run per step (with "
+                "FairBatching: its hooks included, and SGLang's own prefill admission of the "
+                "planned chunks); decision_us: FairBatching's adapter and policy alone (request "
+                "views, PAB, form_batch, parking), the issue's 'adapter plus policy'.",
+        "adapter_plus_policy_vs_stock_get_next_batch": {
+            "p50": {"fairbatching_us": fb["p50"], "stock_us": stock["p50"],
+                    "no_slower": fb["p50"] <= stock["p50"]},
+            "p99": {"fairbatching_us": fb["p99"], "stock_us": stock["p99"],
+                    "no_slower": fb["p99"] <= stock["p99"]},
+        },
+        **results,
+        "rounds_detail": per_round,
+    }
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"machine: {doc['machine']}; CPU use: " + ", ".join(
+        f"{cpu} busy {u['busy_pct']:.0f}%" for cpu, u in usage.items()))
+    for name, cell in results.items():
+        line = (f"{name:13s} get_next_batch_to_run p50/p90/p99 {cell['get_next_batch_us']['p50']:.0f}/"
+                f"{cell['get_next_batch_us']['p90']:.0f}/{cell['get_next_batch_us']['p99']:.0f} us "
+                f"({cell['get_next_batch_us']['steps']} busy steps)")
+        if "decision_us" in cell:
+            line += (f"; adapter+policy p50/p90/p99 {cell['decision_us']['p50']:.0f}/"
+                     f"{cell['decision_us']['p90']:.0f}/{cell['decision_us']['p99']:.0f} us")
+        print(line)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

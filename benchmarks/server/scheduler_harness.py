@@ -137,6 +137,7 @@ def main(scenario_path: str) -> None:
                 aborted[rid] = step
         if triage is not None:
             triage.clear()
+        decisions = state.counters.decisions if state is not None else 0
         formed = time.perf_counter()
         plan = scheduler.get_next_batch_to_run(scheduler.running_batch, last_batch)
         formed = time.perf_counter() - formed
@@ -149,6 +150,8 @@ def main(scenario_path: str) -> None:
         if triage and batch is not None:
             record["triage"] = triage[-1]
         record["get_next_batch_us"] = round(formed * 1e6, 1)
+        if state is not None and state.counters.decisions > decisions:
+            record["decision_us"] = round(state.decision_s[-1] * 1e6, 1)  # adapter + policy
         if state is not None and state.parked is not None:
             for req in state.parked.reqs:
                 kv_rows[req.rid] = _kv_row(scheduler, req)

@@ -24,6 +24,7 @@ from sglang_ext.adapter.scheduler.requests import RequestRecords
 from sglang_ext.adapter.scheduler.step_trace import StepTrace, TracedDecision
 from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, AdmissionSettings
 from sglang_ext.policy.gc import should_collect
+from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
 
@@ -103,7 +104,10 @@ class FairBatchingState:
         self.admission: AdmissionSettings = self.policy.admission
         self.records = RequestRecords(config.catalog)
         self.parked: Any = None  # ScheduleBatch of deferred decodes, or None
-        self.pab_tokens = 0
+        # the PAB's inputs at the last decision (views, clock, step model), computed from
+        # them when first read (pab_tokens)
+        self._pab_inputs: tuple[Sequence[RequestState], float, Any] | None = None
+        self._pab_tokens: int | None = 0
         # Per SLO class, prompt tokens a new request may bring (published in the load
         # snapshot for the HTTP process's admission gate and the DP pab method, and in
         # control-plane reports); computed under mode reject, or when one of those
@@ -153,12 +157,32 @@ class FairBatchingState:
             self.publishes_budgets or self.admission.mode is not AdmissionMode.OFF)
 
     def update_pab(self, views: Sequence[RequestState], now: float) -> None:
-        budget = self.policy.prefill_admission_budget(views, now)
-        self.pab_tokens = int(budget) if math.isfinite(budget) else 0
+        """The rank's budgets at this decision. The PAB is computed when first read (a
+        metrics publish, a load snapshot, a control-plane report; a single rank without
+        metrics never reads it), from what it would have been computed from now: these
+        views (refreshed in place only by the next decision, which calls this again before
+        anything reads it), this clock and this step model (a new object after every
+        observed step)."""
+        self._pab_inputs = (views, now, self.policy.step_model.coefficients)
+        self._pab_tokens = None
         if self.publishes_budgets:
             budgets = self.policy.admission_budgets(views, now, self.config.catalog.classes)
             self.admission_budgets = {name: whole_budget_tokens(b) for name, b in budgets.items()}
             self.admission_echo = dict(self.records.admission_echo)
+
+    @property
+    def pab_tokens(self) -> int:
+        """The Prefill Admission Budget at the last decision, whole tokens (0 before any)."""
+        if self._pab_tokens is None:
+            views, now, coefficients = self._pab_inputs
+            # BatchPolicy.prefill_admission_budget, with the step model of that decision
+            budget = prefill_admission_budget(views, now, coefficients, self.policy.context.global_slo)
+            self._pab_tokens = int(budget) if math.isfinite(budget) else 0
+        return self._pab_tokens
+
+    @pab_tokens.setter
+    def pab_tokens(self, tokens: int) -> None:
+        self._pab_inputs, self._pab_tokens = None, tokens
 
     def observe_prefills(self, prefills: Sequence[Any], now: float, abort_ids: Sequence[Any]) -> None:
         """Count the waiting ``prefills`` (live views) that passed their TTFT deadline

@@ -1,0 +1,101 @@
+"""The per-step state the scheduler hooks keep: request views refreshed in one loop, and
+the PAB computed when read from the last decision's inputs (the same value as computing
+it at the decision)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed", allow_module_level=True)
+
+pytestmark = pytest.mark.sglang
+
+REPO = Path(__file__).resolve().parents[2]
+VIEW_FIELDS = ("req_id", "arrival", "slo", "arrival_seq", "prompt_tokens", "next_output_index",
+               "pending_prefill", "context", "first_token_time")
+
+
+@pytest.fixture
+def state():
+    from sglang_ext.adapter.extension_config import ExtensionConfig
+    from sglang_ext.adapter.scheduler.state import FairBatchingState
+
+    return FairBatchingState(ExtensionConfig.load(REPO / "configs" / "fairbatching.toml"))
+
+
+class FakeReq:
+    """What the views read of an SGLang ``Req`` (hashable by identity, as a ``Req`` is)."""
+
+    def __init__(self, **attributes) -> None:
+        self.__dict__.update(attributes)
+
+
+def fake_req(rid: str, rng: random.Random, *, decoding: bool) -> FakeReq:
+    arrival = 100.0 + rng.random()
+    prompt = rng.randint(1, 3000)
+    produced = rng.randint(1, 300) if decoding else rng.choice([0, 0, 2])
+    first = (arrival + 0.2) if decoding and rng.random() < 0.8 else None
+    slo_class = rng.choice(["interactive", "standard", "relaxed"])
+    return FakeReq(
+        rid=rid, origin_input_ids=[1] * prompt, output_ids=[7] * produced,
+        prefix_len=rng.randint(0, prompt), finished_reason=None, to_finish=None,
+        sampling_params=SimpleNamespace(max_new_tokens=400, custom_params={"slo": {"class": slo_class}}),
+        time_stats=SimpleNamespace(prefill_finished_time=first or 0.0, scheduler_recv_time=arrival,
+                                   wait_queue_entry_time=arrival),
+    )
+
+
+def fields(view) -> tuple:
+    return tuple(getattr(view, name) for name in VIEW_FIELDS)
+
+
+def test_views_refreshed_in_one_loop_equal_one_by_one():
+    from sglang_ext.adapter.extension_config import ExtensionConfig
+    from sglang_ext.adapter.scheduler.requests import RequestRecords
+
+    catalog = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml").catalog
+    rng = random.Random(3)
+    decoding = [fake_req(f"d{i}", rng, decoding=True) for i in range(40)]
+    waiting = [fake_req(f"w{i}", rng, decoding=False) for i in range(10)]
+    in_flight = set(decoding[::3])
+    one, batch = RequestRecords(catalog), RequestRecords(catalog)
+    twins = {id(req): FakeReq(**{**vars(req), "output_ids": list(req.output_ids)})
+             for req in decoding + waiting}
+    for _ in range(2):  # first sight (attach), then a refresh
+        expected = [fields(one.decode_view(twins[id(r)], r in in_flight, 9.5)) for r in decoding]
+        expected += [fields(one.prefill_view(twins[id(r)])) for r in waiting]
+        got = [fields(v) for v in batch.decode_views(decoding, in_flight, 9.5)]
+        got += [fields(v) for v in batch.prefill_views(waiting)]
+        assert got == expected
+        for req in decoding:
+            req.output_ids.append(7)
+            twins[id(req)].output_ids.append(7)
+
+
+def test_pab_read_later_is_the_decisions_pab(state):
+    from sglang_ext.adapter.scheduler.requests import RequestRecords
+    from sglang_ext.policy.step_shape import StepShape
+
+    assert state.pab_tokens == 0  # before any decision
+    rng = random.Random(5)
+    records = RequestRecords(state.config.catalog)
+    views = records.decode_views([fake_req(f"d{i}", rng, decoding=True) for i in range(30)], set(), 0.0)
+    views += records.prefill_views([fake_req(f"w{i}", rng, decoding=False) for i in range(5)])
+    now = 101.0
+    budget = state.policy.prefill_admission_budget(views, now)
+    expected = int(budget) if math.isfinite(budget) else 0
+    state.update_pab(views, now)
+    # the step model moves on after the step; the PAB read then is still the decision's
+    state.policy.observe_step(StepShape(2048, 2048 * 1024.5, 0, 30, 30 * 900, 1), 0.09)
+    assert state.policy.step_model.coefficients is not state._pab_inputs[2]
+    assert state.pab_tokens == expected
+    assert state.snapshot()["pab_tokens"] == expected
+    state.pab_tokens = 17  # set directly (as tests of the readers do)
+    assert state.pab_tokens == 17
