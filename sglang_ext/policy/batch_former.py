@@ -157,6 +157,10 @@ def triage(
         late_before, serviceable = 0.0, floor.min_serviceable_tpot_s
     guard = deadline_guard_s
     min_tpot = math.inf
+    # whether each late group came in arrival order already (an engine keeps its requests
+    # so): then its sort by arrival, a Python key per request, would change nothing
+    last_late_decode = last_late_prefill = -math.inf
+    late_decodes_ordered = late_prefills_ordered = True
     for request in requests:
         slo = request.slo
         tpot = slo.tpot_s
@@ -166,10 +170,17 @@ def triage(
         else:
             slack = request.arrival + slo.ttft_s + tpot * index - now
         if slack < late_before or tpot < serviceable:
+            seq = request.arrival_seq
             if request.pending_prefill:
                 late_prefills.append((slack, request))
+                if seq < last_late_prefill:
+                    late_prefills_ordered = False
+                last_late_prefill = seq
             else:
                 late_decodes.append((slack, request))
+                if seq < last_late_decode:
+                    late_decodes_ordered = False
+                last_late_decode = seq
             continue
         if tpot < min_tpot:
             min_tpot = tpot
@@ -179,17 +190,19 @@ def triage(
             add_prefill((slack, request))
         else:
             add_decode((slack, request))
-    return _grouped(decodes, prefills, late_decodes, late_prefills, min_tpot, floor, guard)
+    return _grouped(decodes, prefills, late_decodes, late_prefills, min_tpot, floor, guard,
+                    late_decodes_ordered, late_prefills_ordered)
 
 
 def _grouped(
     decodes: list[tuple[float, RequestState]], prefills: list[tuple[float, RequestState]],
     late_decodes: list[tuple[float, RequestState]], late_prefills: list[tuple[float, RequestState]],
     min_tpot: float, floor: ServiceFloor | None, deadline_guard_s: float,
+    late_decodes_ordered: bool = False, late_prefills_ordered: bool = False,
 ) -> Triage:
-    """Sorts the groups (each stably, from arrival order), takes the time budget and
-    splits the decodes at the urgent threshold. ``min_slack`` is the smallest in-time
-    slack: the head of a sorted group."""
+    """Sorts the groups (each stably, from arrival order; a late group ``_ordered``
+    already is), takes the time budget and splits the decodes at the urgent threshold.
+    ``min_slack`` is the smallest in-time slack: the head of a sorted group."""
     decodes.sort(key=_by_slack)
     prefills.sort(key=_by_slack)
     if min_tpot == math.inf:  # nobody in time
@@ -201,9 +214,9 @@ def _grouped(
             min_slack = (decodes or prefills)[0][0]
         init_time_budget = max(min_slack, min_tpot - deadline_guard_s)
     split = bisect_left(decodes, init_time_budget + min_tpot, key=_by_slack)
-    if len(late_decodes) > 1:
+    if len(late_decodes) > 1 and not late_decodes_ordered:
         late_decodes.sort(key=_arrival_order)
-    if len(late_prefills) > 1:
+    if len(late_prefills) > 1 and not late_prefills_ordered:
         late_prefills.sort(key=_arrival_order)
     return Triage(
         init_time_budget, min_tpot, decodes[:split], prefills, decodes[split:],
