@@ -60,8 +60,10 @@ from sglang_ext.sim.runner import (
 )
 from sglang_ext.sim.sweep import (
     DEFAULT_POLICIES,
+    PRIORITY_BASELINES,
     SweepPlan,
     assemble,
+    default_policies,
     plan_sweep,
     run_sweep,
     summary_table,
@@ -267,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(run)
     sweep = commands.add_parser("sweep", help="policies x offered loads (bundled sample by default)")
     sweep.add_argument("--policy", action="append", dest="policies",
-                       help=f"repeatable (default: {' '.join(DEFAULT_POLICIES)})")
+                       help=f"repeatable (default: {' '.join(DEFAULT_POLICIES)}; with --class-mix "
+                       f"of several classes also {' '.join(PRIORITY_BASELINES)})")
     sweep.add_argument("--rates", type=_rate_list, default=None,
                        help=f"offered loads, req/s (default: {','.join(f'{r:g}' for r in QUICK_RATES)}; "
                        f"with --full {','.join(f'{r:g}' for r in DEFAULT_RATES)})")
@@ -560,7 +563,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     from sglang_ext.sim.plots import plot_effective_rps, plot_fairness, plot_latency_cdfs
 
-    names = _with_admission(args.policies or DEFAULT_POLICIES, args.admission)
+    several_classes = args.class_mix is not None and len(args.class_mix.fractions) > 1
+    names = _with_admission(args.policies or default_policies(several_classes), args.admission)
     plan = plan_sweep(names, args.budgets)
     disagg = _disagg_config(args, plan.runs + tuple(parse_policy(n) for n in plan.tuned))
     scenario = _scenario(args, disagg)

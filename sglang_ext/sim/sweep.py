@@ -48,12 +48,18 @@ from sglang_ext.sim.runner import (
 SCHEMA_VERSION = 2
 DEFAULT_POLICIES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
+    "sarathi-sjf", "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
     "fb-fb", "fb-tb", "fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab",
-    "fb-anchor-margin+reject", "fb-anchor-margin+defer",
+    "fb-anchor-margin+reject", "fb-anchor-margin+defer", "fb-smooth", "fb-smooth+defer",
 )
-#: the baselines users run today, admission controls included; ratios divide by their best
+#: class-priority orders: with one SLO class they are FCFS, so a sweep adds them by default
+#: only to a scenario with several classes (``default_policies``)
+PRIORITY_BASELINES = ("sarathi-priority", "sarathi-priority-queue-cap", "sarathi-priority-queue-timeout")
+#: the baselines users run today, admission controls and shortest-first and class-priority
+#: orders included; ratios divide by their best
 BASELINES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
+    "sarathi-sjf", "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout", *PRIORITY_BASELINES,
 )
 #: the baselines whose rule is an admission control (vLLM's queued-token cap, SGLang's
 #: waiting timeout; in FCFS, shortest-first or class-priority order:
@@ -63,6 +69,12 @@ ADMISSION_BASELINES = (
     "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
     "sarathi-priority-queue-cap", "sarathi-priority-queue-timeout",
 )
+
+
+def default_policies(several_classes: bool) -> tuple[str, ...]:
+    """What a sweep runs when no policy is named: ``DEFAULT_POLICIES``, and the
+    class-priority baselines when the scenario has several SLO classes."""
+    return DEFAULT_POLICIES + (PRIORITY_BASELINES if several_classes else ())
 
 
 def policy_kind(name: str) -> tuple[bool, bool]:

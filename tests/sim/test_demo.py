@@ -17,18 +17,21 @@ from sglang_ext.sim.fitting import tuning
 from sglang_ext.sim.metrics import LatencySamples
 from sglang_ext.sim.plots import PALETTE, effective_rps_figure, latency_cdf_figure
 from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS
-from sglang_ext.sim.sweep import DEFAULT_POLICIES, headline_table, plan_sweep
+from sglang_ext.sim.sweep import DEFAULT_POLICIES, PRIORITY_BASELINES, headline_table, plan_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
-#: the sweep's defaults before the quick mode (a1ce790): --full must keep them
+#: the sweep's defaults: before the quick mode (a1ce790), with the shortest-first baselines
+#: and fb-smooth (issue 28) added; --full runs them at the full grid
 FULL_POLICIES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
+    "sarathi-sjf", "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
     "fb-fb", "fb-tb", "fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab",
-    "fb-anchor-margin+reject", "fb-anchor-margin+defer",
+    "fb-anchor-margin+reject", "fb-anchor-margin+defer", "fb-smooth", "fb-smooth+defer",
 )
 FULL_RATES = (4.0, 8.0, 12.0, 14.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0, 24.0, 28.0, 32.0, 36.0)
 FULL_BUDGETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-TUNED_FAMILIES = ("sarathi", "sarathi-queue-cap", "sarathi-queue-timeout", "fb-fb")
+TUNED_FAMILIES = ("sarathi", "sarathi-queue-cap", "sarathi-queue-timeout", "sarathi-sjf",
+                  "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout", "fb-fb")
 
 
 class _Planned(Exception):
@@ -83,6 +86,14 @@ def test_the_quick_default_runs_the_shipped_settings(monkeypatch):
         assert preset.tuning["shipped"] is True
     assert seen["rates"] == QUICK_RATES and seen["cdf_rate"] == 19.0
     assert set(QUICK_RATES) < set(FULL_RATES)
+
+
+def test_several_classes_add_the_class_priority_baselines(monkeypatch):
+    mixed = _planned(monkeypatch, ["--class-mix", "interactive:0.3,standard:0.7"])["plan"]
+    assert mixed.requested == FULL_POLICIES + PRIORITY_BASELINES
+    assert set(PRIORITY_BASELINES) <= set(mixed.tuned)
+    one = _planned(monkeypatch, ["--class-mix", "standard:1"])["plan"]
+    assert one.requested == FULL_POLICIES
 
 
 def test_retune_tunes_over_the_quick_grid(monkeypatch):
