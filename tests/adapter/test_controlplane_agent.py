@@ -550,7 +550,7 @@ def test_a_scheduler_that_routes_on_class_budgets_computes_them_whatever_its_adm
     config = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml")
     plain = attach(NS(server_args=NS(load_balance_method="round_robin")), config)
     routed = attach(NS(server_args=NS(load_balance_method="pab")), config)
-    assert plain.admission.mode is AdmissionMode.OFF and not plain.publishes_budgets
+    assert plain.admission.mode is AdmissionMode.DEFER and not plain.publishes_budgets
     assert routed.publishes_budgets
     plain.update_pab([], 0.0)
     routed.update_pab([], 0.0)

@@ -123,7 +123,7 @@ def test_admission_defaults_off_and_pab_names_imply_reject(tmp_path: Path) -> No
     from sglang_ext.policy.admission import AdmissionMode, AdmissionRule
 
     shipped = ExtensionConfig.load(REPO / "configs" / "fairbatching.toml")
-    assert shipped.admission.mode is AdmissionMode.OFF
+    assert shipped.admission.mode is AdmissionMode.DEFER  # shipped on; the code's default is off
     config = ExtensionConfig.load(write(tmp_path, 'policy = "fb-anchor-margin-pab"\n'))
     assert config.admission.mode is AdmissionMode.OFF
     effective = config.effective_admission
