@@ -214,6 +214,7 @@ def prefill_rate(
 ) -> float:
     """Prompt tokens per second left for prefill (module docstring); >= 0."""
     usable = coefficients.usable()
+    decode_cost_s = usable.decode_cost_s  # bound once: this loop runs over every request each step
     period = default_tpot_s
     decode_share = 0.0
     decodes = len(requests)
@@ -221,7 +222,7 @@ def prefill_rate(
         tpot = request.slo.tpot_s
         if tpot < period:
             period = tpot
-        decode_share += usable.decode_cost_s(request.context + request.pending_prefill, decodes) / tpot
+        decode_share += decode_cost_s(request.context + request.pending_prefill, decodes) / tpot
     free = 1.0 - usable.a_s / period - decode_share
     return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
 

@@ -141,8 +141,6 @@ def triage(
     """
     if not requests:
         return None
-    if hopeless:
-        return _triage_with_hopeless(requests, now, anchored, floor, hopeless, deadline_guard_s)
     # One pass, every lookup bound to a local: this loop is most of a decision's time
     # (one iteration per active request). The arithmetic is token_deadline's, operation
     # for operation, so every slack is bit-for-bit the same.
@@ -169,7 +167,7 @@ def triage(
             slack = first + tpot * index - now
         else:
             slack = request.arrival + slo.ttft_s + tpot * index - now
-        if slack < late_before or tpot < serviceable:
+        if slack < late_before or tpot < serviceable or (hopeless and request.req_id in hopeless):
             seq = request.arrival_seq
             if request.pending_prefill:
                 late_prefills.append((slack, request))
@@ -222,33 +220,6 @@ def _grouped(
         init_time_budget, min_tpot, decodes[:split], prefills, decodes[split:],
         late_decodes, late_prefills,
     )
-
-
-def _triage_with_hopeless(
-    requests: Sequence[RequestState], now: float, anchored: bool, floor: ServiceFloor | None,
-    hopeless: frozenset, deadline_guard_s: float,
-) -> Triage:
-    """:func:`triage` under admission mode ``defer``: ``hopeless`` requests are late too."""
-    decodes: list[tuple[float, RequestState]] = []
-    prefills: list[tuple[float, RequestState]] = []
-    late_decodes: list[tuple[float, RequestState]] = []
-    late_prefills: list[tuple[float, RequestState]] = []
-    min_tpot = math.inf
-    serviceable = 0.0 if floor is None else floor.min_serviceable_tpot_s
-    for request in requests:
-        tpot = request.slo.tpot_s
-        slack = token_deadline(request, anchored) - now
-        if (floor is not None and (slack < 0.0 or tpot < serviceable)) or (
-            request.req_id in hopeless
-        ):
-            (late_prefills if request.pending_prefill else late_decodes).append((slack, request))
-            continue
-        slack -= deadline_guard_s
-        if tpot < min_tpot:
-            min_tpot = tpot
-        (prefills if request.pending_prefill else decodes).append((slack, request))
-    return _grouped(decodes, prefills, late_decodes, late_prefills, min_tpot, floor,
-                    deadline_guard_s)
 
 
 def smooth_step(

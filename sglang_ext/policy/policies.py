@@ -237,10 +237,10 @@ class _LatenessGuarded(BatchPolicy):
         if self.admission.mode is not AdmissionMode.DEFER:
             return ()
         limit = self.admission.max_defer_s
-        return tuple(
+        return tuple([
             r.req_id for r in requests
             if r.next_output_index == 0 and now - r.arrival - r.slo.ttft_s > limit
-        )
+        ])
 
     def form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         expired = self._expired(requests, now)
