@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from operator import itemgetter
 
+from sglang_ext.policy.knee_step_model import KneeStepModel
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients, StepPredictor
@@ -214,17 +215,39 @@ def prefill_rate(
 ) -> float:
     """Prompt tokens per second left for prefill (module docstring); >= 0."""
     usable = coefficients.usable()
-    decode_cost_s = usable.decode_cost_s  # bound once: this loop runs over every request each step
     period = default_tpot_s
     decode_share = 0.0
     decodes = len(requests)
-    for request in requests:
-        tpot = request.slo.tpot_s
-        if tpot < period:
-            period = tpot
-        decode_share += decode_cost_s(request.context + request.pending_prefill, decodes) / tpot
+    terms = _decode_cost_terms(usable, decodes)
+    if terms is None:
+        decode_cost_s = usable.decode_cost_s
+        for request in requests:
+            tpot = request.slo.tpot_s
+            if tpot < period:
+                period = tpot
+            decode_share += decode_cost_s(request.context + request.pending_prefill, decodes) / tpot
+    else:
+        # the model's decode_cost_s, inlined (two calls per request, every step)
+        fixed, per_kv_token, scale = terms
+        for request in requests:
+            tpot = request.slo.tpot_s
+            if tpot < period:
+                period = tpot
+            decode_share += (fixed + per_kv_token * (request.context + request.pending_prefill)
+                             * scale) / tpot
     free = 1.0 - usable.a_s / period - decode_share
     return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
+
+
+def _decode_cost_terms(model: StepPredictor, decodes: int) -> tuple[float, float, float] | None:
+    """``(fixed, per_kv_token, scale)`` with ``model.decode_cost_s(kv, decodes) == fixed +
+    per_kv_token * kv * scale`` operation for operation (bit for bit: ``* 1.0`` is exact),
+    for the two step models; ``None`` for any other predictor (call it)."""
+    if type(model) is KneeStepModel:
+        return model.b_s_per_token, model.d_s_per_decode_context_token, model._scale(decodes)
+    if type(model) is StepCoefficients:
+        return model.b_s_per_token, model.c_s_per_context_token, 1.0
+    return None
 
 
 def last_token_due(request: RequestState, output_tokens: int) -> float:

@@ -1,0 +1,75 @@
+"""``prefill_rate`` inlines the step models' ``decode_cost_s`` (it runs over every request
+at every decision under admission ``defer``); it must stay bit for bit what calling the
+model gives."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_ext.policy.admission import prefill_rate
+from sglang_ext.policy.knee_step_model import KneeStepModel
+from sglang_ext.policy.slo import Slo
+from sglang_ext.policy.step_model import StepCoefficients
+from sglang_ext.policy.view import RequestView
+
+
+def called(requests, coefficients, default_tpot_s, headroom):
+    """``prefill_rate`` as written before the inlining: the model called per request."""
+    usable = coefficients.usable()
+    period = default_tpot_s
+    decode_share = 0.0
+    decodes = len(requests)
+    for request in requests:
+        tpot = request.slo.tpot_s
+        if tpot < period:
+            period = tpot
+        decode_share += usable.decode_cost_s(request.context + request.pending_prefill, decodes) / tpot
+    free = 1.0 - usable.a_s / period - decode_share
+    return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
+
+
+class OtherPredictor:
+    """A predictor of neither known type: called, not inlined."""
+
+    def __init__(self, linear: StepCoefficients) -> None:
+        self.linear = linear
+        self.a_s, self.b_s_per_token = linear.a_s, linear.b_s_per_token
+
+    def usable(self):
+        return self
+
+    def decode_cost_s(self, kv_tokens: float, decodes: int) -> float:
+        return self.linear.decode_cost_s(kv_tokens, decodes) * 1.5
+
+
+MODELS = [
+    StepCoefficients(0.004, 6e-5, 3.1e-8),
+    StepCoefficients(-0.001, 1e-9, -2e-8),  # usable() clamps it
+    KneeStepModel(0.005, 5e-5, 1e-8, 3.3e-9, 1e-12, 256.0, 64.0),
+    KneeStepModel(0.005, 5e-5, 1e-8, 3.3e-9, 1e-12, 256.0, 500.0),  # saturation above the count
+    KneeStepModel(0.005, 5e-5, 1e-8, -3e-9, 1e-12, 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: f"{type(m).__name__}")
+def test_the_inlined_decode_cost_is_the_models(model):
+    rng = random.Random(11)
+    slos = [Slo(2.0, 0.05), Slo(0.5, 0.03), Slo(5.0, 0.2), Slo(1.0, 0.0173)]
+    for trial in range(200):
+        count = rng.choice([0, 1, 7, 63, 64, 65, 300])
+        requests = [RequestView(i, rng.uniform(0, 100), rng.choice(slos), rng.randint(0, 400),
+                                rng.choice([0, 0, rng.randint(1, 4000)]), rng.randint(0, 9000),
+                                rng.randint(1, 4000), i)
+                    for i in range(count)]
+        default_tpot = rng.choice([0.05, 0.01, 0.2])
+        headroom = rng.choice([0.0, 0.1])
+        assert prefill_rate(requests, model, default_tpot, headroom) == called(
+            requests, model, default_tpot, headroom)
+
+
+def test_another_predictor_is_called():
+    model = OtherPredictor(StepCoefficients(0.004, 6e-5, 3.1e-8))
+    requests = [RequestView(i, 0.0, Slo(2.0, 0.05), 3, 0, 1000 + i, 900, i) for i in range(50)]
+    assert prefill_rate(requests, model, 0.05) == called(requests, model, 0.05, 0.0)
