@@ -311,10 +311,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     parser.add_argument("--resume", action="store_true",
                         help="reuse the scenarios a stopped run saved under OUT/fair_capacity.scenarios")
+    parser.add_argument("--saved-only", action="store_true",
+                        help="with --resume: render the saved scenarios only, run none that is missing")
     args = parser.parse_args(argv)
+    if args.saved_only and not args.resume:
+        parser.error("--saved-only needs --resume")
     if not args.quick and not args.trace.is_file():
         parser.error(f"--trace {args.trace}: not found (the shared one-hour Azure trace)")
-    began = time.perf_counter()
     done = args.out / "fair_capacity.scenarios"  # one file per scenario, reused by --resume
     if not args.resume and done.is_dir():
         for old in done.glob("*.json"):
@@ -330,15 +333,22 @@ def main(argv=None) -> int:
         settings = {family: record["best"] for family, record in reference["tuning"].items()}
         keys = [ScenarioKey(w, p, m) for p in PROFILES for w in WORKLOADS for m in MIXES]
         jobs = [(key, args.trace, settings, False, saved(key)) for key in keys if key != REFERENCE]
-        with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-            for entry in pool.map(run_scenario, jobs):
-                print(f"{ScenarioKey(**entry['scenario']).label} done in "
-                      f"{entry['wall_s']:.0f} s", file=sys.stderr)
-                entries.append(entry)
+        if args.saved_only:  # render what a stopped run saved, run nothing missing
+            entries += [run_scenario(job) for job in jobs if job[4].is_file()]
+            missing = [job[0].label for job in jobs if not job[4].is_file()]
+            if missing:
+                print(f"not run (no saved result): {'; '.join(missing)}", file=sys.stderr)
+        else:
+            with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+                for entry in pool.map(run_scenario, jobs):
+                    print(f"{ScenarioKey(**entry['scenario']).label} done in "
+                          f"{entry['wall_s']:.0f} s", file=sys.stderr)
+                    entries.append(entry)
     state = git_state(REPO)
     commit = state["commit"] + (" (+ uncommitted changes)" if state["dirty"] else "")
+    wall = sum(entry["wall_s"] for entry in entries)
     document = {"machine": f"commit {commit}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-                           f"{time.perf_counter() - began:.0f} s wall",
+                           f"scenarios {wall:.0f} s of wall in all",
                 "scenarios": entries}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fair_capacity.json").write_text(json.dumps(document, indent=1) + "\n")
