@@ -43,10 +43,11 @@ def test_render_divides_by_the_best_baseline_of_each_measure():
              "capacity": capacities, "loads": {"1.5x": 33.0, "2x": 44.0, "steady": 8.0},
              "points": points}
     text = fc.render({"machine": "test", "scenarios": [entry]})
-    summary = next(line for line in text.splitlines() if line.startswith(f"| {fc.REFERENCE.label} |"))
+    summary = next(line for line in text.splitlines()
+                   if line.startswith(f"| {fc.REFERENCE.label} | `{shipped}` |"))
     assert "| tuned here | 1.00x (22.00 / 22.00) | 1.05x (21.00 / 20.00) |" in summary
     assert "1.25x (25.00 / 20.00)" in summary
-    assert "tuned elsewhere" not in text.split("## bundled")[0]  # no row without its settings
+    assert "| tuned elsewhere |" not in text.split("## bundled")[0]  # no row without its settings
     assert f"| `{baselines[1]}` | tuned here | 22.00 / 20.00 / 22.00 |" in text
 
 
