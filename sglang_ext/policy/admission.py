@@ -69,7 +69,8 @@ from bisect import bisect_right
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from operator import itemgetter
+from itertools import islice
+from operator import eq, itemgetter
 
 from sglang_ext.policy.knee_step_model import KneeStepModel
 from sglang_ext.policy.pab import prefill_admission_budget
@@ -294,7 +295,7 @@ class KvOutlook:
         times: list[float] = []
         through: list[float] = []
         total = 0.0
-        for time_s, tokens in sorted(releases):
+        for time_s, tokens in _sorted_releases(releases):
             total += tokens
             times.append(time_s)
             through.append(total)
@@ -325,6 +326,17 @@ class KvOutlook:
     def _released_by(self, time_s: float) -> float:
         index = bisect_right(self.release_times, time_s)
         return self.released_through[index - 1] if index else 0.0
+
+
+def _sorted_releases(releases: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``sorted(releases)``, faster: ordered by time alone (a float key compares much
+    faster than a tuple), which is the same order when no two times are equal; when some
+    are, the tuples' own order (by tokens among equal times)."""
+    ordered = sorted(releases, key=itemgetter(0))
+    times = [release[0] for release in ordered]
+    if any(map(eq, times, islice(times, 1, None))):
+        ordered.sort()
+    return ordered
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,3 +99,59 @@ def test_pab_read_later_is_the_decisions_pab(state):
     assert state.snapshot()["pab_tokens"] == expected
     state.pab_tokens = 17  # set directly (as tests of the readers do)
     assert state.pab_tokens == 17
+
+
+def reference_kv_outlook(free_and_evictable, new_token_ratio, decoding, queued):
+    """``kv_outlook`` as written before its loop was inlined: output_reserve and
+    last_token_due called per request, releases sorted as tuples."""
+    import statistics
+
+    from sglang_ext.adapter.scheduler.kv_outlook import output_reserve
+    from sglang_ext.policy.admission import KvOutlook, last_token_due
+
+    free = float(free_and_evictable)
+    releases, initial = [], []
+    for req, view in decoding:
+        reserve = output_reserve(req, new_token_ratio)
+        free -= reserve
+        initial.append(output_reserve(req, new_token_ratio, from_start=True))
+        releases.append((last_token_due(view, req.sampling_params.max_new_tokens or 0),
+                         view.context + reserve))
+    reserves = {}
+    for req, view in queued:
+        reserves[view.req_id] = output_reserve(req, new_token_ratio)
+        initial.append(output_reserve(req, new_token_ratio, from_start=True))
+    times, through, total = [], [], 0.0
+    for time_s, tokens in sorted(releases):
+        total += tokens
+        times.append(time_s)
+        through.append(total)
+    return KvOutlook(free, tuple(times), tuple(through), reserves,
+                     float(statistics.median(initial) if initial else 0.0))
+
+
+def test_kv_outlook_is_what_it_was_before_its_loop_was_inlined():
+    from sglang_ext.adapter.scheduler.kv_outlook import kv_outlook
+    from sglang_ext.policy.slo import Slo
+    from sglang_ext.policy.view import RequestView
+
+    rng = random.Random(7)
+    for trial in range(300):
+        pairs = []
+        for i in range(rng.choice([0, 1, 5, 80])):
+            max_new = rng.choice([None, 0, 1, 2, 50, 400, 5000, 70000])
+            req = SimpleNamespace(
+                output_ids=[0] * rng.randint(0, 600),
+                sampling_params=SimpleNamespace(max_new_tokens=max_new, ignore_eos=rng.random() < 0.3))
+            arrival = rng.choice([10.0, 10.5, rng.uniform(0, 20)])  # repeated times: tied releases
+            first = rng.choice([None, arrival + 0.25, arrival + rng.random()])
+            view = RequestView(f"r{i}", arrival, rng.choice([Slo(2.0, 0.05), Slo(0.5, 0.02)]),
+                               rng.randint(0, 300), 0, rng.choice([100, 2000, rng.randint(1, 9000)]),
+                               100, i, first)
+            pairs.append((req, view))
+        split = rng.randint(0, len(pairs))
+        decoding, queued = pairs[:split], pairs[split:]
+        ratio = rng.choice([0.4, 0.7, 1.0])
+        free = rng.randint(0, 400_000)
+        assert kv_outlook(free, ratio, decoding, queued) == reference_kv_outlook(
+            free, ratio, decoding, queued)

@@ -44,12 +44,24 @@ def kv_outlook(
     free = float(free_and_evictable)
     releases = []
     initial = []
+    clip = CLIP_MAX_NEW_TOKENS
+    # output_reserve and last_token_due inlined, the same operations: this loop runs over
+    # every running request at every decision under admission defer
     for req, view in decoding:
-        reserve = output_reserve(req, new_token_ratio)
+        params = req.sampling_params
+        max_new = params.max_new_tokens or 0
+        ratio = 1.0 if params.ignore_eos else new_token_ratio
+        remaining = max_new - len(req.output_ids)
+        if remaining < 0:
+            remaining = 0
+        reserve = (clip if clip < remaining else remaining) * ratio
         free -= reserve
-        initial.append(output_reserve(req, new_token_ratio, from_start=True))
-        due = last_token_due(view, req.sampling_params.max_new_tokens or 0)
-        releases.append((due, view.context + reserve))
+        initial.append((clip if clip < max_new else max_new if max_new > 0 else 0) * ratio)
+        slo = view.slo
+        first = view.first_token_time
+        anchor = first if first is not None else view.arrival + slo.ttft_s
+        later = max_new - 1
+        releases.append((anchor + (later if later > 0 else 0) * slo.tpot_s, view.context + reserve))
     reserves = {}
     for req, view in queued:
         reserves[view.req_id] = output_reserve(req, new_token_ratio)
