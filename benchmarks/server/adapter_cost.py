@@ -8,8 +8,8 @@ requests and a queue of 64 long prompts, plus the adapter's own decision time pe
 decodes: what FairBatching adds before SGLang's own prefill admission). ``stock`` is
 SGLang's default (prefill-first, chunk 8192); ``stock-mixed`` adds
 ``--enable-mixed-chunk`` with a 512-token chunk, which builds mixed batches as
-FairBatching does. FairBatching runs the shipped config's policy
-(``configs/fairbatching.toml``) unless ``--policy`` names another. Only busy steps count
+FairBatching does. FairBatching runs the shipped config's policy and admission
+(``configs/fairbatching.toml``) unless ``--policy`` names another (then admission off). Only busy steps count
 (at least 128 decoding or parked requests). The three run in ``--rounds`` interleaved
 rounds (each in a fresh interpreter) and the samples of all rounds are pooled, so a slow
 stretch of a shared machine hits all three alike. The issue's check: FairBatching's
@@ -80,10 +80,20 @@ def shipped_policy() -> str:
     return tomllib.loads(SHIPPED_CONFIG.read_text())["policy"]
 
 
+def shipped_admission_table() -> str:
+    """The shipped config's ``[admission]`` table (TOML), so FairBatching runs as shipped
+    (under ``defer`` the queue forecast runs at every decision)."""
+    admission = tomllib.loads(SHIPPED_CONFIG.read_text()).get("admission", {})
+    lines = ["[admission]"] + [f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}"
+                               for key, value in admission.items()]
+    return "\n".join(lines).replace("'", '"') + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default=None,
-                        help=f"FairBatching's policy (default: the shipped config's, {shipped_policy()})")
+                        help=f"FairBatching's policy (default: the shipped config's, {shipped_policy()}, "
+                        "with its [admission] table)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="interleaved rounds of the three runs, samples pooled (default 2)")
     parser.add_argument("--out", type=Path, default=DOCS_BENCH / "adapter.json", help="JSON written")
@@ -93,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
     config = workdir / "fb.toml"
     config.write_text(f'policy = "{policy}"\nslo_file = "{REPO}/configs/slo.toml"\n'
-                      f'step_model = "{REPO}/configs/step_models/llama3.1-8b-h100.toml"\n')
+                      f'step_model = "{REPO}/configs/step_models/llama3.1-8b-h100.toml"\n'
+                      + (shipped_admission_table() if args.policy is None else ""))
     runs = {"stock": (None, False), "stock-mixed": (None, True), "fairbatching": (config, False)}
     samples: dict[str, dict[str, list[float]]] = {
         name: {"get_next_batch_us": [], "decision_us": []} for name in runs}
@@ -120,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         "load": f"{RUNNING} decoding requests (three SLO classes), {WAITING} queued 2048-token "
                 f"prompts from step 40; busy steps only (>= {BUSY} decoding or parked)",
         "fairbatching_policy": policy,
+        "fairbatching_config": config.read_text(),
         "rounds": args.rounds,
         "command": "taskset -c 1 python -m benchmarks.server.adapter_cost"
                    + (" " + " ".join(argv) if argv else ""),
