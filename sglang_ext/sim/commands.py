@@ -277,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--full", action="store_true",
         help="the full sweep: every tunable family named bare (sarathi, sarathi-queue-cap, ...) "
-        "tuned by its search over the full load grid (the default run: about 1,100 simulations, "
-        "20 min on 2 cores); without it such a family runs at the tuned settings file's setting",
+        "tuned by its search over the full load grid (the default run: about 1,800 simulations, "
+        "25-45 min on 2 cores); without it such a family runs at the tuned settings file's setting",
     )
     sweep.add_argument(
         "--retune", action="store_true",

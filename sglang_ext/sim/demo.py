@@ -153,7 +153,7 @@ def closing_summary(
         if left_out:
             lines += [""] + textwrap.wrap(
                 f"Not done by the quick demo: {' and '.join(left_out)}. The full sweep, every "
-                f"baseline tuned over {len(full_rates)} loads (about 1,100 simulations, 20 min "
+                f"baseline tuned over {len(full_rates)} loads (about 1,800 simulations, 25-45 min "
                 "on 2 cores): --full.", WIDTH)
     lines += ["", f"results: {results}", f"plots:   {', '.join(map(str, plots))}"]
     return "\n".join(lines)
