@@ -39,8 +39,6 @@ from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepPredictor
 from sglang_ext.policy.view import BatchDecision, RequestState
 
-import os
-KEEP=bool(os.environ.get('KEEP'))
 DEFAULT_MAX_TOKEN_BUDGET = 8192
 #: A TPOT below this multiple of the smallest step (one decode, no context) cannot be
 #: honoured without taking more than half of every step from the other requests.
