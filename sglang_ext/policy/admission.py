@@ -379,20 +379,8 @@ def forecast(
 ) -> QueueForecast:
     """The forecast at ``now``. Which prefills ``defer`` gives up when not all fit
     (:class:`GiveUp`): ``evict_longest``, ``evict_fairly``, else each that does not fit."""
-    rate = prefill_rate(requests, coefficients, default_tpot_s, headroom)
-    queue = []
     usable = coefficients.usable()
-    work_of = usable.prefill_work
-    for request in requests:
-        pending = request.pending_prefill
-        if pending <= 0:
-            continue
-        work = work_of(pending, request.context)
-        slo = request.slo
-        deadline = request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index
-        need = 0.0 if kv is None else kv.need_of(request)
-        started = pending < request.prompt_tokens
-        queue.append((deadline, request.arrival_seq, work, need, request.req_id, started))
+    rate, queue = _rate_and_queue(requests, usable, default_tpot_s, headroom, kv)
     queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
     hopeless: set[Hashable] = set()
     if evict_longest or evict_fairly:
@@ -431,6 +419,53 @@ def forecast(
     )
 
 
+def _rate_and_queue(
+    requests: Sequence[RequestState], usable: StepPredictor, default_tpot_s: float,
+    headroom: float, kv: KvOutlook | None,
+) -> tuple[float, list[tuple]]:
+    """:func:`prefill_rate` and the queued prefills ``(deadline, arrival_seq, work, kv need,
+    req_id, started)``, in one pass over the requests (the forecast runs at every
+    decision under ``defer``); the rate is the same sum in the same order, bit for bit."""
+    terms = _decode_cost_terms(usable, len(requests))
+    if terms is None:
+        return prefill_rate(requests, usable, default_tpot_s, headroom), [
+            _queue_entry(request, usable, kv) for request in requests
+            if request.pending_prefill > 0]
+    fixed, per_kv_token, scale = terms
+    period = default_tpot_s
+    decode_share = 0.0
+    queue = []
+    work_of = usable.prefill_work
+    for request in requests:
+        slo = request.slo
+        tpot = slo.tpot_s
+        if tpot < period:
+            period = tpot
+        pending = request.pending_prefill
+        decode_share += (fixed + per_kv_token * (request.context + pending) * scale) / tpot
+        if pending <= 0:
+            continue
+        queue.append((
+            request.arrival + slo.ttft_s + tpot * request.next_output_index,
+            request.arrival_seq, work_of(pending, request.context),
+            0.0 if kv is None else kv.need_of(request), request.req_id,
+            pending < request.prompt_tokens,
+        ))
+    free = 1.0 - usable.a_s / period - decode_share
+    return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom), queue
+
+
+def _queue_entry(request: RequestState, usable: StepPredictor, kv: KvOutlook | None) -> tuple:
+    pending = request.pending_prefill
+    slo = request.slo
+    return (
+        request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index,
+        request.arrival_seq, usable.prefill_work(pending, request.context),
+        0.0 if kv is None else kv.need_of(request), request.req_id,
+        pending < request.prompt_tokens,
+    )
+
+
 _FIBONACCI = 0x9E3779B97F4A7C15
 _MASK_64 = (1 << 64) - 1
 
@@ -453,10 +488,19 @@ def _on_time(
     deadline, drop the not-yet-started entry so far with the largest ``victim_key`` (into
     ``hopeless``): with ``_longest`` the one with the most pending tokens, which keeps the
     most entries on time. Returns the kept, in order."""
-    dropped: set[int] = set()
-    victims: list[tuple[float, int]] = []
     work = 0.0
-    for position, (deadline, arrival_seq, pending, _, req_id, started) in enumerate(queue):
+    for first_late, (deadline, _, pending, _, _, _) in enumerate(queue):
+        if work + pending > rate * (deadline - now):
+            break
+        work += pending
+    else:
+        return queue  # every entry on time: nobody to drop
+    dropped: set[int] = set()
+    victims = [(-victim_key(entry[1], entry[2]), -position)
+               for position, entry in enumerate(queue[:first_late]) if not entry[5]]
+    heapq.heapify(victims)
+    for position in range(first_late, len(queue)):
+        deadline, arrival_seq, pending, _, _, started = queue[position]
         work += pending
         if not started:
             heapq.heappush(victims, (-victim_key(arrival_seq, pending), -position))

@@ -1,14 +1,16 @@
-"""``prefill_rate`` inlines the step models' ``decode_cost_s`` (it runs over every request
-at every decision under admission ``defer``); it must stay bit for bit what calling the
-model gives."""
+"""The forecast's fast paths (it runs over every request at every decision under admission
+``defer``): ``prefill_rate`` inlines the step models' ``decode_cost_s``, the forecast takes
+the rate and its queue in one pass, and Moore-Hodgson starts its heap at the first late
+entry. Each must stay bit for bit what the plain form gives."""
 
 from __future__ import annotations
 
+import heapq
 import random
 
 import pytest
 
-from sglang_ext.policy.admission import prefill_rate
+from sglang_ext.policy.admission import _drawn, _longest, _on_time, _rate_and_queue, prefill_rate
 from sglang_ext.policy.knee_step_model import KneeStepModel
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
@@ -73,3 +75,59 @@ def test_another_predictor_is_called():
     model = OtherPredictor(StepCoefficients(0.004, 6e-5, 3.1e-8))
     requests = [RequestView(i, 0.0, Slo(2.0, 0.05), 3, 0, 1000 + i, 900, i) for i in range(50)]
     assert prefill_rate(requests, model, 0.05) == called(requests, model, 0.05, 0.0)
+
+
+def random_requests(rng: random.Random, count: int) -> list[RequestView]:
+    slos = [Slo(2.0, 0.05), Slo(0.5, 0.03), Slo(5.0, 0.2), Slo(1.0, 0.0173)]
+    return [RequestView(i, rng.uniform(0, 100), rng.choice(slos), rng.randint(0, 400),
+                        rng.choice([0, 0, rng.randint(1, 4000)]), rng.randint(0, 9000),
+                        rng.randint(1, 4000), rng.randint(0, 10_000))
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: f"{type(m).__name__}")
+def test_the_one_pass_rate_and_queue_are_the_separate_ones(model):
+    rng = random.Random(12)
+    usable = model.usable()
+    for trial in range(100):
+        requests = random_requests(rng, rng.choice([0, 1, 64, 320]))
+        rate, queue = _rate_and_queue(requests, usable, 0.05, 0.1, None)
+        assert rate == prefill_rate(requests, model, 0.05, 0.1)
+        assert queue == [
+            (r.arrival + r.slo.ttft_s + r.slo.tpot_s * r.next_output_index, r.arrival_seq,
+             usable.prefill_work(r.pending_prefill, r.context), 0.0, r.req_id,
+             r.pending_prefill < r.prompt_tokens)
+            for r in requests if r.pending_prefill > 0]
+
+
+def plain_on_time(queue, rate, now, hopeless, victim_key):
+    """Moore-Hodgson as first written: every not-started entry enters the heap."""
+    dropped, victims, work = set(), [], 0.0
+    for position, (deadline, arrival_seq, pending, _, _, started) in enumerate(queue):
+        work += pending
+        if not started:
+            heapq.heappush(victims, (-victim_key(arrival_seq, pending), -position))
+        capacity = rate * (deadline - now)
+        while work > capacity and victims:
+            victim = -heapq.heappop(victims)[1]
+            work -= queue[victim][2]
+            dropped.add(victim)
+        if work > capacity and position not in dropped:
+            work -= pending
+            dropped.add(position)
+    hopeless.update(queue[position][4] for position in dropped)
+    return [entry for position, entry in enumerate(queue) if position not in dropped]
+
+
+@pytest.mark.parametrize("victim_key", [_longest, _drawn])
+def test_moore_hodgson_from_the_first_late_entry_is_the_plain_one(victim_key):
+    rng = random.Random(13)
+    for trial in range(500):
+        queue = sorted(
+            (rng.uniform(0.0, 3.0), seq, float(rng.randint(1, 4000)), 0.0, seq, rng.random() < 0.2)
+            for seq in range(rng.choice([0, 1, 5, 64])))
+        rate = rng.choice([500.0, 4000.0, 20_000.0, 1e6])
+        fast, plain = set(), set()
+        assert _on_time(queue, rate, 0.0, fast, victim_key) == plain_on_time(
+            queue, rate, 0.0, plain, victim_key)
+        assert fast == plain
