@@ -10,6 +10,13 @@ covers the prompt.
 ``slo_class`` names the SLO class whose budget a request is judged by (the ``pab``
 policies; :func:`routing_class` maps a request's SLO onto one); None, or a class a
 rank did not report, means that rank's default-class budget.
+
+``prompt`` (optional: the prompt's text or token ids) feeds the cache-aware policies'
+:class:`~controlplane.prefix_affinity.PrefixAffinity`; the others ignore it. After
+dispatching a request to the chosen rank the caller calls ``record(rank, prompt,
+prompt_tokens)``: a cache-aware policy remembers that the rank now holds the prompt and
+returns how many of its tokens it believed the rank held already (every other policy: 0),
+so the caller debits the rank's budget with the uncached rest only.
 """
 
 from __future__ import annotations
@@ -19,8 +26,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from controlplane.prefix_affinity import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_BLOCKS_PER_RANK,
+    AffinityMatch,
+    PrefixAffinity,
+    Prompt,
+    PromptBlocks,
+)
+
 BALANCERS: tuple[str, ...] = (
-    "pab", "pab_least_loaded", "round_robin", "request_count", "total_tokens", "power_of_two",
+    "pab", "pab_least_loaded", "pab_cache_aware", "cache_aware", "round_robin", "request_count",
+    "total_tokens", "power_of_two",
 )
 
 
@@ -63,10 +80,19 @@ class Balancer(Protocol):
     name: str
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
-               slo_class: str | None = None) -> str | None: ...
+               slo_class: str | None = None, prompt: Prompt | None = None) -> str | None: ...
+
+    def record(self, rank: str, prompt: Prompt | None, prompt_tokens: int) -> int: ...
 
 
-class PabBalancer:
+class _Oblivious:
+    """A policy that keeps no record of what it routed where."""
+
+    def record(self, rank: str, prompt: Prompt | None, prompt_tokens: int) -> int:
+        return 0
+
+
+class PabBalancer(_Oblivious):
     """The rank whose effective PAB (of the request's class) covers the prompt with the
     most to spare (ties: the first given); None when no rank's budget covers it (the
     caller queues or rejects)."""
@@ -74,7 +100,7 @@ class PabBalancer:
     name = "pab"
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
-               slo_class: str | None = None) -> str | None:
+               slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
         best: str | None = None
         best_budget = 0.0
         for view in ranks:
@@ -86,7 +112,7 @@ class PabBalancer:
         return best
 
 
-class RoundRobinBalancer:
+class RoundRobinBalancer(_Oblivious):
     """The next rank name after the last one chosen, in sorted order (wrapping), so the
     rotation survives ranks joining, leaving or going stale."""
 
@@ -96,7 +122,7 @@ class RoundRobinBalancer:
         self._last: str | None = None
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
-               slo_class: str | None = None) -> str | None:
+               slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
         if not ranks:
             return None
         names = sorted(view.rank for view in ranks)
@@ -106,7 +132,7 @@ class RoundRobinBalancer:
         return chosen
 
 
-class LowestScoreBalancer:
+class LowestScoreBalancer(_Oblivious):
     """The rank with the lowest ``score`` among those ``eligible`` for the prompt; ties go to
     the first one met scanning from a start index that advances by one every call (vLLM's
     guard against herding). None when no rank is eligible."""
@@ -123,7 +149,7 @@ class LowestScoreBalancer:
         self._start = 0
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
-               slo_class: str | None = None) -> str | None:
+               slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
         count = len(ranks)
         if count == 0:
             return None
@@ -141,6 +167,134 @@ class LowestScoreBalancer:
         return None if best is None else best.rank
 
 
+@dataclass(frozen=True, slots=True)
+class CacheAwareSettings:
+    """smg ``cache_aware``'s knobs, its CLI defaults (``smg --help``): a match ratio above
+    ``cache_threshold`` routes to the best-matching rank; loads (requests in flight) are
+    imbalanced when ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold
+    x min``. The tree's block size and per-rank bound: :mod:`controlplane.prefix_affinity`."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_blocks_per_rank: int = DEFAULT_MAX_BLOCKS_PER_RANK
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache threshold must be in [0, 1], got {self.cache_threshold}")
+
+
+class _AffinityPolicy:
+    """The prefix tree and the last prompt's match, kept so that ``record`` after
+    ``choose`` does not hash the prompt again."""
+
+    def __init__(self, settings: CacheAwareSettings) -> None:
+        self.settings = settings
+        self.affinity = PrefixAffinity(settings.block_size, settings.max_blocks_per_rank)
+        self._last: tuple[Prompt, PromptBlocks, AffinityMatch] | None = None
+
+    def _match(self, prompt: Prompt) -> tuple[PromptBlocks, AffinityMatch]:
+        last = self._last
+        if last is not None and last[0] is prompt:
+            return last[1], last[2]
+        blocks = self.affinity.blocks(prompt)
+        match = self.affinity.match(blocks)
+        self._last = (prompt, blocks, match)
+        return blocks, match
+
+    def record(self, rank: str, prompt: Prompt | None, prompt_tokens: int) -> int:
+        if prompt is None:
+            return 0
+        blocks, match = self._match(prompt)
+        cached = match.cached_tokens(rank, prompt_tokens)
+        self.affinity.record(rank, blocks)
+        self._last = None
+        return cached
+
+
+def _least_in_flight(ranks: Sequence[RankView]) -> RankView:
+    return min(ranks, key=lambda view: view.in_flight)
+
+
+class CacheAwareBalancer(_AffinityPolicy):
+    """smg's ``cache_aware`` (approximate tree, no KV events): when the ranks' in-flight
+    counts are imbalanced, the least loaded; else the rank holding the longest prefix of
+    the prompt if its match ratio exceeds the threshold (ties: the least loaded), else the
+    least loaded (ties: the first given). No prompt: the least loaded. Never declines a
+    non-empty rank list."""
+
+    name = "cache_aware"
+
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
+               slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
+        if not ranks:
+            return None
+        least = _least_in_flight(ranks)
+        if prompt is None or self._imbalanced(ranks, least.in_flight):
+            return least.rank
+        _, match = self._match(prompt)
+        best: RankView | None = None
+        best_units = 0
+        for view in ranks:
+            units = match.matched_units.get(view.rank, 0)
+            if units > best_units or (units == best_units and best is not None
+                                      and view.in_flight < best.in_flight):
+                best, best_units = view, units
+        if best is not None and match.ratio(best.rank) > self.settings.cache_threshold:
+            return best.rank
+        return least.rank
+
+    def _imbalanced(self, ranks: Sequence[RankView], least: int) -> bool:
+        most = max(view.in_flight for view in ranks)
+        settings = self.settings
+        return (most - least > settings.balance_abs_threshold
+                and most > settings.balance_rel_threshold * least)
+
+
+class PabCacheAwareBalancer(_AffinityPolicy):
+    """Prefix affinity within each rank's PAB for the request's class. A rank is eligible
+    when its budget covers the part of the prompt it does not hold (the prompt less its
+    believed cached tokens): a rank that cannot fit that prefill before the class's
+    deadline is never chosen. Among eligible ranks whose match ratio exceeds the threshold,
+    the longest match (ties: the lower vLLM load score); none: ``pab_least_loaded`` over
+    the eligible ranks. None when no rank is eligible (the caller queues or rejects)."""
+
+    name = "pab_cache_aware"
+
+    def __init__(self, settings: CacheAwareSettings) -> None:
+        super().__init__(settings)
+        self._start = 0
+
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
+               slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
+        count = len(ranks)
+        if count == 0:
+            return None
+        match = None if prompt is None else self._match(prompt)[1]
+        threshold = self.settings.cache_threshold
+        start = self._start % count
+        self._start = start + 1
+        affine: RankView | None = None
+        affine_key = (0.0, 0.0)
+        least: RankView | None = None
+        least_score = 0.0
+        for offset in range(count):
+            view = ranks[(start + offset) % count]
+            cached = 0 if match is None else match.cached_tokens(view.rank, prompt_tokens)
+            if not budget_covers(view, prompt_tokens - cached, slo_class):
+                continue
+            score = request_count_score(view)
+            if match is not None and match.ratio(view.rank) > threshold:
+                key = (match.ratio(view.rank), -score)
+                if affine is None or key > affine_key:
+                    affine, affine_key = view, key
+            if least is None or score < least_score:
+                least, least_score = view, score
+        chosen = affine or least
+        return None if chosen is None else chosen.rank
+
+
 def budget_covers(view: RankView, prompt_tokens: int, slo_class: str | None = None) -> bool:
     budget = view.budget(slo_class)
     return budget is not None and budget >= prompt_tokens
@@ -156,7 +310,7 @@ def total_tokens_score(view: RankView) -> float:
     return view.total_tokens
 
 
-class PowerOfTwoBalancer:
+class PowerOfTwoBalancer(_Oblivious):
     """Two distinct ranks drawn by a seeded RNG; the one with fewer in flight wins (ties:
     the first drawn). One rank: that rank."""
 
@@ -166,7 +320,7 @@ class PowerOfTwoBalancer:
         self._random = random.Random(seed)
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
-               slo_class: str | None = None) -> str | None:
+               slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
         if not ranks:
             return None
         if len(ranks) == 1:
@@ -176,8 +330,14 @@ class PowerOfTwoBalancer:
         return b.rank if b.in_flight < a.in_flight else a.rank
 
 
-def make_balancer(name: str, seed: int = 0) -> Balancer:
-    """A fresh balancer by policy name (``seed`` drives ``power_of_two``'s draws)."""
+def make_balancer(name: str, seed: int = 0,
+                  cache_aware: CacheAwareSettings | None = None) -> Balancer:
+    """A fresh balancer by policy name (``seed`` drives ``power_of_two``'s draws;
+    ``cache_aware`` the two cache-aware policies' knobs, default smg's)."""
+    if name in ("cache_aware", "pab_cache_aware"):
+        settings = cache_aware or CacheAwareSettings()
+        return CacheAwareBalancer(settings) if name == "cache_aware" \
+            else PabCacheAwareBalancer(settings)
     if name == "pab":
         return PabBalancer()
     if name == "pab_least_loaded":
