@@ -1,8 +1,12 @@
 """The client SDK: a DEALER socket to the daemon's client ROUTER (``docs/controlplane.md``).
 
-:class:`AsyncClient` owns one socket and one receiver task, which routes every reply to
-its request's bounded inbox by request id (pings by nonce, status replies in order).
-:class:`Client` runs an :class:`AsyncClient` on a private event-loop thread.
+:class:`AsyncClient` owns one socket, read by a callback on the event loop
+(:class:`controlplane.socket_pump.SocketPump`: every message waiting per wake-up, no
+future per message), which routes every reply to its request's bounded inbox by request
+id (pings by nonce, status replies in order); a :class:`~controlplane.protocol.Replies`
+is unpacked into its items, in order. :class:`Client` runs an :class:`AsyncClient` on a
+private event-loop thread. It speaks protocol version 5 and refuses an older daemon
+(:class:`InvalidRequest` naming both versions) before it sends a request.
 
 Promises:
 
@@ -37,7 +41,6 @@ from typing import Any, TypeVar
 
 import msgspec
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from controlplane.curve import CurvePeer
@@ -46,11 +49,13 @@ from controlplane.errors import (
     rejected,
 )
 from controlplane.protocol import (
-    CHAT_PROTOCOL_VERSION, DEFAULT_MAX_FRAME_BYTES, Cancel, ChatMessage, Chunk, Dispatched, DrainRank, DrainReply, Finish, FinishReason,
-    FrameError, Ping, Pong, Prompt, RejectReason, SamplingParams, SloSpec, StatusReply, StatusRequest,
-    Submit, client_reply_channel, client_request_channel, encode, retryable,
+    BATCH_PROTOCOL_VERSION, DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Cancel, ChatMessage, Chunk,
+    Dispatched, DrainRank, DrainReply, Finish, FinishReason, FrameError, Ping, Pong, Prompt, RejectReason,
+    Replies, SamplingParams, SloSpec, StatusReply, StatusRequest, Submit, client_reply_channel,
+    client_request_channel, encode, retryable,
 )
 from controlplane.ratelimited_log import RateLimitedLog
+from controlplane.socket_pump import SocketPump
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5560"
 log = logging.getLogger(__name__)
@@ -97,37 +102,57 @@ class _Stop:
 class _Inbox:
     """One request's replies, bounded. A marker always fits; a stop discards what waits."""
 
-    __slots__ = ("items", "limit", "wakeup", "incarnation")
+    __slots__ = ("items", "limit", "waiter", "incarnation", "stopped")
 
     def __init__(self, limit: int) -> None:
         self.items: deque[object] = deque()
         self.limit = limit
-        self.wakeup = asyncio.Event()
+        self.waiter: asyncio.Future[None] | None = None  # the reader's, while it waits
         self.incarnation: int | None = None  # the connection the outstanding attempt went to
+        self.stopped = False  # a stop waits: later replies are dropped
 
     def put(self, message: object) -> bool:
+        if self.stopped:
+            return True
         if len(self.items) >= self.limit:
             return False
         self.items.append(message)
-        self.wakeup.set()
+        self._wake()
         return True
 
     def interrupt(self, marker: _Lost | _Stop) -> None:
         self.incarnation = None
         if isinstance(marker, _Stop):
             self.items.clear()
+            self.stopped = True
         self.items.append(marker)
-        self.wakeup.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self, timeout: float) -> object | None:
-        """The next item, or None after ``timeout`` seconds without one."""
+        """The next item, or None after ``timeout`` seconds without one (a future and a
+        timer while it waits; no task)."""
         if not self.items:
-            self.wakeup.clear()
+            loop = asyncio.get_running_loop()
+            waiter = self.waiter = loop.create_future()
+            timer = loop.call_later(max(timeout, 0.0), _resolve, waiter)
             try:
-                await asyncio.wait_for(self.wakeup.wait(), max(timeout, 0.0))
-            except TimeoutError:
+                await waiter
+            finally:
+                timer.cancel()
+                self.waiter = None
+            if not self.items:
                 return None
         return self.items.popleft()
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class AsyncClient:
@@ -163,9 +188,9 @@ class AsyncClient:
         self._rare_log = RateLimitedLog(log, LOG_INTERVAL_S)
         self._requests = client_request_channel(max_frame_bytes)
         self._replies = client_reply_channel(max_frame_bytes)
-        self._socket: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._receiver: asyncio.Task[None] | None = None
+        self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._pumps: list[SocketPump] = []
         self._inboxes: dict[str, _Inbox] = {}
         self._pings: dict[int, asyncio.Future[Pong]] = {}
         self._statuses: deque[asyncio.Future[StatusReply]] = deque()
@@ -326,9 +351,8 @@ class AsyncClient:
             inbox.interrupt(_Stop(Cancelled("the client was closed", request_id=request_id), sent))
         self._closed = True
         self._fail_waiters(Cancelled("the client was closed"))
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
+        for pump in self._pumps:
+            pump.stop()
         if self._socket is not None:
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
@@ -350,7 +374,7 @@ class AsyncClient:
                 slo = SloSpec(slo_class=slo)
             elif isinstance(slo, dict):
                 slo = msgspec.convert(slo, SloSpec)
-            submit = Submit(request_id, body, sampling, slo, None, stream)
+            submit = Submit(request_id, body, sampling, slo, None, stream, PROTOCOL_VERSION)
             self._requests.decode(encode(submit))
         except (FrameError, msgspec.ValidationError, TypeError, ValueError) as error:
             raise rejected(RejectReason.INVALID, str(error), request_id=request_id) from None
@@ -464,10 +488,10 @@ class AsyncClient:
                 return _Lost(str(error))
 
     async def _ensure_daemon(self, deadline_at: float | None, request_id: str, *, chat: bool = False) -> None:
-        """Know the daemon id of this connection before submitting (one ping when unknown)
-        and, for a chat request, that the daemon takes messages (an older one would drop
-        the frame unanswered)."""
-        if self._daemon_id is None or (chat and self._daemon_protocol is None):
+        """Know the daemon id and protocol version of this connection before submitting
+        (one ping when unknown), and that the daemon speaks version 5: an older one would
+        send replies this client cannot read, or drop its requests unanswered."""
+        if self._daemon_id is None or self._daemon_protocol is None:
             try:
                 await self.ping(_bounded(self.connect_timeout_s, _time_left(deadline_at, request_id)))
             except DaemonUnavailable as error:
@@ -475,11 +499,13 @@ class AsyncClient:
                 error.request_id = request_id
                 raise
         protocol = self._daemon_protocol
-        if chat and protocol is not None and protocol < CHAT_PROTOCOL_VERSION:
+        if protocol is not None and protocol < BATCH_PROTOCOL_VERSION:
             older = f"version {protocol}" if protocol else "a version older than 4"
-            raise rejected(RejectReason.INVALID, f"the daemon at {self.address} speaks protocol {older}, "
-                           f"which cannot take chat messages (version {CHAT_PROTOCOL_VERSION}); upgrade "
-                           "the daemon", request_id=request_id)
+            raise rejected(RejectReason.INVALID, f"unsupported protocol: the daemon at {self.address} "
+                           f"speaks protocol {older}, this client speaks version {PROTOCOL_VERSION} "
+                           f"(coalesced replies since {BATCH_PROTOCOL_VERSION}"
+                           f"{', chat messages since 4' if chat else ''}); upgrade the daemon",
+                           request_id=request_id)
 
     # ------------------------------------------------------------------ the socket
     def _start(self) -> None:
@@ -489,7 +515,7 @@ class AsyncClient:
             raise self._failure
         if self._socket is not None:
             return
-        socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        socket = zmq.Context.instance().socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, self.hwm)
         socket.setsockopt(zmq.RCVHWM, self.hwm)
@@ -506,15 +532,19 @@ class AsyncClient:
             socket.close(linger=0)
             raise ValueError(f"cannot connect to {self.address!r}: {error}") from None
         self._socket, self._monitor = socket, monitor
-        self._receiver = asyncio.create_task(self._receive(), name=f"controlplane-client {self.address}")
+        self._pumps = [SocketPump(socket, self._guarded(self._route)),
+                       SocketPump(monitor, self._guarded(self._on_monitor))]
+        for pump in self._pumps:
+            pump.start()
 
     def _send(self, message: msgspec.Struct) -> None:
         if self._closed or self._socket is None:
             raise ControlPlaneError("the client is closed")
         try:
-            self._socket.send(encode(message), zmq.NOBLOCK).result()
+            self._socket.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
             raise DaemonUnavailable(f"the send queue to {self.address} is full (is the daemon up?)") from None
+        self._pumps[0].poke()
 
     def _try_send(self, message: msgspec.Struct) -> bool:
         try:
@@ -531,44 +561,39 @@ class AsyncClient:
             raise DaemonUnavailable(f"no reply from the daemon at {self.address} "
                                     f"within {timeout_s:.3g} s") from None
 
-    async def _receive(self) -> None:
-        assert self._socket is not None and self._monitor is not None
-        frames: asyncio.Future | None = None
-        event: asyncio.Future | None = None
-        try:
-            while True:
-                frames = frames or asyncio.ensure_future(self._socket.recv_multipart())
-                event = event or asyncio.ensure_future(self._monitor.recv_multipart())
-                done, _ = await asyncio.wait({frames, event}, return_when=asyncio.FIRST_COMPLETED)
-                if event in done:
-                    if parse_monitor_message(event.result())["event"] == zmq.EVENT_DISCONNECTED:
-                        self._new_incarnation(f"the connection to {self.address} dropped", None)
-                    event = None
-                if frames in done:
-                    self._route(frames.result())
-                    frames = None
-        except Exception as error:
-            log.exception("controlplane client receiver failed")
-            self._failure = ControlPlaneError(f"the client's receiver failed: {error!r}")
-            self._fail_waiters(self._failure)
-            for inbox in self._inboxes.values():
-                inbox.interrupt(_Stop(self._failure))
-        finally:
-            for future in (frames, event):
-                if future is not None:
-                    future.cancel()
+    def _guarded(self, handle: Callable[[list[zmq.Frame]], None]) -> Callable[[list[zmq.Frame]], None]:
+        """``handle`` for a pump: a bug in it fails the client, as a dead receiver would."""
+        def guarded(frames: list[zmq.Frame]) -> None:
+            if self._failure is not None:
+                return
+            try:
+                handle(frames)
+            except Exception as error:
+                log.exception("controlplane client receiver failed")
+                self._failure = ControlPlaneError(f"the client's receiver failed: {error!r}")
+                self._fail_waiters(self._failure)
+                for inbox in self._inboxes.values():
+                    inbox.interrupt(_Stop(self._failure))
+        return guarded
 
-    def _route(self, frames: list[bytes]) -> None:
+    def _on_monitor(self, frames: list[zmq.Frame]) -> None:
+        if parse_monitor_message([frame.bytes for frame in frames])["event"] == zmq.EVENT_DISCONNECTED:
+            self._new_incarnation(f"the connection to {self.address} dropped", None)
+
+    def _route(self, frames: list[zmq.Frame]) -> None:
         try:
             if len(frames) != 1:
                 raise FrameError("bad_framing", f"{len(frames)} frames, expected 1")
-            message = self._replies.decode(frames[0])
+            message = self._replies.decode(frames[0].buffer)
         except FrameError as error:
             self.frames_dropped += 1
             self._rare_log.warning(f"frame_dropped:{error.kind}", "dropped a frame from the daemon",
                                    daemon=self.address, error=str(error)[:200])
             return
-        if isinstance(message, Pong):
+        if isinstance(message, Replies):
+            for item in message.items:
+                self._to_request(item)
+        elif isinstance(message, Pong):
             self._saw_daemon(message.daemon_id)
             self._daemon_protocol = message.protocol
             waiter = self._pings.get(message.nonce)
@@ -589,11 +614,14 @@ class AsyncClient:
                         waiter.set_result(message)
                         break
         else:
-            inbox = self._inboxes.get(message.request_id)
-            if inbox is not None and not inbox.put(message):
-                sent = self._try_send(Cancel(message.request_id))
-                inbox.interrupt(_Stop(SlowConsumer(
-                    f"{inbox.limit} replies were waiting to be read", request_id=message.request_id), sent))
+            self._to_request(message)
+
+    def _to_request(self, message: Dispatched | Chunk | Finish | Any) -> None:
+        inbox = self._inboxes.get(message.request_id)
+        if inbox is not None and not inbox.put(message):
+            sent = self._try_send(Cancel(message.request_id))
+            inbox.interrupt(_Stop(SlowConsumer(
+                f"{inbox.limit} replies were waiting to be read", request_id=message.request_id), sent))
 
     def _saw_daemon(self, daemon_id: str) -> None:
         if self._daemon_id is None:

@@ -29,8 +29,9 @@ from controlplane.ledger import DispatchLedger
 from controlplane.protocol import (
     Abort, AgentMessage, Cancel, Chunk, ClientReply, ClientRequest, DaemonToAgent, Dispatch,
     Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish, FinishReason, Goodbye,
-    Heartbeat, Hello, Output, Ping, Pong, RankStatus, Reject, RejectReason, Report, StatusReply, StatusRequest, Submit, Welcome,
-    PROTOCOL_VERSION, protocol_refusal, retryable,
+    Heartbeat, Hello, Output, Ping, Pong, RankOutputs, RankStatus, Reject, RejectReason, Report,
+    StatusReply, StatusRequest, Submit, Welcome, PROTOCOL_VERSION, client_refusal, protocol_refusal,
+    retryable,
 )
 from controlplane.prompt_estimate import estimate_prompt_tokens
 from controlplane.ratelimited_log import RateLimitedLog
@@ -168,6 +169,9 @@ class DispatcherCore:
 
     def _refusal(self, submit: Submit) -> Reject | None:
         request_id = submit.request_id
+        too_old = client_refusal(submit.protocol)
+        if too_old is not None:
+            return Reject(request_id, RejectReason.INVALID, too_old)
         if self.draining:
             return Reject(request_id, RejectReason.SHUTTING_DOWN, "the daemon is draining")
         if request_id in self._requests:
@@ -464,6 +468,13 @@ class DispatcherCore:
 
     # ------------------------------------------------------------------ agents
     def on_agent(self, identity: bytes, message: AgentMessage, now: float) -> list[Send]:
+        """One message from an agent; each item of a :class:`RankOutputs` as if it came
+        alone (a bug handling one item ends only the requests that item concerns)."""
+        if isinstance(message, RankOutputs):
+            sends: list[Send] = []
+            for item in message.items:
+                sends += self._guarded("agent", identity, item, self._agent_message, identity, item, now)
+            return sends
         return self._guarded("agent", identity, message, self._agent_message, identity, message, now)
 
     def _agent_message(self, identity: bytes, message: AgentMessage, now: float) -> list[Send]:

@@ -1,23 +1,29 @@
-"""The control-plane daemon: asyncio on uvloop, one owner task per ZMQ socket.
+"""The control-plane daemon: asyncio on uvloop, its sockets read by callbacks, not tasks.
 
-Tasks, all children of one :class:`asyncio.TaskGroup` (the supervisor; if one fails
-the daemon stops)::
+Each socket (client ROUTER, rank ROUTER, report PULL) is a plain ZMQ socket whose file
+descriptor the loop watches (:class:`controlplane.socket_pump.SocketPump`): one wake-up
+reads every message waiting, without a future per message, and hands each to the core
+(``on_client``, ``on_agent``, ``on_report``). Two tasks, children of one
+:class:`asyncio.TaskGroup` (the supervisor)::
 
-    client socket owner   ROUTER  recv -> core.on_client,  its outbox -> send
-    rank socket owner     ROUTER  recv -> core.on_agent,   its outbox -> send
-    report socket owner   PULL    recv -> core.on_report
-    ticker                        core.on_tick every TICK_S (staleness, lost ranks, deadlines, queue TTL)
-    drain watcher                 SIGTERM/SIGINT -> drain -> cancel the others -> return
+    ticker          core.on_tick every TICK_S (staleness, lost ranks, deadlines, queue TTL)
+    drain watcher   SIGTERM/SIGINT -> drain -> cancel the ticker -> return
+
+Sends go out inline (``zmq.NOBLOCK``) as the core returns them. Replies about a client's
+requests (``Dispatched``, ``Chunk``, ``Finish``, ``Reject``) wait until the end of the
+loop pass and leave as one :class:`~controlplane.protocol.Replies` per client (protocol
+version 5; a lone reply goes alone), so the tokens of one engine step cost one message
+to each client, not one per token. ZMQ's high-water marks bound what waits in the
+sockets.
 
 A bug in a core handler is the core's to recover from (the requests concerned end with
 ``Reject internal``); one in that recovery is counted (``internal_errors_unrecovered``)
 and logged here, and the daemon serves on. Errors that repeat (bad frames, failed
 sends) are counted and logged at most once per ``LOG_INTERVAL_S`` each.
 
-The core (:mod:`controlplane.core`) is synchronous and does no I/O; sends it returns go
-to the owning socket's bounded outbox. A send that fails (``EHOSTUNREACH`` under
-``ROUTER_MANDATORY``, ``EAGAIN`` at the high-water mark, or a full outbox) is handed back
-to the core, which turns it into "client gone" or "rank unreachable".
+A send that fails (``EHOSTUNREACH`` under ``ROUTER_MANDATORY``, ``EAGAIN`` at the
+high-water mark) is handed back to the core, which turns it into "client gone" or
+"rank unreachable".
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import signal
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 
 import structlog
@@ -40,13 +47,15 @@ from controlplane.config import DaemonConfig
 from controlplane.curve import KeyPair, load_key_pair, serve_curve
 from controlplane.core import DispatcherCore, Send, ToAgent, ToClient
 from controlplane.protocol import (
-    Channel, FrameError, agent_message_channel, client_request_channel, encode, report_channel,
+    MAX_BATCH_ITEMS, Channel, Chunk, Dispatched, Finish, FrameError, Reject, Replies,
+    agent_message_channel, client_request_channel, encode, report_channel,
 )
 from controlplane.ratelimited_log import RateLimitedLog
+from controlplane.socket_pump import SocketPump
 
 TICK_S = 0.05
-FLUSH_GRACE_S = 0.2
 LOG_INTERVAL_S = 10.0
+BATCHED_REPLIES = (Dispatched, Chunk, Finish, Reject)
 
 
 def configure_logging(level: str) -> None:
@@ -83,11 +92,14 @@ class Daemon:
             self._authenticator = AsyncioAuthenticator(self._context)
             self._authenticator.start()
             self._authenticator.configure_curve(domain="*", location=str(config.curve_authorized_keys_dir))
-        self._client_outbox: asyncio.Queue[ToClient] = asyncio.Queue(config.outbox_size)
-        self._agent_outbox: asyncio.Queue[ToAgent] = asyncio.Queue(config.outbox_size)
+        self._sync_context = zmq.Context.shadow(self._context.underlying)
+        self._client_batches: dict[bytes, list[ToClient]] = {}
+        self._flush_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pumps: list[SocketPump] = []
         self._drain_requested = asyncio.Event()
         self._ready = asyncio.Event()
-        self._sockets: list[zmq.asyncio.Socket] = []
+        self._sockets: list[zmq.Socket] = []
         try:
             self.client_socket = self._socket(zmq.ROUTER, config.client_address)
             self.rank_socket = self._socket(zmq.ROUTER, config.rank_address, handover=True)
@@ -103,8 +115,8 @@ class Daemon:
             self._authenticator.stop()
         self._context.term()
 
-    def _socket(self, kind: int, address: str, *, handover: bool = False) -> zmq.asyncio.Socket:
-        socket = self._context.socket(kind)
+    def _socket(self, kind: int, address: str, *, handover: bool = False) -> zmq.Socket:
+        socket = self._sync_context.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, self.config.send_hwm)
         socket.setsockopt(zmq.RCVHWM, self.config.recv_hwm)
@@ -134,40 +146,77 @@ class Daemon:
         self.log.info("daemon started", client=self.config.client_address, rank=self.config.rank_address,
                       report=self.config.report_address, policy=self.config.policy, pid=os.getpid(),
                       curve=self.config.curve)
+        self._loop = asyncio.get_running_loop()
+        config = self.config
+        self._pumps = [
+            SocketPump(self.client_socket, self._receiver(client_request_channel(config.max_frame_bytes),
+                                                          self.core.on_client, "client")),
+            SocketPump(self.rank_socket, self._receiver(agent_message_channel(config.max_frame_bytes),
+                                                        self.core.on_agent, "agent")),
+            SocketPump(self.report_socket, self._on_report_frames(report_channel())),
+        ]
         try:
             async with asyncio.TaskGroup() as tasks:
-                workers = [
-                    tasks.create_task(self._own_router(self.client_socket, self._client_outbox,
-                                                       client_request_channel(self.config.max_frame_bytes),
-                                                       self.core.on_client, "client")),
-                    tasks.create_task(self._own_router(self.rank_socket, self._agent_outbox,
-                                                       agent_message_channel(self.config.max_frame_bytes),
-                                                       self.core.on_agent, "agent")),
-                    tasks.create_task(self._own_reports()),
-                    tasks.create_task(self._tick()),
-                ]
+                for pump in self._pumps:
+                    pump.start()
+                workers = [tasks.create_task(self._tick())]
                 tasks.create_task(self._drain_watcher(workers))
                 self._ready.set()
         finally:
+            for pump in self._pumps:
+                pump.stop()
             self._close()
             self.log.info("daemon stopped", counters=dict(self.core.counters),
                           log_lines_suppressed=self.rare_log.suppressed())
 
     # ------------------------------------------------------------------ plumbing
     def _deliver(self, sends: list[Send]) -> None:
-        pending = list(sends)
+        """Send what the core returned: to agents at once, to clients at the end of the pass."""
+        pending = deque(sends)
         while pending:
-            send = pending.pop(0)
-            outbox = self._client_outbox if isinstance(send, ToClient) else self._agent_outbox
-            try:
-                outbox.put_nowait(send)
-            except asyncio.QueueFull:
-                where = "client" if isinstance(send, ToClient) else "agent"
-                self.core.counters[f"outbox_full_{where}"] += 1
-                self.rare_log.warning(f"outbox_full:{where}", "outbox full; the send failed",
-                                      peer=send.identity.decode(errors="replace"),
-                                      message=type(send.message).__name__)
+            send = pending.popleft()
+            if isinstance(send, ToAgent):
+                if not self._send(self.rank_socket, send.identity, send.message):
+                    pending.extend(self._handled("send_failed", self.core.on_send_failed, send))
+                continue
+            if isinstance(send.message, BATCHED_REPLIES):
+                batch = self._client_batches.setdefault(send.identity, [])
+                batch.append(send)
+                if len(batch) >= MAX_BATCH_ITEMS:
+                    pending.extend(self._flush_client(send.identity))
+                continue
+            pending.extend(self._flush_client(send.identity))  # what was said before goes first
+            if not self._send(self.client_socket, send.identity, send.message):
                 pending.extend(self._handled("send_failed", self.core.on_send_failed, send))
+        if not self._flush_scheduled and self._loop is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Each client's replies of this pass as one message; then read what the sends may
+        have left unsignalled."""
+        self._flush_scheduled = False
+        while self._client_batches:
+            failed: list[Send] = []
+            for identity in list(self._client_batches):
+                failed += self._flush_client(identity)
+            if failed:
+                self._deliver(failed)
+        for pump in self._pumps[:2]:
+            pump.poke()
+
+    def _flush_client(self, identity: bytes) -> list[Send]:
+        """Send ``identity``'s waiting replies; what the core answers to their failure."""
+        batch = self._client_batches.pop(identity, None)
+        if not batch:
+            return []
+        message = batch[0].message if len(batch) == 1 else Replies([send.message for send in batch])
+        if self._send(self.client_socket, identity, message):
+            return []
+        answers: list[Send] = []
+        for send in batch:
+            answers += self._handled("send_failed", self.core.on_send_failed, send)
+        return answers
 
     def _drop(self, where: str, peer: bytes | None, error: FrameError) -> None:
         self.core.counters[f"frames_dropped_{error.kind}"] += 1
@@ -175,48 +224,20 @@ class Daemon:
                               kind=error.kind, detail=error.detail[:200],
                               peer=peer.decode(errors="replace") if peer is not None else None)
 
-    async def _own_router(
-        self,
-        socket: zmq.asyncio.Socket,
-        outbox: asyncio.Queue,
-        channel: Channel,
-        handle: Callable[[bytes, object, float], list[Send]],
-        where: str,
-    ) -> None:
-        receive: asyncio.Future | None = None
-        take: asyncio.Future | None = None
-        try:
-            while True:
-                if receive is None:
-                    receive = asyncio.ensure_future(socket.recv_multipart(copy=False))
-                if take is None:
-                    take = asyncio.ensure_future(outbox.get())
-                done, _ = await asyncio.wait({receive, take}, return_when=asyncio.FIRST_COMPLETED)
-                if take in done:
-                    self._send(socket, take.result())
-                    take = None
-                    while not outbox.empty():
-                        self._send(socket, outbox.get_nowait())
-                if receive in done:
-                    frames = receive.result()
-                    receive = None
-                    self._receive(frames, channel, handle, where)
-        finally:
-            for future in (receive, take):
-                if future is not None:
-                    future.cancel()
-
-    def _receive(self, frames: list, channel: Channel, handle: Callable, where: str) -> None:
-        peer = frames[0].bytes
-        if len(frames) != 2:
-            self._drop(where, peer, FrameError("bad_framing", f"{len(frames) - 1} payload frames, expected 1"))
-            return
-        try:
-            message = channel.decode(frames[1].buffer)
-        except FrameError as error:
-            self._drop(where, peer, error)
-            return
-        self._deliver(self._handled(where, handle, peer, message))
+    def _receiver(self, channel: Channel, handle: Callable[[bytes, object, float], list[Send]],
+                  where: str) -> Callable[[list], None]:
+        def receive(frames: list) -> None:
+            peer = frames[0].bytes
+            if len(frames) != 2:
+                self._drop(where, peer, FrameError("bad_framing", f"{len(frames) - 1} payload frames, expected 1"))
+                return
+            try:
+                message = channel.decode(frames[1].buffer)
+            except FrameError as error:
+                self._drop(where, peer, error)
+                return
+            self._deliver(self._handled(where, handle, peer, message))
+        return receive
 
     def _handled(self, where: str, handle: Callable[..., list[Send]], *inputs: object) -> list[Send]:
         """What the core sends in answer to ``inputs``. The core recovers from a bug in a
@@ -230,31 +251,31 @@ class Daemon:
                                 exc_info=True, socket=where, message=name)
             return []
 
-    def _send(self, socket: zmq.asyncio.Socket, send: Send) -> None:
-        # With NOBLOCK, zmq.asyncio attempts the send at once and resolves the future now.
-        sent = socket.send_multipart([send.identity, encode(send.message)], flags=zmq.NOBLOCK, copy=False)
-        error = sent.exception() if sent.done() else None
-        if error is not None:
-            if not isinstance(error, zmq.ZMQError) or error.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                raise error
+    def _send(self, socket: zmq.Socket, identity: bytes, message: object) -> bool:
+        """Whether the message was queued; a peer gone or at its high-water mark is False."""
+        try:
+            socket.send_multipart([identity, encode(message)], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as error:
+            if error.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
             self.rare_log.info(f"send_failed:{error.errno}", "send failed",
-                               peer=send.identity.decode(errors="replace"),
-                               message=type(send.message).__name__, error=error.strerror)
-            self._deliver(self._handled("send_failed", self.core.on_send_failed, send))
+                               peer=identity.decode(errors="replace"),
+                               message=type(message).__name__, error=error.strerror)
+            return False
+        return True
 
-    async def _own_reports(self) -> None:
-        channel = report_channel()
-        while True:
-            frames = await self.report_socket.recv_multipart(copy=False)
+    def _on_report_frames(self, channel: Channel) -> Callable[[list], None]:
+        def receive(frames: list) -> None:
             if len(frames) != 1:
                 self._drop("report", None, FrameError("bad_framing", f"{len(frames)} frames, expected 1"))
-                continue
+                return
             try:
                 report = channel.decode(frames[0].buffer)
             except FrameError as error:
                 self._drop("report", None, error)
-                continue
+                return
             self._deliver(self._handled("report", self.core.on_report, report))
+        return receive
 
     async def _tick(self) -> None:
         known: set[str] = set()
@@ -280,10 +301,7 @@ class Daemon:
             self.log.warning("drain timed out; aborting", in_flight=self.core.in_flight)
             self._deliver(self._handled("drain", lambda now: self.core.abort_all(
                 "the daemon stopped before the request finished")))
-        flush_deadline = time.monotonic() + FLUSH_GRACE_S
-        while (not self._client_outbox.empty() or not self._agent_outbox.empty()) \
-                and time.monotonic() < flush_deadline:
-            await asyncio.sleep(0.01)
+        self._flush()
         for task in workers:
             task.cancel()
 

@@ -41,6 +41,14 @@ misread never joins. A ``Hello`` without the field is version 1.
   ``Dispatch``, so it is fenced; a version-3 daemon would drop such a ``Submit``
   unanswered, so the daemon states its version in :attr:`Pong.protocol` (absent: 3 or
   older) and the SDK refuses to send messages to an older one.
+- 5: coalesced output. A rank agent sends every request's new output of an engine step
+  (or of one event-loop pass) as one :class:`RankOutputs`, and the daemon answers each
+  client with one :class:`Replies` per pass of its sockets. A request that is not
+  streamed crosses once, in its ``Done``/``Finish``. A version-4 SDK would drop a
+  ``Replies`` and wait for its answer forever, so a client states its version in
+  :attr:`Submit.protocol` (absent: 4 or older) and the daemon refuses an older one with
+  ``Reject invalid`` naming both versions (:func:`client_refusal`); the SDK refuses a
+  daemon whose ``Pong.protocol`` is older than 5.
 """
 
 from __future__ import annotations
@@ -56,8 +64,10 @@ from msgspec import Meta, Struct
 MAGIC: Final = b"\xfb"
 SCHEMA_VERSION: Final = 1
 HEADER: Final = MAGIC + bytes([SCHEMA_VERSION])
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 CHAT_PROTOCOL_VERSION: Final = 4  # the first version with ``Prompt.messages``
+BATCH_PROTOCOL_VERSION: Final = 5  # the first version with RankOutputs and Replies
+MAX_BATCH_ITEMS: Final = 4096  # messages in one RankOutputs or Replies
 LEGACY_PROTOCOL_VERSION: Final = 1  # a Hello without ``protocol``
 UNSUPPORTED_PROTOCOL: Final = "unsupported protocol"  # Fenced.detail prefix
 MAX_SLO_CLASSES: Final = 64
@@ -181,6 +191,18 @@ class Submit(Struct, frozen=True, tag="submit", forbid_unknown_fields=True, omit
     slo: SloSpec | None = None
     deadline_s: Annotated[float, Meta(gt=0.0)] | None = None  # relative to the daemon's receipt
     stream: bool = True
+    protocol: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0  # the client's; 0: 4 or older
+
+
+def client_refusal(version: int) -> str | None:
+    """Why the daemon refuses a ``Submit`` from a client of protocol ``version`` (0: a
+    client too old to state it); None when it can read the daemon's replies."""
+    if version >= BATCH_PROTOCOL_VERSION:
+        return None
+    stated = f"version {version}" if version else "version 4 or older"
+    return (f"{UNSUPPORTED_PROTOCOL}: the client speaks protocol {stated}, the daemon speaks "
+            f"version {PROTOCOL_VERSION} (replies coalesced into one message per pass since 5); "
+            "upgrade the client (the controlplane SDK)")
 
 
 class Cancel(Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
@@ -298,7 +320,17 @@ class DrainReply(Struct, frozen=True, tag="drain_reply"):
     in_flight: int = 0
 
 
-ClientReply = Dispatched | Chunk | Finish | Reject | Pong | StatusReply | DrainReply
+RequestReply = Dispatched | Chunk | Finish | Reject
+
+
+class Replies(Struct, frozen=True, tag="replies"):
+    """Protocol version 5: the replies about a client's requests from one pass of the
+    daemon's sockets, in the order they were made (per request, the order it sent them)."""
+
+    items: Annotated[list[RequestReply], Meta(max_length=MAX_BATCH_ITEMS)]
+
+
+ClientReply = Dispatched | Chunk | Finish | Reject | Pong | StatusReply | DrainReply | Replies
 
 
 # ------------------------------------------------------------------ agent <-> daemon
@@ -319,7 +351,16 @@ def protocol_refusal(version: int) -> str | None:
     upgrade = "the rank agent" if version < PROTOCOL_VERSION else "the daemon"
     return (f"{UNSUPPORTED_PROTOCOL}: the rank speaks protocol version {version}, the daemon "
             f"speaks version {PROTOCOL_VERSION} (per-SLO-class budgets in Report since 2, "
-            f"end-to-end SLOs in Dispatch since 3, chat messages since 4); upgrade {upgrade}")
+            f"end-to-end SLOs in Dispatch since 3, chat messages since 4, coalesced outputs "
+            f"since 5); upgrade {upgrade}")
+
+
+def unbatched(message: Struct) -> list[Struct]:
+    """The messages a :class:`Replies` or :class:`RankOutputs` carries, in order; any other
+    message alone."""
+    if isinstance(message, (Replies, RankOutputs)):
+        return list(message.items)
+    return [message]
 
 
 class Goodbye(Struct, frozen=True, tag="goodbye", forbid_unknown_fields=True):
@@ -372,7 +413,15 @@ class Done(Struct, frozen=True, tag="done", forbid_unknown_fields=True, omit_def
     dispatch_seq: NonNegInt = 0  # the Dispatch this answers (0: not given)
 
 
-AgentMessage = Hello | Goodbye | Draining | Heartbeat | Output | Done
+class RankOutputs(Struct, frozen=True, tag="outputs", forbid_unknown_fields=True):
+    """Protocol version 5: the new output of every request an agent's ranks served in one
+    engine step (or one event-loop pass), in order; the daemon handles each item as if it
+    came alone. Control messages (Hello, Heartbeat, Draining, Goodbye) never wait in one."""
+
+    items: Annotated[list[Output | Done], Meta(max_length=MAX_BATCH_ITEMS)]
+
+
+AgentMessage = Hello | Goodbye | Draining | Heartbeat | Output | Done | RankOutputs
 
 
 class Welcome(Struct, frozen=True, tag="welcome"):

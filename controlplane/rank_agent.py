@@ -11,6 +11,18 @@ clients see a retryable ``rank_lost`` rather than a ``cancelled`` they never ask
 :meth:`RankAgent.drain` is the graceful way out: ``Draining`` for every rank, the
 requests already running finish with their ``Done``, then the agent stops.
 
+Output is coalesced (protocol version 5): what the engines emit waits in one batch until
+the end of the event-loop pass (``coalesce_s`` later, when set) and leaves as one
+``RankOutputs``, so an engine step that advances many requests costs one message. A
+request that is not streamed sends nothing until its ``Done``, which carries the whole
+output. Control messages (``Hello``, ``Heartbeat``, ``Draining``, ``Goodbye``) are sent
+at once and never wait behind output: what the socket cannot take (its high-water mark)
+waits in a control queue that is always sent before any output. Output that the socket
+cannot take waits too, up to ``outbox_size`` messages; beyond that ``emit`` and
+``finish`` wait for room (back-pressure on the engine), never drop.
+
+The socket is read without a future per message (:class:`controlplane.socket_pump.SocketPump`).
+
 Reports do not pass through the agent: each rank publishes its own
 (:class:`controlplane.reporter.ReportPublisher`, to the ``report_address`` that
 :meth:`RankEngine.welcomed` hands over).
@@ -22,7 +34,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,6 +46,7 @@ import zmq.asyncio
 from controlplane.curve import CurvePeer
 from controlplane.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
+    MAX_BATCH_ITEMS,
     PROTOCOL_VERSION,
     Abort,
     AgentMessage,
@@ -47,11 +60,13 @@ from controlplane.protocol import (
     Heartbeat,
     Hello,
     Output,
+    RankOutputs,
     Welcome,
     daemon_to_agent_channel,
     encode,
 )
 from controlplane.ratelimited_log import RateLimitedLog
+from controlplane.socket_pump import SocketPump
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_S = 10.0
@@ -60,6 +75,8 @@ HELLO_RETRY_S = 1.0
 UNKNOWN_RANK = "unknown rank"  # Fenced.detail: the daemon does not know the rank (any more)
 UNKNOWN_AGENT = "unknown agent"  # Fenced.detail answering a Heartbeat: it knows none of ours
 MAX_ERROR_CHARS = 4096
+BLOCKED_RETRY_S = 0.002  # how soon a send the socket refused (high-water mark) is tried again
+MAX_CONTROL_BACKLOG = 1024
 
 
 class InvalidRequest(ValueError):
@@ -72,30 +89,40 @@ class NoBudget(Exception):
 
 
 class OutputSink:
-    """Where an engine streams one request's output; the agent sends it in order."""
+    """Where an engine streams one request's output; the agent sends it in order. For a
+    request that is not streamed (``stream`` false) the output is kept here and crosses
+    once, in the ``Done``."""
 
     def __init__(
         self,
         rank: str,
         epoch: int,
         request_id: str,
-        send: Callable[[AgentMessage], Awaitable[None]],
+        send: Callable[[Output | Done], Awaitable[None]],
         dispatch_seq: int = 0,
+        stream: bool = True,
     ) -> None:
         self.rank = rank
         self.epoch = epoch
         self.request_id = request_id
         self.dispatch_seq = dispatch_seq
+        self.stream = stream
         self.completion_tokens = 0
         self.finished = False
         self._send = send
         self._silent = False
+        self._texts: list[str] = []
+        self._token_ids: list[int] = []
 
     async def emit(self, token_ids: Sequence[int] = (), text: str = "") -> None:
         """New output since the last call; ``completion_tokens`` counts ``token_ids``."""
         if self.finished or self._silent or not (token_ids or text):
             return
         self.completion_tokens += len(token_ids)
+        if not self.stream:
+            self._token_ids.extend(token_ids)
+            self._texts.append(text)
+            return
         await self._send(Output(
             rank=self.rank, epoch=self.epoch, request_id=self.request_id,
             token_ids=list(token_ids), text=text, completion_tokens=self.completion_tokens,
@@ -119,10 +146,11 @@ class OutputSink:
         await self._send(Done(
             rank=self.rank, epoch=self.epoch, request_id=self.request_id, reason=reason,
             prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens,
-            ttft_s=ttft_s, latency_s=latency_s, error=error[:MAX_ERROR_CHARS], invalid=invalid,
+            ttft_s=ttft_s, latency_s=latency_s, text="".join(self._texts),
+            token_ids=self._token_ids, error=error[:MAX_ERROR_CHARS], invalid=invalid,
             no_budget=no_budget, dispatch_seq=self.dispatch_seq,
         ))
-        self.finished = True  # NOTE: only once queued: a put cancelled midway sends nothing
+        self.finished = True  # NOTE: only once queued: a wait for room cancelled midway sends nothing
 
     def silence(self) -> None:
         """The request ends without a ``Done`` (its rank is gone from the daemon's view)."""
@@ -167,7 +195,13 @@ class RankAgent:
         hello_retry_s: float = HELLO_RETRY_S,
         close_timeout_s: float = 1.0,
         curve: CurvePeer | None = None,
+        coalesce_s: float = 0.0,
     ) -> None:
+        """``outbox_size``: output messages that may wait for the socket before the engines
+        wait for room; ``coalesce_s``: how long output waits to share a message (0: until
+        the end of the current event-loop pass)."""
+        if outbox_size < 1 or coalesce_s < 0:
+            raise ValueError("outbox_size must be >= 1 and coalesce_s >= 0")
         if not ranks or len(set(ranks)) != len(ranks):
             raise ValueError(f"an agent needs distinct rank names, got {list(ranks)!r}")
         self.epoch = time.time_ns() if epoch is None else epoch
@@ -191,9 +225,17 @@ class RankAgent:
         self._welcomed: set[str] = set()
         self._requests: dict[tuple[str, str], _Request] = {}  # (rank, request id) -> running
         self._tasks: set[asyncio.Task[None]] = set()  # every request task not yet finished
-        self._outbox: asyncio.Queue[AgentMessage] = asyncio.Queue(outbox_size)
-        self._unsent: list[AgentMessage] = []  # taken from the outbox when the socket task ended
-        self._socket: zmq.asyncio.Socket | None = None
+        self._outbox_size = outbox_size
+        self._coalesce_s = coalesce_s
+        self._batch: list[Output | Done] = []  # output of this pass, not yet encoded
+        self._blocked_control: deque[tuple[bytes, type]] = deque()  # refused by the socket
+        self._blocked_output: deque[tuple[bytes, int]] = deque()  # (frame, messages in it)
+        self._blocked_output_count = 0
+        self._flush_handle: asyncio.Handle | asyncio.TimerHandle | None = None
+        self._room = asyncio.Event()
+        self._room.set()
+        self._socket: zmq.Socket | None = None
+        self._pump: SocketPump | None = None
         self._stop = asyncio.Event()
         self._draining = False
         self._drain_deadline: float | None = None
@@ -231,15 +273,16 @@ class RankAgent:
             await self._end_requests()
             self._finished.set()
 
-    async def _serve_until_stopped(self, socket: zmq.asyncio.Socket) -> None:
-        async with asyncio.TaskGroup() as group:
-            loops = [
-                group.create_task(self._own_socket(socket), name=f"agent {self.agent_id} socket"),
-                group.create_task(self._keepalive(), name=f"agent {self.agent_id} keepalive"),
-            ]
-            await self._stop.wait()
-            for loop in loops:
-                loop.cancel()
+    async def _serve_until_stopped(self, socket: zmq.Socket) -> None:
+        self._pump = SocketPump(socket, self._on_received, on_writable=self._flush_blocked)
+        self._pump.start()
+        try:
+            async with asyncio.TaskGroup() as group:
+                keepalive = group.create_task(self._keepalive(), name=f"agent {self.agent_id} keepalive")
+                await self._stop.wait()
+                keepalive.cancel()
+        finally:
+            self._pump.stop()
 
     def stop(self) -> None:
         self._stop.set()
@@ -273,27 +316,39 @@ class RankAgent:
             await self._finished.wait()
         if self._socket is None or self._socket.closed:
             return
-        pending, self._unsent = self._unsent, []
-        while not self._outbox.empty():
-            pending.append(self._outbox.get_nowait())
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        pending = [frame for frame, _ in self._blocked_control]
+        pending += [frame for frame, _ in self._blocked_output]
+        pending += [encode(RankOutputs(part)) for part in _parts(self._batch)]
+        self._blocked_control.clear()
+        self._blocked_output.clear()
+        self._batch = []
         if goodbye:
-            pending += [Goodbye(rank=rank, epoch=self.epoch) for rank in self._served()]
+            pending += [encode(Goodbye(rank=rank, epoch=self.epoch)) for rank in self._served()]
         deadline = time.monotonic() + self._close_timeout_s
         sent_count = 0
-        try:
-            for message in pending:
-                sent = self._socket.send(encode(message))
-                await asyncio.wait_for(sent, deadline - time.monotonic())
-                sent_count += 1
-        except (TimeoutError, zmq.ZMQError) as error:
+        for frame in pending:
+            if not await self._send_by(frame, deadline):
+                break
+            sent_count += 1
+        if sent_count < len(pending):
             self.counters["unsent_at_close"] += len(pending) - sent_count
-            logger.warning("agent %s closing: %d messages not sent (%r)", self.agent_id,
-                           len(pending) - sent_count, error)
+            logger.warning("agent %s closing: %d messages not sent (the socket was full)",
+                           self.agent_id, len(pending) - sent_count)
         linger_ms = max(0, math.ceil((deadline - time.monotonic()) * 1e3))
         self._socket.close(linger=linger_ms)  # NOTE: a bounded linger lets Goodbye leave
 
-    def _open_socket(self) -> zmq.asyncio.Socket:
-        socket = self._context.socket(zmq.DEALER)
+    async def _send_by(self, frame: bytes, deadline: float) -> bool:
+        while not self._try_send(frame):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(BLOCKED_RETRY_S)
+        return True
+
+    def _open_socket(self) -> zmq.Socket:
+        socket = zmq.Socket(zmq.Context.shadow(self._context.underlying), zmq.DEALER)
         try:
             socket.setsockopt(zmq.ROUTING_ID, self.agent_id.encode())
             socket.setsockopt(zmq.LINGER, 0)
@@ -318,32 +373,85 @@ class RankAgent:
                 logger.error("agent %s: %d requests ignored cancellation", self.agent_id,
                              len(stuck))
 
-    # ---------------------------------------------------------------- tasks
-    async def _own_socket(self, socket: zmq.asyncio.Socket) -> None:
-        receiving = socket.recv_multipart()
-        sending = asyncio.ensure_future(self._outbox.get())
-        try:
-            while True:
-                await asyncio.wait((receiving, sending), return_when=asyncio.FIRST_COMPLETED)
-                if receiving.done():
-                    frames = receiving.result()
-                    receiving = socket.recv_multipart()
-                    for reply in self._on_frames(frames):
-                        await socket.send(encode(reply))
-                if sending.done():
-                    message = sending.result()
-                    sending = asyncio.ensure_future(self._outbox.get())
-                    try:
-                        await socket.send(encode(message))
-                    except asyncio.CancelledError:
-                        self._unsent.append(message)
-                        raise
-        finally:
-            receiving.cancel()
-            if sending.done() and not sending.cancelled():
-                self._unsent.append(sending.result())  # close() sends it
-            sending.cancel()
+    # ---------------------------------------------------------------- sending
+    def _on_received(self, frames: list[zmq.Frame]) -> None:
+        for reply in self._on_frames([frame.buffer for frame in frames]):
+            self._enqueue(reply)
 
+    def _enqueue(self, message: AgentMessage) -> None:
+        """A control message: sent now, or before any output once the socket takes it."""
+        frame = encode(message)
+        if not self._blocked_control and self._try_send(frame):
+            return
+        kind = type(message)
+        if kind is Heartbeat and any(queued is Heartbeat for _, queued in self._blocked_control):
+            return  # one waiting heartbeat says as much as two
+        if len(self._blocked_control) >= MAX_CONTROL_BACKLOG:
+            self.counters[f"{kind.__name__.lower()}_dropped"] += 1
+            self._rare_log.warning("control_backlog_full", "control backlog full; message dropped",
+                                   agent=self.agent_id, message=kind.__name__)
+            return
+        self._blocked_control.append((frame, kind))
+        self._schedule_flush(BLOCKED_RETRY_S)
+
+    async def _send_output(self, message: Output | Done) -> None:
+        """Queue one output message in this pass's batch; waits while ``outbox_size``
+        messages wait for the socket."""
+        while len(self._batch) + self._blocked_output_count >= self._outbox_size:
+            self._room.clear()
+            self.counters["output_waits"] += 1
+            await self._room.wait()
+        self._batch.append(message)
+        self._schedule_flush(self._coalesce_s if not self._blocked_output else BLOCKED_RETRY_S)
+
+    def _schedule_flush(self, delay_s: float) -> None:
+        if self._flush_handle is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._flush_handle = (loop.call_soon(self._flush) if delay_s <= 0
+                              else loop.call_later(delay_s, self._flush))
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        if self._socket is None or self._socket.closed or self._pump is None or not self._pump.running:
+            return  # close() sends what is left
+        if self._batch:
+            batch, self._batch = self._batch, []
+            for part in _parts(batch):
+                self._blocked_output.append((encode(RankOutputs(part)), len(part)))
+                self._blocked_output_count += len(part)
+            self.counters["output_messages"] += len(batch)
+        self._flush_blocked()
+        if self._blocked_control or self._blocked_output:
+            self._schedule_flush(BLOCKED_RETRY_S)
+        self._pump.poke()
+
+    def _flush_blocked(self) -> None:
+        """Send what waits, control first; stop at the first send the socket refuses."""
+        while self._blocked_control:
+            if not self._try_send(self._blocked_control[0][0]):
+                return
+            self._blocked_control.popleft()
+        while self._blocked_output:
+            frame, count = self._blocked_output[0]
+            if not self._try_send(frame):
+                return
+            self._blocked_output.popleft()
+            self._blocked_output_count -= count
+            self.counters["output_batches"] += 1
+        if not self._room.is_set():
+            self._room.set()
+
+    def _try_send(self, frame: bytes) -> bool:
+        if self._socket is None or self._socket.closed:
+            return False
+        try:
+            self._socket.send(frame, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    # ---------------------------------------------------------------- tasks
     async def _keepalive(self) -> None:
         """Hello every ``hello_retry_s`` for each rank not yet welcomed; Heartbeat every
         heartbeat interval once a Welcome gave one."""
@@ -372,17 +480,8 @@ class RankAgent:
             self._wake.clear()
             await _wait(self._wake, max(0.0, wake_at - loop.time()))
 
-    def _enqueue(self, message: AgentMessage) -> None:
-        try:
-            self._outbox.put_nowait(message)
-        except asyncio.QueueFull:
-            kind = type(message).__name__.lower()
-            self.counters[f"{kind}_dropped"] += 1
-            self._rare_log.warning(f"outbox_full:{kind}", "outbox full; message dropped",
-                                   agent=self.agent_id, message=kind)
-
     # ---------------------------------------------------------------- daemon messages
-    def _on_frames(self, frames: list[bytes]) -> list[AgentMessage]:
+    def _on_frames(self, frames: Sequence[bytes | memoryview]) -> list[AgentMessage]:
         if len(frames) != 1:
             self.counters["frames_dropped_multipart"] += 1
             self._rare_log.warning("frame_dropped:multipart", "dropped a multipart message",
@@ -449,8 +548,8 @@ class RankAgent:
             logger.info("agent %s: dropped duplicate dispatch of %s", self.agent_id,
                         dispatch.request_id)
             return []
-        sink = OutputSink(dispatch.rank, self.epoch, dispatch.request_id, self._outbox.put,
-                          dispatch.dispatch_seq)
+        sink = OutputSink(dispatch.rank, self.epoch, dispatch.request_id, self._send_output,
+                          dispatch.dispatch_seq, dispatch.stream)
         task = asyncio.create_task(self._serve(key, dispatch, sink),
                                    name=f"request {dispatch.request_id}")
         self._requests[key] = _Request(task, sink)
@@ -539,6 +638,10 @@ class RankAgent:
             if request is not None and request.sink is sink:
                 del self._requests[key]
             self._stop_when_drained()
+
+
+def _parts(batch: list[Output | Done]) -> list[list[Output | Done]]:
+    return [batch[i:i + MAX_BATCH_ITEMS] for i in range(0, len(batch), MAX_BATCH_ITEMS)]
 
 
 def _check_hello(hello: Hello) -> None:

@@ -71,7 +71,7 @@ async def closed_loop(address: str, concurrency: int, duration_s: float) -> dict
         request_id = f"b{next(counter)}"
         sent_at[request_id] = time.monotonic()
         await socket.send(p.encode(p.Submit(request_id, prompt, sampling, p.SloSpec(slo_class="relaxed"),
-                                            stream=False)))
+                                            stream=False, protocol=p.PROTOCOL_VERSION)))
 
     async def drive(socket, slots: int) -> None:
         nonlocal finished, rejected
@@ -79,20 +79,21 @@ async def closed_loop(address: str, concurrency: int, duration_s: float) -> dict
             await submit(socket)
         outstanding = slots
         while outstanding:
-            reply = REPLIES.decode(await socket.recv())
+            replies = p.unbatched(REPLIES.decode(await socket.recv()))
             now = time.monotonic()
-            if isinstance(reply, p.Dispatched):
-                dispatch_latency.append(now - sent_at[reply.request_id])
-                continue
-            sent_at.pop(reply.request_id, None)
-            outstanding -= 1
-            if isinstance(reply, p.Finish):
-                finished += 1
-            else:
-                rejected += 1
-            if now < stop_at:
-                await submit(socket)
-                outstanding += 1
+            for reply in replies:
+                if isinstance(reply, p.Dispatched):
+                    dispatch_latency.append(now - sent_at[reply.request_id])
+                    continue
+                sent_at.pop(reply.request_id, None)
+                outstanding -= 1
+                if isinstance(reply, p.Finish):
+                    finished += 1
+                else:
+                    rejected += 1
+                if now < stop_at:
+                    await submit(socket)
+                    outstanding += 1
 
     per_socket = [concurrency // len(sockets)] * len(sockets)
     per_socket[0] += concurrency - sum(per_socket)

@@ -147,7 +147,7 @@ def test_drain_wait_resume_and_an_unknown_rank(tmp_path, capsys: pytest.CaptureF
         assert agent.poll(5000) and isinstance(p.daemon_to_agent_channel().decode(agent.recv()), p.Welcome)
         reports.send(p.encode(p.Report("rank-d", 4, 1, 50_000.0, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
         time.sleep(0.2)
-        client.send(p.encode(p.Submit("held", p.Prompt(token_ids=[1, 2, 3]))))
+        client.send(p.encode(p.Submit("held", p.Prompt(token_ids=[1, 2, 3]), protocol=p.PROTOCOL_VERSION)))
         assert client.poll(5000) and isinstance(replies.decode(client.recv()), p.Dispatched)
         dispatch = p.daemon_to_agent_channel().decode(agent.recv())
         address = ["--address", config.client_address]
@@ -156,7 +156,7 @@ def test_drain_wait_resume_and_an_unknown_rank(tmp_path, capsys: pytest.CaptureF
         captured = capsys.readouterr()
         assert "rank rank-d: draining, 1 in flight" in captured.out and "still in flight" in captured.err
 
-        client.send(p.encode(p.Submit("refused", p.Prompt(token_ids=[1]))))
+        client.send(p.encode(p.Submit("refused", p.Prompt(token_ids=[1]), protocol=p.PROTOCOL_VERSION)))
         assert client.poll(5000)
         reject = replies.decode(client.recv())
         assert (reject.request_id, reject.reason, reject.retryable) == ("refused", p.RejectReason.NO_RANKS, True)
@@ -173,7 +173,7 @@ def test_drain_wait_resume_and_an_unknown_rank(tmp_path, capsys: pytest.CaptureF
 
         assert main(["resume", "rank-d", *address]) == 0
         assert "rank rank-d: resumed, 0 in flight" in capsys.readouterr().out
-        client.send(p.encode(p.Submit("again", p.Prompt(token_ids=[1]))))
+        client.send(p.encode(p.Submit("again", p.Prompt(token_ids=[1]), protocol=p.PROTOCOL_VERSION)))
         assert client.poll(5000) and isinstance(replies.decode(client.recv()), p.Dispatched)
 
         assert main(["drain", "nope", *address]) == 4
@@ -196,7 +196,7 @@ def test_gateway_usage_errors_exit_2(tmp_path, capsys: pytest.CaptureFixture) ->
         assert message in capsys.readouterr().err
 
 
-def test_gateway_serves_http_until_sigterm(tmp_path) -> None:
+def test_gateway_says_where_it_listens_and_serves_until_sigterm(tmp_path) -> None:
     import signal
     import urllib.request
 
@@ -219,6 +219,9 @@ def test_gateway_serves_http_until_sigterm(tmp_path) -> None:
         assert [m["id"] for m in listed["data"]] == ["m"]
         gateway.send_signal(signal.SIGTERM)
         assert gateway.wait(10) == 0
+        said = gateway.stderr.read().splitlines()
+        assert said[0] == f"gateway listening on http://127.0.0.1:{port} (model m, daemon {config.client_address})"
+        assert sum("listening" in line for line in said) == 1, said
     finally:
         if gateway.poll() is None:
             gateway.kill()

@@ -51,6 +51,7 @@ def report(core: DispatcherCore, rank: str, pab: float, *, epoch: int = 1, seq: 
 
 def submit(core: DispatcherCore, request_id: str, tokens: int = 100, now: float = 0.0, client: bytes = CLIENT,
            **fields) -> list:
+    fields.setdefault("protocol", PROTOCOL_VERSION)
     message = Submit(request_id, Prompt(token_ids=[1] * tokens), SamplingParams(max_new_tokens=4), **fields)
     return core.on_client(client, message, now)
 

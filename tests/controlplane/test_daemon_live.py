@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import time
 
 import msgspec
@@ -15,6 +17,7 @@ from controlplane import protocol as p
 from live import thread_daemon
 
 CLIENT_REPLIES = p.client_reply_channel()
+SUBMIT = functools.partial(p.Submit, protocol=p.PROTOCOL_VERSION)  # as the SDK states it
 AGENT_INBOX = p.daemon_to_agent_channel()
 
 
@@ -27,6 +30,7 @@ class Peer:
         if identity is not None:
             self.socket.setsockopt(zmq.ROUTING_ID, identity)
         self.socket.connect(address)
+        self.backlog: collections.deque = collections.deque()
 
     def send(self, message) -> None:
         self.socket.send(p.encode(message))
@@ -35,8 +39,11 @@ class Peer:
         self.socket.send_multipart(list(frames))
 
     def receive(self, channel, timeout_s: float = 5.0):
-        assert self.socket.poll(int(timeout_s * 1000)), "no reply"
-        return channel.decode(self.socket.recv())
+        """The next message; a batch's (``Replies``, ``RankOutputs``) items one by one."""
+        if not self.backlog:
+            assert self.socket.poll(int(timeout_s * 1000)), "no reply"
+            self.backlog.extend(p.unbatched(channel.decode(self.socket.recv())))
+        return self.backlog.popleft()
 
     def close(self) -> None:
         self.socket.close()
@@ -66,7 +73,7 @@ def test_request_flows_client_to_rank_and_back(daemon):
         assert welcome == p.Welcome("flow-0", 11, daemon.daemon.daemon_id, config.report_address, 0.5)
         reports.send(p.encode(p.Report("flow-0", 11, 1, 50_000.0, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
         time.sleep(0.2)
-        client.send(p.Submit("flow-a", p.Prompt(token_ids=[1, 2, 3]), p.SamplingParams(max_new_tokens=2),
+        client.send(SUBMIT("flow-a", p.Prompt(token_ids=[1, 2, 3]), p.SamplingParams(max_new_tokens=2),
                              p.SloSpec(slo_class="tight")))
         dispatch = agent.receive(AGENT_INBOX)
         assert (dispatch.request_id, dispatch.rank, dispatch.epoch) == ("flow-a", "flow-0", 11)
@@ -99,7 +106,7 @@ def test_client_gone_mid_stream_aborts_at_the_rank(daemon):
         reports.send(p.encode(p.Report("gone-0", 5, 1, 1e9, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
         time.sleep(0.2)
         client = Peer(config.client_address, b"short-lived-client")
-        client.send(p.Submit("gone-a", p.Prompt(text="hello"), p.SamplingParams(max_new_tokens=50)))
+        client.send(SUBMIT("gone-a", p.Prompt(text="hello"), p.SamplingParams(max_new_tokens=50)))
         dispatch = agent.receive(AGENT_INBOX)
         assert dispatch.rank in ("gone-0", "flow-0")
         client.close()
@@ -168,12 +175,12 @@ def test_drain_on_request_rejects_new_work_and_stops():
             agent.receive(AGENT_INBOX)
             reports.send(p.encode(p.Report("drain-0", 1, 1, 1e9, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
             time.sleep(0.2)
-            client.send(p.Submit("drain-a", p.Prompt(text="hi")))
+            client.send(SUBMIT("drain-a", p.Prompt(text="hi")))
             assert isinstance(agent.receive(AGENT_INBOX), p.Dispatch)
             assert isinstance(client.receive(CLIENT_REPLIES), p.Dispatched)
             running.loop.call_soon_threadsafe(running.daemon.request_drain)
             time.sleep(0.1)
-            client.send(p.Submit("drain-b", p.Prompt(text="hi")))
+            client.send(SUBMIT("drain-b", p.Prompt(text="hi")))
             refused = client.receive(CLIENT_REPLIES)
             assert (refused.request_id, refused.reason) == ("drain-b", p.RejectReason.SHUTTING_DOWN)
             aborted = client.receive(CLIENT_REPLIES)
@@ -220,7 +227,7 @@ def test_a_handler_failure_gets_one_internal_reject_and_the_daemon_serves_on(mon
             time.sleep(0.2)
             # a rank's Output fails after one chunk went out: not retryable, aborted at the rank
             monkeypatch.setattr(core, "_rank_output", failing_for(core._rank_output, "bug-a", after_calls=1))
-            client.send(p.Submit("bug-a", p.Prompt(token_ids=[1] * 100)))
+            client.send(SUBMIT("bug-a", p.Prompt(token_ids=[1] * 100)))
             dispatch = agent.receive(AGENT_INBOX)
             assert isinstance(client.receive(CLIENT_REPLIES), p.Dispatched)
             agent.send(p.Output("bug-0", 3, "bug-a", [7], "x", 1, dispatch.dispatch_seq))
@@ -235,7 +242,7 @@ def test_a_handler_failure_gets_one_internal_reject_and_the_daemon_serves_on(mon
             # (a late Done: the request is over, the daemon drops it)
             # a client's Submit fails: retryable, nothing reaches the rank
             monkeypatch.setattr(core, "_submit", failing_for(core._submit, "bug-b"))
-            client.send(p.Submit("bug-b", p.Prompt(token_ids=[1] * 10)))
+            client.send(SUBMIT("bug-b", p.Prompt(token_ids=[1] * 10)))
             reject = client.receive(CLIENT_REPLIES)
             assert (reject.request_id, reject.reason, reject.retryable) == \
                 ("bug-b", p.RejectReason.INTERNAL, True)
@@ -246,7 +253,7 @@ def test_a_handler_failure_gets_one_internal_reject_and_the_daemon_serves_on(mon
             assert (rank.in_flight, rank.pab_tokens, status.in_flight) == (0, 50_000.0, 0)  # debits released
             assert (status.counters["internal_errors"], status.counters["rejected_internal"]) == (2, 2)
             # the daemon serves the next request as usual
-            client.send(p.Submit("bug-c", p.Prompt(token_ids=[1] * 10)))
+            client.send(SUBMIT("bug-c", p.Prompt(token_ids=[1] * 10)))
             dispatch = agent.receive(AGENT_INBOX)
             assert client.receive(CLIENT_REPLIES) == p.Dispatched("bug-c", "bug-0", dispatch.dispatch_seq)
             agent.send(p.Done("bug-0", 3, "bug-c", p.FinishReason.LENGTH, 10, 1,
@@ -255,7 +262,7 @@ def test_a_handler_failure_gets_one_internal_reject_and_the_daemon_serves_on(mon
             # a bug in the recovery itself: counted by the daemon, which still answers
             monkeypatch.setattr(core, "_recover", broken)
             monkeypatch.setattr(core, "_submit", failing_for(core._submit, "bug-d"))
-            client.send(p.Submit("bug-d", p.Prompt(token_ids=[1] * 10)))
+            client.send(SUBMIT("bug-d", p.Prompt(token_ids=[1] * 10)))
             client.send(p.Ping(9))
             assert client.receive(CLIENT_REPLIES) == p.Pong(9, running.daemon.daemon_id, protocol=p.PROTOCOL_VERSION)
             assert running.counters()["internal_errors_unrecovered"] == 1

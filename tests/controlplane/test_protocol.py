@@ -298,7 +298,7 @@ def test_a_version_2_agent_is_refused_now_that_a_dispatch_may_carry_an_e2e_slo()
 
 
 def test_a_version_3_agent_is_refused_now_that_a_dispatch_may_carry_chat_messages():
-    assert p.PROTOCOL_VERSION == p.CHAT_PROTOCOL_VERSION == 4
+    assert p.CHAT_PROTOCOL_VERSION == 4 < p.PROTOCOL_VERSION
     refusal = p.protocol_refusal(3)
     assert "protocol version 3" in refusal and "chat messages since 4" in refusal
     chat = p.Dispatch("r1", "rank-0", 1, 1, p.Prompt(messages=[p.ChatMessage("user", "hi")]))
@@ -311,3 +311,45 @@ class _VersionThreePrompt(msgspec.Struct, forbid_unknown_fields=True):
 
     text: str | None = None
     token_ids: list[int] | None = None
+
+
+def test_a_version_4_agent_is_refused_now_that_output_is_coalesced():
+    assert p.PROTOCOL_VERSION == p.BATCH_PROTOCOL_VERSION == 5
+    refusal = p.protocol_refusal(4)
+    assert refusal.startswith(p.UNSUPPORTED_PROTOCOL)
+    assert "protocol version 4" in refusal and "coalesced outputs since 5" in refusal
+    assert "upgrade the rank agent" in refusal
+    assert "upgrade the daemon" in p.protocol_refusal(6)
+    assert p.protocol_refusal(5) is None
+
+
+def test_a_client_that_does_not_state_version_5_is_refused_by_name():
+    assert p.Submit("r", p.Prompt(text="x")).protocol == 0  # what an older SDK's Submit decodes to
+    refusal = p.client_refusal(0)
+    assert refusal.startswith(p.UNSUPPORTED_PROTOCOL)
+    assert "version 4 or older" in refusal and "upgrade the client" in refusal
+    assert "version 5" in refusal
+    assert p.client_refusal(p.PROTOCOL_VERSION) is None
+
+
+def test_batches_round_trip_in_order_and_unbatch():
+    items = [p.Output("r0", 1, f"q{i % 3}", [i], str(i), i // 3 + 1, 7) for i in range(30)]
+    items.append(p.Done("r0", 1, "q0", p.FinishReason.LENGTH, 3, 10, dispatch_seq=7))
+    outputs = p.RankOutputs(items)
+    decoded = p.agent_message_channel().decode(p.encode(outputs))
+    assert decoded == outputs and p.unbatched(decoded) == items
+    replies = p.Replies([p.Dispatched("q0", "r0", 7), p.Chunk("q0", [1], "a", 1),
+                         p.Finish("q0", p.FinishReason.STOP)])
+    assert p.client_reply_channel().decode(p.encode(replies)) == replies
+    assert p.unbatched(p.Pong(1, "d")) == [p.Pong(1, "d")]
+
+
+def test_a_batch_carries_only_its_channels_per_request_messages():
+    with pytest.raises(p.FrameError) as error:
+        p.agent_message_channel().decode(p.encode(p.RankOutputs([p.Heartbeat("a")])))
+    assert error.value.kind == "invalid"
+    with pytest.raises(p.FrameError):
+        p.client_reply_channel().decode(p.encode(p.Replies([p.Pong(1, "d")])))
+    too_many = p.RankOutputs([p.Output("r0", 1, "q", [1])] * (p.MAX_BATCH_ITEMS + 1))
+    with pytest.raises(p.FrameError):
+        p.agent_message_channel().decode(p.encode(too_many))

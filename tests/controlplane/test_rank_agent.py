@@ -4,6 +4,7 @@ rank serving through it, and both against the real daemon."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import math
 import signal
@@ -62,28 +63,37 @@ class ScriptedDaemon:
             self.socket.bind(address)
         self.address = address
         self.received: list[tuple[float, p.Struct]] = []  # every message, in order
+        self.frames: list[p.Struct] = []  # every message as it crossed (batches whole)
+        self._backlog: collections.deque[tuple[bytes, p.Struct]] = collections.deque()
+
+    async def _next(self, deadline: float) -> tuple[bytes, p.Struct] | None:
+        """The next message, a batch's items one by one; None at the deadline."""
+        if not self._backlog:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await self.socket.poll(remaining * 1e3):
+                return None
+            identity, frame = await self.socket.recv_multipart()
+            message = AGENT_MESSAGES.decode(frame)
+            self.frames.append(message)
+            self._backlog.extend((identity, item) for item in p.unbatched(message))
+        identity, message = self._backlog.popleft()
+        self.received.append((time.monotonic(), message))
+        return identity, message
 
     async def receive(self, *kinds: type, timeout_s: float = 3.0):
         """The next message of one of ``kinds`` (others are kept in ``received`` only)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            remaining = deadline - time.monotonic()
-            assert remaining > 0 and await self.socket.poll(remaining * 1e3), f"no {kinds}"
-            identity, frame = await self.socket.recv_multipart()
-            message = AGENT_MESSAGES.decode(frame)
-            self.received.append((time.monotonic(), message))
-            if isinstance(message, kinds):
-                return identity, message
+            got = await self._next(deadline)
+            assert got is not None, f"no {kinds}"
+            if isinstance(got[1], kinds):
+                return got
 
     async def collect(self, seconds: float) -> list:
         deadline = time.monotonic() + seconds
         messages = []
-        while (remaining := deadline - time.monotonic()) > 0:
-            if await self.socket.poll(remaining * 1e3):
-                _, frame = await self.socket.recv_multipart()
-                message = AGENT_MESSAGES.decode(frame)
-                self.received.append((time.monotonic(), message))
-                messages.append(message)
+        while (got := await self._next(deadline)) is not None:
+            messages.append(got[1])
         return messages
 
     async def send(self, identity: bytes, message) -> None:
@@ -656,15 +666,16 @@ def test_the_sim_rank_process_refuses_bad_arguments_with_exit_2(argv, capsys):
 # ------------------------------------------------------------------ against the real daemon
 def submit_and_collect(client: zmq.Socket, request_id: str, max_new_tokens: int, timeout_s: float = 10.0):
     client.send(p.encode(p.Submit(request_id, p.Prompt(token_ids=[1] * 32),
-                                  p.SamplingParams(max_new_tokens=max_new_tokens))))
+                                  p.SamplingParams(max_new_tokens=max_new_tokens),
+                                  protocol=p.PROTOCOL_VERSION)))
     replies = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if client.poll(100):
-            reply = p.client_reply_channel().decode(client.recv())
-            replies.append(reply)
-            if isinstance(reply, (p.Finish, p.Reject)):
-                return replies
+            for reply in p.unbatched(p.client_reply_channel().decode(client.recv())):
+                replies.append(reply)
+                if isinstance(reply, (p.Finish, p.Reject)):
+                    return replies
     raise AssertionError(f"no end for {request_id}: {replies}")
 
 

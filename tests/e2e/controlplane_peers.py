@@ -69,24 +69,27 @@ class RawClient:
 
     async def _receive(self) -> None:
         while True:
-            reply = self.channel.decode(await self.socket.recv())
-            if isinstance(reply, p.StatusReply):
-                self._statuses.put_nowait(reply)
-                continue
-            request_id = getattr(reply, "request_id", None)
-            if request_id is None:
-                continue
-            outcome = self.outcomes.setdefault(request_id, Outcome(request_id))
-            match reply:
-                case p.Dispatched():
-                    outcome.dispatched.append(reply)
-                case p.Chunk():
-                    outcome.chunks.append(reply)
-                case p.Finish():
-                    outcome.finish = reply
-                case p.Reject():
-                    outcome.reject = reply
-            self._events[request_id].set()
+            for reply in p.unbatched(self.channel.decode(await self.socket.recv())):
+                self._take(reply)
+
+    def _take(self, reply: p.Struct) -> None:
+        if isinstance(reply, p.StatusReply):
+            self._statuses.put_nowait(reply)
+            return
+        request_id = getattr(reply, "request_id", None)
+        if request_id is None:
+            return
+        outcome = self.outcomes.setdefault(request_id, Outcome(request_id))
+        match reply:
+            case p.Dispatched():
+                outcome.dispatched.append(reply)
+            case p.Chunk():
+                outcome.chunks.append(reply)
+            case p.Finish():
+                outcome.finish = reply
+            case p.Reject():
+                outcome.reject = reply
+        self._events[request_id].set()
 
     def new_id(self, tag: str) -> str:
         return f"{tag}-{next(self._ids)}"
@@ -95,7 +98,8 @@ class RawClient:
                      slo: p.SloSpec | None = None, **sampling) -> None:
         self.outcomes[request_id] = Outcome(request_id)
         submit = p.Submit(request_id=request_id, prompt=p.Prompt(token_ids=token_ids),
-                          sampling=p.SamplingParams(max_new_tokens=max_new_tokens, **sampling), slo=slo)
+                          sampling=p.SamplingParams(max_new_tokens=max_new_tokens, **sampling), slo=slo,
+                          protocol=p.PROTOCOL_VERSION)
         await self.socket.send(p.encode(submit))
 
     async def cancel(self, request_id: str) -> None:
