@@ -382,6 +382,8 @@ class RankAgent:
         """A control message: sent now, or before any output once the socket takes it."""
         frame = encode(message)
         if not self._blocked_control and self._try_send(frame):
+            if self._pump is not None:
+                self._pump.poke()  # the send may have eaten the edge of a message waiting
             return
         kind = type(message)
         if kind is Heartbeat and any(queued is Heartbeat for _, queued in self._blocked_control):

@@ -1,5 +1,12 @@
 """A rank's load reports: a synchronous PUSH socket that never blocks its caller.
 
+When to report (:class:`ReportThrottle`): as soon as the load changed (at most every
+``min_gap_s``), and otherwise every ``HEARTBEAT_S`` (0.25 s) so that an idle rank stays
+fresh: the daemon's ``stale_after_s`` (1 s by default) must exceed that, and a rank that
+skips about four heartbeats in a row is stale. A rank states what counts as a change in
+its throttle key; budgets enter it through :func:`budget_bucket`, so the drift of a
+budget by a few tokens between steps is no change, and a move of about 6% is one.
+
 It lives in the process that knows the load (an SGLang scheduler, a simulated rank),
 which may have no event loop. A report that cannot be queued at once (no daemon
 connected, or ``hwm`` reports already waiting) is dropped: only the latest load
@@ -10,6 +17,7 @@ most once a minute.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Hashable, Mapping
 
@@ -20,6 +28,10 @@ from controlplane.protocol import ClassBudget, Report, encode
 from controlplane.ratelimited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.25  # a report at least this often when nothing changed
+MIN_GAP_S = 0.001  # and when something did, at most this often
+BUDGET_BUCKETS_PER_DOUBLING = 12  # budget_bucket's resolution: about 6% of the budget
 
 
 class ReportPublisher:
@@ -104,11 +116,21 @@ class ReportPublisher:
         self.close()
 
 
-class ReportThrottle:
-    """When to publish: every ``interval_s`` (so an idle rank stays fresh), and sooner,
-    but at most every ``min_gap_s``, when the material state (``key``) changed."""
+def budget_bucket(tokens: float) -> int:
+    """A budget as a throttle key sees it: equal for budgets within about 6% of each other
+    (and for any two within 16 tokens of zero), signed."""
+    magnitude = abs(tokens)
+    if not magnitude >= 16:  # also NaN
+        return 0
+    bucket = 1 + int(math.log2(magnitude / 16) * BUDGET_BUCKETS_PER_DOUBLING)
+    return bucket if tokens > 0 else -bucket
 
-    def __init__(self, interval_s: float = 0.01, min_gap_s: float = 0.001) -> None:
+
+class ReportThrottle:
+    """When to publish: every ``interval_s`` (the heartbeat, so an idle rank stays fresh),
+    and sooner, but at most every ``min_gap_s``, when the material state (``key``) changed."""
+
+    def __init__(self, interval_s: float = HEARTBEAT_S, min_gap_s: float = MIN_GAP_S) -> None:
         if interval_s <= 0 or min_gap_s < 0:
             raise ValueError("interval_s must be > 0 and min_gap_s >= 0")
         self.interval_s = interval_s
@@ -124,6 +146,9 @@ class ReportThrottle:
         self._last_s = now_s
         self._last_key = key
 
-    def next_due_s(self) -> float:
-        """When a report falls due even if nothing changes."""
+    def next_due_s(self, key: Hashable = None) -> float:
+        """When a report falls due: the heartbeat if nothing changes, or (``key``, the
+        state now, differs from the last one published) once the minimum gap is over."""
+        if key is not None and key != self._last_key:
+            return self._last_s + self.min_gap_s
         return self._last_s + self.interval_s

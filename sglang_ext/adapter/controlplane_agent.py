@@ -18,10 +18,12 @@ computes, and without one the daemon's ``pab`` policy could never route here.
   On SIGTERM, SGLang lets its running requests finish before it exits; the agent
   follows suit: ``Draining`` (the daemon dispatches nothing new here), its requests
   finish with their ``Done``, then ``Goodbye``. Its engine,
-  :class:`SGLangRankEngine`, turns each ``Dispatch`` into a streamed
+  :class:`SGLangRankEngine`, turns each ``Dispatch`` into a
   ``GenerateReqInput``, pinned with ``routed_dp_rank`` when ``dp_size > 1`` (a chat
   conversation goes through SGLang's own chat handler, so the server's chat template
-  renders it), and feeds ``TokenizerManager.generate_request``. A request the admission gate refuses
+  renders it), and feeds ``TokenizerManager.generate_request``; a request the client did
+  not stream is not streamed here either (SGLang yields its output once, at the finish, and
+  the agent sends it once, in the ``Done``). A request the admission gate refuses
   (:mod:`sglang_ext.adapter.admission_http`, checked against the rank it is pinned to) ends with
   ``Done(no_budget=True)``: the daemon answers the client ``no_budget`` (retryable,
   with its ``retry_after_s``) and releases the debit; it does not re-dispatch it.
@@ -202,7 +204,8 @@ def check_server_args(server_args: Any) -> None:
 
 # --------------------------------------------------------------------- conversion
 def generate_request_input(dispatch: Any, dp_index: int, dp_size: int) -> Any:
-    """The ``GenerateReqInput`` for one ``Dispatch`` (streamed; pinned to ``dp_index``
+    """The ``GenerateReqInput`` for one ``Dispatch`` (streamed when the dispatch is: an
+    unstreamed one yields once, its whole output, at the finish; pinned to ``dp_index``
     when the server has several DP ranks)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
@@ -229,7 +232,7 @@ def generate_request_input(dispatch: Any, dp_index: int, dp_size: int) -> Any:
         text=prompt.text,
         input_ids=list(prompt.token_ids) if prompt.token_ids is not None else None,
         sampling_params=params,
-        stream=True,
+        stream=dispatch.stream,
         routed_dp_rank=dp_index if dp_size > 1 else None,
     )
 
@@ -238,7 +241,7 @@ def chat_request_input(dispatch: Any, serving_chat: Any, dp_index: int, dp_size:
     """The ``GenerateReqInput`` for a ``Dispatch`` whose prompt is ``messages``: what
     SGLang's own ``/v1/chat/completions`` handler (``serving_chat``, the server's
     ``OpenAIServingChat``) makes of the same conversation (its chat template, the
-    template's stop strings, its content format), streamed, with the dispatch's id,
+    template's stop strings, its content format), streamed as the dispatch is, with its id,
     sampling, SLO and dispatch sequence, pinned like :func:`generate_request_input`.
     Raises ``ValueError`` for a conversation the model cannot take, naming why."""
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
@@ -256,7 +259,7 @@ def chat_request_input(dispatch: Any, serving_chat: Any, dp_index: int, dp_size:
         messages=messages, max_completion_tokens=sampling.max_new_tokens,
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
         min_tokens=sampling.min_new_tokens, stop=list(sampling.stop) or None,
-        ignore_eos=sampling.ignore_eos, seed=sampling.seed, stream=True, rid=dispatch.request_id,
+        ignore_eos=sampling.ignore_eos, seed=sampling.seed, stream=dispatch.stream, rid=dispatch.request_id,
         routed_dp_rank=dp_index if dp_size > 1 else None, custom_params=custom_params,
     )
     obj, _ = serving_chat._convert_to_internal_request(request, None)
@@ -374,7 +377,8 @@ class SGLangRankEngine:
             except ValueError as error:  # SGLang's handler answers these with a 400
                 raise InvalidRequest(str(error)) from None
         await self._wait_rid_free(dispatch.request_id)
-        deltas = OutputDeltas(bool(getattr(tm, "incremental_streaming_output", False)))
+        # an unstreamed request's one chunk holds its whole output, whatever the server's mode
+        deltas = OutputDeltas(dispatch.stream and bool(getattr(tm, "incremental_streaming_output", False)))
         first_token_at: float | None = None
         outcome: FinishOutcome | None = None
         prompt_tokens = 0

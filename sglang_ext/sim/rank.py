@@ -42,7 +42,7 @@ from controlplane.cli_args import positive_float, positive_int, refuse_repeats
 from controlplane.curve import CurvePeer
 from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome, pack_class_budgets
 from controlplane.rank_agent import InvalidRequest, NoBudget, OutputSink, RankAgent
-from controlplane.reporter import ReportPublisher, ReportThrottle
+from controlplane.reporter import HEARTBEAT_S, MIN_GAP_S, ReportPublisher, ReportThrottle, budget_bucket
 from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext
 from sglang_ext.policy.slo import SloCatalog, SloError
@@ -112,7 +112,7 @@ class SimRank:
         catalog: SloCatalog,
         *,
         time_scale: float = 1.0,
-        report_interval_s: float = 0.01,
+        report_interval_s: float = HEARTBEAT_S,
         report_address: str | None = None,  # None: the one the daemon's Welcome names
         clock: Callable[[], float] = time.monotonic,
         curve: CurvePeer | None = None,
@@ -129,7 +129,8 @@ class SimRank:
         self._report_address = report_address
         self._curve = curve
         self._daemon_id: str | None = None
-        self._throttle = ReportThrottle(report_interval_s, min(0.001, report_interval_s))
+        self._throttle = ReportThrottle(report_interval_s, min(MIN_GAP_S, report_interval_s))
+        self._load_key: Hashable = None  # the load as the latest report check saw it
         self._clock = clock
         self._start_s = clock()
         self._live: dict[Hashable, _Live] = {}
@@ -205,8 +206,8 @@ class SimRank:
             )
         finally:
             del self._live[engine_id]
-            if self.engine.abort(engine_id):
-                self._wake.set()
+            self.engine.abort(engine_id)
+            self._wake.set()  # the load changed: the next report check sees it
             del self.engine.records[engine_id]  # a long-running rank keeps no history
 
     # ---------------------------------------------------------------- stepping loop
@@ -244,7 +245,7 @@ class SimRank:
     async def _idle(self) -> None:
         timeout = None
         if self.publisher is not None:
-            timeout = max(0.0, self._throttle.next_due_s() - self._clock())
+            timeout = max(0.0, self._throttle.next_due_s(self._load_key) - self._clock())
         try:
             await asyncio.wait_for(self._wake.wait(), timeout)
         except TimeoutError:
@@ -260,12 +261,14 @@ class SimRank:
             return
         active = self.engine.active_requests
         waiting = sum(1 for r in active if r.context == 0)
-        key = (len(active) - waiting, waiting, self.echoed_dispatch_seq)
+        pab_tokens = self.engine.prefill_admission_budget()
+        key = (len(active) - waiting, waiting, self.echoed_dispatch_seq, budget_bucket(pab_tokens))
+        self._load_key = key
         now_s = self._clock()
         if not self._throttle.due(now_s, key):
             return
         self.publisher.publish(
-            pab_tokens=self.engine.prefill_admission_budget(),
+            pab_tokens=pab_tokens,
             running=key[0],
             waiting=waiting,
             total_tokens=sum(r.context + r.pending_prefill for r in active),
@@ -332,7 +335,7 @@ def build_sim_ranks(
     catalog: SloCatalog,
     seed: int = 0,
     time_scale: float = 1.0,
-    report_interval_s: float = 0.01,
+    report_interval_s: float = HEARTBEAT_S,
     report_address: str | None = None,
     curve: CurvePeer | None = None,
 ) -> SimRanks:
@@ -386,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-scale", type=positive_float, default=1.0,
                         help="real seconds per simulated second")
     parser.add_argument("--seed", type=int, default=0, help="GPU noise seed (rank i uses seed+i)")
-    parser.add_argument("--report-interval-ms", type=positive_float, default=10.0,
+    parser.add_argument("--report-interval-ms", type=positive_float, default=HEARTBEAT_S * 1e3,
                         help="report at least this often (and after a step that changed the load)")
     parser.add_argument("--curve-server-key", metavar="FILE",
                         help="the daemon's public key (.key), when it serves CURVE")

@@ -271,3 +271,74 @@ def test_a_handler_failure_gets_one_internal_reject_and_the_daemon_serves_on(mon
             for peer in (agent, client):
                 peer.close()
             reports.close()
+
+
+def _join(daemon, agent_id: str, rank: str, epoch: int) -> tuple[Peer, Peer]:
+    config = daemon.config
+    agent = Peer(config.rank_address, agent_id.encode())
+    agent.send(p.Hello(agent_id, rank, epoch, protocol=p.PROTOCOL_VERSION))
+    assert isinstance(agent.receive(AGENT_INBOX), p.Welcome)
+    reports = pusher(config.report_address)
+    reports.send(p.encode(p.Report(rank, epoch, 1, 50_000.0, 0, 0, 0, 100_000, 0, 0.01, 0.0)))
+    reports.close(linger=1000)
+    client = Peer(config.client_address)
+    deadline = time.monotonic() + 5
+    while True:  # until the report is in
+        client.send(p.StatusRequest())
+        status = client.receive(CLIENT_REPLIES)
+        if any(r.rank == rank and r.reports for r in status.ranks) or time.monotonic() > deadline:
+            return agent, client
+        time.sleep(0.02)
+
+
+def test_one_batch_of_many_requests_tokens_reaches_the_client_in_order_per_request(daemon):
+    agent, client = _join(daemon, "agent-batch", "batch-0", 5)
+    try:
+        ids = [f"batch-{i}" for i in range(5)]
+        seqs = {}
+        for request_id in ids:
+            client.send(SUBMIT(request_id, p.Prompt(token_ids=[1, 2]), p.SamplingParams(max_new_tokens=20)))
+            dispatch = agent.receive(AGENT_INBOX)
+            seqs[dispatch.request_id] = dispatch.dispatch_seq
+        items = [p.Output("batch-0", 5, request_id, [token], f"<{token}>", token + 1, seqs[request_id])
+                 for token in range(20) for request_id in ids]  # 20 steps of 5 requests
+        items += [p.Done("batch-0", 5, request_id, p.FinishReason.LENGTH, 2, 20, dispatch_seq=seqs[request_id])
+                  for request_id in ids]
+        agent.send(p.RankOutputs(items))
+        frames, replies = 0, []
+        while sum(isinstance(r, (p.Finish, p.Reject)) for r in replies) < len(ids):
+            assert client.socket.poll(5000), "no reply"
+            message = CLIENT_REPLIES.decode(client.socket.recv())
+            frames += 1
+            replies += p.unbatched(message)
+        chunks = [r for r in replies if isinstance(r, p.Chunk)]
+        assert frames <= 1 + len(ids), "the 100 chunks and 5 finishes were coalesced"
+        for request_id in ids:
+            mine = [r for r in replies if getattr(r, "request_id", None) == request_id and not
+                    isinstance(r, p.Dispatched)]
+            assert [t for c in mine[:-1] for t in c.token_ids] == list(range(20))
+            assert [c.completion_tokens for c in mine[:-1]] == list(range(1, 21))
+            assert isinstance(mine[-1], p.Finish) and mine[-1].completion_tokens == 20
+        assert len(chunks) == 100
+    finally:
+        agent.send(p.Goodbye("batch-0", 5))
+        agent.close()
+        client.close()
+
+
+def test_peers_of_an_older_protocol_are_refused_with_a_clear_reason(daemon):
+    config = daemon.config
+    agent = Peer(config.rank_address, b"agent-old")
+    client = Peer(config.client_address)
+    try:
+        agent.send(p.Hello("agent-old", "old-0", 3, protocol=4))
+        fenced = agent.receive(AGENT_INBOX)
+        assert isinstance(fenced, p.Fenced) and fenced.detail.startswith(p.UNSUPPORTED_PROTOCOL)
+        assert "rank speaks protocol version 4" in fenced.detail and "upgrade the rank agent" in fenced.detail
+        client.send(p.Submit("old-client", p.Prompt(text="hi")))  # a version-4 SDK states no version
+        reject = client.receive(CLIENT_REPLIES)
+        assert (reject.reason, reject.retryable) == (p.RejectReason.INVALID, False)
+        assert "version 4 or older" in reject.detail and "upgrade the client" in reject.detail
+    finally:
+        agent.close()
+        client.close()

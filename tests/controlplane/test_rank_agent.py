@@ -734,3 +734,104 @@ def counter(daemon, name: str) -> int:
             return daemon.counters().get(name, 0)
         except RuntimeError:
             continue
+
+
+# ------------------------------------------------------------------ coalesced output (protocol 5)
+class SteppedEngine:
+    """Every request emits one token per ``step()``, all in the same event-loop pass, as an
+    engine step advances every running request at once; ``steps`` tokens, then its Done."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.step_event = asyncio.Event()
+        self.waiting = 0
+
+    def welcomed(self, welcome: p.Welcome) -> None:
+        pass
+
+    def step(self) -> None:
+        event, self.step_event = self.step_event, asyncio.Event()
+        self.waiting = 0  # those waiting on the next step
+        event.set()
+
+    async def serve(self, dispatch: p.Dispatch, sink: OutputSink) -> None:
+        for index in range(self.steps):
+            self.waiting += 1
+            await self.step_event.wait()
+            await sink.emit([index], f"t{index}")
+        await sink.finish(p.FinishReason.LENGTH, prompt_tokens=4)
+
+
+def test_the_output_of_one_engine_step_crosses_as_one_message_in_order_per_request():
+    async def scenario():
+        engine = SteppedEngine(steps=5)
+        async with scripted() as daemon, agent_on(daemon, engine) as agent:
+            identity = await daemon.join(agent)
+            ids = [f"step-{i}" for i in range(6)]
+            for seq, request_id in enumerate(ids, 1):
+                await daemon.send(identity, dispatch(request_id, seq=seq))
+            for _ in range(engine.steps):
+                await until(lambda: engine.waiting == len(ids))
+                engine.step()
+            for request_id in ids:
+                await daemon.receive(p.Done)
+            batches = [m for m in daemon.frames if isinstance(m, p.RankOutputs)]
+            assert len(batches) == engine.steps  # one message per step, its last carrying the Dones
+            for batch in batches[:-1]:
+                assert sorted(item.request_id for item in batch.items) == ids
+            for request_id in ids:
+                mine = [m for _, m in daemon.received if getattr(m, "request_id", None) == request_id]
+                assert [t for m in mine[:-1] for t in m.token_ids] == list(range(5))
+                assert isinstance(mine[-1], p.Done) and mine[-1].completion_tokens == 5
+    run(scenario())
+
+
+def test_an_unstreamed_request_crosses_once_in_its_done():
+    async def scenario():
+        async with scripted() as daemon, agent_on(daemon) as agent:
+            identity = await daemon.join(agent)
+            await daemon.send(identity, dispatch("ok-quiet", stream=False))
+            _, done = await daemon.receive(p.Done)
+            assert not [m for _, m in daemon.received if isinstance(m, p.Output)]
+            assert (done.token_ids, done.text, done.completion_tokens) == ([0, 1, 2], "t0t1t2", 3)
+            await daemon.send(identity, dispatch("ok-loud", seq=2))
+            _, done = await daemon.receive(p.Done)
+            outputs = [m for _, m in daemon.received if isinstance(m, p.Output)]
+            assert [o.token_ids for o in outputs] == [[0], [1], [2]] and done.text == ""
+    run(scenario())
+
+
+def test_a_refused_protocol_fences_the_rank_and_the_agent_stops():
+    async def scenario():
+        async with scripted() as daemon, agent_on(daemon) as agent:
+            identity, hello = await daemon.receive(p.Hello)
+            assert hello.protocol == p.PROTOCOL_VERSION
+            await daemon.send(identity, p.Fenced("r0", EPOCH, p.protocol_refusal(4)))
+            await until(lambda: not agent.serving)
+            assert agent.counters["fenced_ranks"] == 1
+    run(scenario())
+
+
+def test_an_idle_sim_rank_reports_on_the_slow_heartbeat_and_a_change_at_once(report_pull):
+    pull, report_address = report_pull
+
+    async def scenario():
+        sims = sim_ranks(time_scale=0.5)
+        async with scripted() as daemon, sim_agent(daemon, sims) as agent:
+            identity = await daemon.join(agent, report_address=report_address)
+            await asyncio.sleep(1.0)
+            idle = []
+            while pull.poll(0):
+                idle.append(REPORTS.decode(pull.recv()))
+            assert 2 <= len(idle) <= 7, [r.sent_at for r in idle]  # about 4 a second, not 100
+            await daemon.send(identity, dispatch("sim-change", seq=9, max_new_tokens=2))
+            await daemon.receive(p.Done)
+            deadline = time.monotonic() + 3.0
+            echoed = None
+            while echoed is None and time.monotonic() < deadline:
+                if pull.poll(50):
+                    report = REPORTS.decode(pull.recv())
+                    if report.echoed_dispatch_seq == 9:
+                        echoed = report
+            assert echoed is not None
+    run(scenario())

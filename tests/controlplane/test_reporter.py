@@ -93,3 +93,23 @@ def test_throttle_publishes_every_interval_and_sooner_on_a_change():
     assert throttle.due(0.003, (2, 0))  # changed
     assert throttle.due(0.010, (1, 0))  # interval over
     assert throttle.next_due_s() == pytest.approx(0.010)
+
+
+def test_the_default_throttle_is_a_slow_heartbeat_plus_changes():
+    from controlplane.reporter import HEARTBEAT_S, MIN_GAP_S
+
+    throttle = ReportThrottle()
+    assert (throttle.interval_s, throttle.min_gap_s) == (HEARTBEAT_S, MIN_GAP_S) == (0.25, 0.001)
+    throttle.published(10.0, ("idle",))
+    assert not throttle.due(10.2, ("idle",)) and throttle.due(10.25, ("idle",))
+    assert throttle.next_due_s(("idle",)) == 10.25
+    assert throttle.due(10.002, ("busy",)) and throttle.next_due_s(("busy",)) == 10.0 + MIN_GAP_S
+
+
+def test_budget_buckets_ignore_drift_and_see_moves():
+    from controlplane.reporter import budget_bucket
+
+    assert budget_bucket(10_000) == budget_bucket(10_040)  # a few tokens of drift
+    assert budget_bucket(10_000) != budget_bucket(11_000)  # 10%
+    assert budget_bucket(-10_000) == -budget_bucket(10_000) != 0
+    assert budget_bucket(5) == budget_bucket(-5) == budget_bucket(float("nan")) == 0

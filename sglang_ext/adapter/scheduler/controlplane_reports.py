@@ -6,8 +6,10 @@ sleeper), for rank ``<prefix>/<dp_rank>`` and the server's epoch
 (:mod:`sglang_ext.adapter.controlplane_agent`). A report goes out
 
 - after each step (``Scheduler.process_batch_result``) and on each idle pass
-  (``Scheduler.on_idle``), at most every ``MIN_GAP_S`` when the load changed and every
-  ``INTERVAL_S`` when it did not;
+  (``Scheduler.on_idle``), at most every ``MIN_GAP_S`` when the load changed (running or
+  waiting requests, the echoed dispatch, a budget by about 6%:
+  :func:`controlplane.reporter.budget_bucket`) and every ``INTERVAL_S`` (the report
+  heartbeat, 0.25 s) when it did not;
 - while the scheduler sleeps on idle (``--sleep-on-idle`` blocks up to 1 s in a
   ``zmq.Poller``): its idle sleeper's poller is wrapped so that the wait is cut into
   ``IDLE_INTERVAL_S`` slices with a report between them, and it still wakes at once
@@ -41,7 +43,7 @@ logger = logging.getLogger("sglang_ext.fairbatching")
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 REPORTER_ATTR = "fairbatching_controlplane_reports"
-INTERVAL_S = 0.02  # a report at least this often while the scheduler loop turns
+INTERVAL_S = 0.25  # a report at least this often (controlplane.reporter.HEARTBEAT_S)
 MIN_GAP_S = 0.002  # and sooner when the load changed, but not more often than this
 IDLE_INTERVAL_S = 0.1  # while it sleeps on idle
 #: :class:`HandledErrors` site: a load report that could not be built or sent.
@@ -61,8 +63,10 @@ class RankLoad:
     @property
     def key(self) -> tuple[object, ...]:
         """What counts as a change worth an early report."""
-        return (self.pab_tokens, self.running, self.waiting, self.echoed_dispatch_seq,
-                self.class_budgets)
+        from controlplane.reporter import budget_bucket
+
+        return (budget_bucket(self.pab_tokens), self.running, self.waiting, self.echoed_dispatch_seq,
+                tuple((name, budget_bucket(tokens)) for name, tokens in self.class_budgets))
 
 
 def load_of(scheduler: Any) -> RankLoad:
