@@ -18,6 +18,7 @@ from controlplane.client import DEFAULT_ADDRESS, AsyncClient
 from controlplane.config import ConfigError, DaemonConfig
 from controlplane.curve import CurveError, CurvePeer, generate
 from controlplane.errors import DaemonUnavailable
+from controlplane.openai_api import DEFAULT_CHAT_MAX_TOKENS
 from controlplane.protocol import DrainReply, RankStatus, StatusReply
 
 EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_SUCH_RANK, EXIT_STILL_BUSY = range(6)
@@ -96,17 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = _command(commands, "gateway", "serve an OpenAI-compatible HTTP API in front of a daemon",
                        "Serve POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models, /health and "
                        "/metrics (Prometheus) over HTTP, forwarding every request to the daemon "
-                       "through the SDK (retries included). Runs until SIGTERM or SIGINT; exits 1 "
-                       "when it cannot listen, 2 on a usage error.")
+                       "through the SDK (retries included). Once listening it prints one line on "
+                       "stderr: where, the served model and the daemon. Runs until SIGTERM or "
+                       "SIGINT; exits 1 when it cannot listen, 2 on a usage error.")
     gateway.add_argument("--daemon", default=DEFAULT_ADDRESS, metavar="ADDRESS",
                          help="the daemon's client address (default: %(default)s)")
     gateway.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
                          help="where to serve HTTP (default: %(default)s)")
     gateway.add_argument("--model", default="fairbatching",
-                         help="the model name /v1/models lists and requests may name (default: %(default)s)")
-    gateway.add_argument("--chat-max-tokens", type=_max_tokens, default=1024, metavar="N",
+                         help="the served model name, which /v1/models lists and answers carry when a "
+                              "request names none; a request may name any model (default: %(default)s)")
+    gateway.add_argument("--chat-max-tokens", type=_max_tokens, default=DEFAULT_CHAT_MAX_TOKENS, metavar="N",
                          help="output limit of a chat request that sets neither max_completion_tokens nor "
-                              "max_tokens (default: 1024)")
+                              "max_tokens (default: %(default)s; vLLM and SGLang run such a request to the "
+                              "end of the context, which the gateway does not know, and SGLang refuses a "
+                              "limit past it; the default is twice the longest reply of the Azure "
+                              "conversation trace, so a reply that ends on its own is practically never "
+                              "cut)")
     gateway.add_argument("--api-key-file", metavar="FILE",
                          help="require 'Authorization: Bearer <the file's first line>' (not on /health)")
     gateway.add_argument("--allow-non-loopback", action="store_true",
@@ -168,7 +175,7 @@ def _gateway(args: argparse.Namespace) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         async with AsyncClient(args.daemon, curve=curve) as client:
-            await gateway.serve(client, settings, host, port, stop)
+            await gateway.serve(client, settings, host, port, stop, announce=_to_stderr)
 
     import uvloop
 
@@ -178,6 +185,10 @@ def _gateway(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {args.listen}: {error}", file=sys.stderr)
         return EXIT_UNEXPECTED
     return EXIT_OK
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _read_api_key(path: str) -> str:

@@ -9,27 +9,43 @@
   ``echo``, ``suffix``, several prompts) is a 400, never silently ignored.
 - ``POST /v1/chat/completions``: ``messages``, rendered by the serving rank with its
   model's chat template; the same sampling fields (``max_completion_tokens`` or
-  ``max_tokens``; without either, ``GatewaySettings.chat_max_tokens``). What it accepts
-  and refuses (tools, ``n`` > 1, logprobs, images and other media, ...) is listed in
-  :mod:`controlplane.openai_api`; a model without a chat template is the rank's 400.
-- Both: the SLO is ``"slo": "tight"``, ``{"ttft_ms": .., "tpot_ms": ..}``,
-  ``{"e2e_ms": ..}`` (end-to-end, optionally with ``ttft_ms``; not with ``tpot_ms``) or a
-  ``"class"`` with targets overridden, or SGLang's shape ``"custom_params": {"slo":
-  ...}``. ``deadline_s`` bounds the request. Usage is in every unstreamed answer and,
-  streamed, only with ``stream_options.include_usage`` (a last chunk with empty
-  ``choices``; the others carry ``"usage": null``). The ``X-Request-Id`` header names
-  the request (else a fresh id); retries inside the SDK keep it.
+  ``max_tokens``; without either, ``GatewaySettings.chat_max_tokens``, by default 2,048:
+  below). What it accepts and refuses (tools, ``n`` > 1, logprobs, images and other
+  media, ...) is listed in :mod:`controlplane.openai_api`; a model without a chat
+  template is the rank's 400.
+- Both: ``model`` may name any model: the ranks serve the model they have, and the
+  answer's ``model`` echoes the request's (as SGLang's server does), else the served name
+  (``GatewaySettings.model``, the one ``GET /v1/models`` lists). The SLO is ``"slo":
+  "tight"``, ``{"ttft_ms": .., "tpot_ms": ..}``, ``{"e2e_ms": ..}`` (end-to-end,
+  optionally with ``ttft_ms``; not with ``tpot_ms``) or a ``"class"`` with targets
+  overridden, or SGLang's shape ``"custom_params": {"slo": ...}``. ``deadline_s``
+  bounds the request. Usage is in every unstreamed answer and, streamed, only with
+  ``stream_options.include_usage`` (a last chunk with empty ``choices``; the others carry
+  ``"usage": null``). Chunks that are ready together go out in one HTTP write.
 - ``GET /v1/models``, ``GET /health`` (200 when the daemon answers a ping, else 503),
   ``GET /metrics`` (Prometheus text: the daemon's counters and per-rank load, one status
   request per scrape, plus this gateway's responses by status).
 
-Every failure has OpenAI's shape ``{"error": {"message", "type", "code"}}``: 400 invalid,
-404 unknown model or endpoint, 405 wrong method, 413 body too large, 401 bad API key,
-429 no budget / overloaded / queue timeout (with ``Retry-After``), 500 the daemon or the
-rank failed the request (code ``internal`` when the daemon failed handling it), 502
-rank lost, 503 no ranks / daemon unavailable or draining, 504 deadline. After a stream
-has started an error is sent as a last ``data: {"error": ..}`` event before ``data:
-[DONE]``. A client that disconnects cancels its request.
+Every answer, errors included, carries ``X-Request-Id``: the client's header, else a fresh
+id; it is the request's id at the daemon, and retries inside the SDK keep it. Every
+failure has OpenAI's shape ``{"error": {"message", "type", "code"}}``: 400 invalid, 404
+unknown endpoint, 405 wrong method, 413 body too large, 401 bad API key, 429 no budget /
+overloaded / queue timeout (with ``Retry-After``), 500 the daemon or the rank failed the
+request (code ``internal`` when the daemon failed handling it), 502 rank lost, 503 no
+ranks / daemon unavailable or draining, 504 deadline. After a stream has started an
+error is sent as a last ``data: {"error": ..}`` event before ``data: [DONE]``. A client
+that disconnects cancels its request.
+
+**Chat's default output limit**: 2,048 tokens (``openai_api.DEFAULT_CHAT_MAX_TOKENS``).
+vLLM and SGLang let a chat request without a limit run to the end of the model's
+context. The gateway does not know the context, and SGLang refuses a request whose
+prompt plus limit is past it (unless the server runs with ``--allow-auto-truncate``), so
+the default is bounded. 2,048 is twice the longest reply of the Azure LLM conversation
+trace (p99 622, longest 1,000 in ``sglang_ext/data/azure_conv_sample.csv``), so a reply
+that ends on its own is practically never cut, and it leaves about 6,000 tokens of
+prompt on an 8k-context model. The ranks plan with it: an ``e2e_ms`` SLO is paced for
+it, and simulated and emulated-GPU ranks run every request to its limit.
+``--chat-max-tokens`` changes it.
 """
 
 from __future__ import annotations
@@ -38,24 +54,26 @@ import asyncio
 import hmac
 import math
 import time
+import types
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
-from controlplane.client import AsyncClient
+from controlplane.client import AsyncClient, Result, Stream, StreamChunk
 from controlplane.errors import (
     Cancelled, ControlPlaneError, DaemonUnavailable, DeadlineExceeded, DuplicateRequest,
     InternalError, InvalidRequest, NoBudget, NoRanks, Overloaded, QueueTimeout, RankLost,
     RequestFailed, ShuttingDown,
 )
 from controlplane.openai_api import (
-    ChatCompletionRequest, ChatRequestError, CompletionRequest, chat_chunk, chat_completion, chat_prompt,
-    text_chunk, text_completion, usage,
+    DEFAULT_CHAT_MAX_TOKENS, ChatCompletionRequest, ChatRequestError, CompletionRequest, chat_chunk,
+    chat_completion, chat_prompt, text_chunk, text_completion, usage,
 )
 from controlplane.protocol import Prompt, SamplingParams, SloSpec, StatusReply
 
@@ -63,13 +81,16 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 CLIENT_KEY: web.AppKey[AsyncClient] = web.AppKey("client", AsyncClient)
 SETTINGS_KEY: web.AppKey[GatewaySettings] = web.AppKey("settings")
 RESPONSES_KEY: web.AppKey[Counter[int]] = web.AppKey("responses", Counter)
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID: ContextVar[str] = ContextVar("gateway_request_id")  # set per request by the middleware
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
-    model: str = "fairbatching"
+    model: str = "fairbatching"  # the served name /v1/models lists; a request may name any model
     api_key: str | None = None  # required as ``Authorization: Bearer <key>`` when set
-    chat_max_tokens: int = 1024  # a chat request's output limit when it sets none
+    chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # a chat request's limit when it sets none
 
 
 class BadRequest(ValueError):
@@ -93,7 +114,7 @@ def build_app(client: AsyncClient, settings: GatewaySettings) -> web.Application
 async def completions(request: web.Request) -> web.StreamResponse:
     body = _parse(await request.read(), CompletionRequest)
     prompt = _completion_prompt(body)
-    return await _serve(request, body, prompt, _TextRender())
+    return await _serve(request, body, prompt, _TextEvents)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -102,85 +123,252 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt = chat_prompt(body.messages)
     except ChatRequestError as error:
         raise BadRequest(str(error)) from None
-    return await _serve(request, body, prompt, _ChatRender())
+    return await _serve(request, body, prompt, _ChatEvents)
 
 
-async def _serve(request: web.Request, body: CompletionRequest | ChatCompletionRequest, prompt: Prompt,
-                 render: _TextRender | _ChatRender) -> web.StreamResponse:
+async def _serve(request: web.Request, body: CompletionRequest | ChatCompletionRequest,
+                 prompt: Prompt, events: type[_TextEvents | _ChatEvents]) -> web.StreamResponse:
     client, settings = request.app[CLIENT_KEY], request.app[SETTINGS_KEY]
-    if body.model is not None and body.model != settings.model:
-        return _error(404, f"model {body.model!r} is not served here (it is {settings.model!r})",
-                      "invalid_request_error", "model_not_found")
     sampling, slo = _translate(body, settings.chat_max_tokens)
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request_id = _REQUEST_ID.get()
+    model = body.model or settings.model
     created = int(time.time())
-    model = settings.model
     if not body.stream:
         result = await client.generate(prompt, sampling=sampling, slo=slo, deadline_s=body.deadline_s,
                                        request_id=request_id)
-        return web.json_response(render.whole(result, model, created))
+        return web.json_response(events.whole(result, model, created))
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     stream = client.stream(prompt, sampling=sampling, slo=slo, deadline_s=body.deadline_s,
                            request_id=request_id)
-    response: web.StreamResponse | None = None
-    usage_field = {"usage": None} if include_usage else {}
     async with stream:
-        try:
-            async for piece in stream:
-                if response is None:
-                    response = await _start_events(request, stream.request_id)
-                await _event(response, {**render.piece(stream.request_id, model, created, piece.text),
-                                        **usage_field})
-        except ControlPlaneError as error:
-            if response is None:
+        return await _relay(request, stream, events(request_id, model, created, include_usage))
+
+
+async def _relay(request: web.Request, stream: Stream, events: _Events) -> web.StreamResponse:
+    """The stream as server-sent events. An error before any output is raised (an HTTP
+    error status); after it, it is the last event before ``[DONE]``."""
+    writer = _EventWriter(request, stream.request_id)
+    try:
+        while (piece := await _next_chunk(stream, writer)) is not None:
+            writer.add(events.piece(piece.text))
+    except ControlPlaneError as error:
+        if not writer.started:
+            raise
+        _, message, kind, code = _describe(error)
+        writer.add(_sse({"error": {"message": message, "type": kind, "code": code}}))
+    else:
+        writer.add(events.last(stream.result))
+    writer.add(DONE_EVENT)
+    return await writer.finish()
+
+
+async def _next_chunk(stream: Stream, writer: _EventWriter) -> StreamChunk | None:
+    """The stream's next chunk (None at its end). When it is not ready yet, the events
+    held are written first: chunks ready together go out in one HTTP write."""
+    try:
+        started = _run_until_wait(anext(stream))
+        if not isinstance(started, _Waiting):
+            return started
+        if writer.holds_events:
+            try:
+                await writer.flush()
+            except BaseException:
+                await _unwind(started)
                 raise
-            status, message, kind, code = _describe(error)
-            await _event(response, {"error": {"message": message, "type": kind, "code": code}})
-            await response.write(b"data: [DONE]\n\n")
-            return response
-    result = stream.result
-    if response is None:  # finished without output
-        response = await _start_events(request, result.request_id)
-    await _event(response, {**render.last(result.request_id, model, created, str(result.finish_reason)),
-                            **usage_field})
-    if include_usage:
-        await _event(response, {**render.last(result.request_id, model, created, None), "choices": [],
-                                "usage": usage(result)})
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+        return await _resume(started)
+    except StopAsyncIteration:
+        return None
 
 
-class _TextRender:
+class _EventWriter:
+    """Holds a streamed answer's events until a flush; the answer's headers go with the
+    first one."""
+
+    def __init__(self, request: web.Request, request_id: str) -> None:
+        self._request = request
+        self._request_id = request_id
+        self._held: list[bytes] = []
+        self._response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether the answer has begun: output was received, so an error is now an event."""
+        return self._response is not None or bool(self._held)
+
+    @property
+    def holds_events(self) -> bool:
+        return bool(self._held)
+
+    def add(self, event: bytes) -> None:
+        self._held.append(event)
+
+    async def flush(self) -> None:
+        response = await self._started_response()
+        await response.write(self._take())
+
+    async def finish(self) -> web.StreamResponse:
+        response = await self._started_response()
+        await response.write_eof(self._take())
+        return response
+
+    def _take(self) -> bytes:
+        data = b"".join(self._held)
+        self._held.clear()
+        return data
+
+    async def _started_response(self) -> web.StreamResponse:
+        if self._response is None:
+            self._response = web.StreamResponse(headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                REQUEST_ID_HEADER: self._request_id})
+            await self._response.prepare(self._request)
+        return self._response
+
+
+# ---------------------------------------------------------------------- awaiting in two halves
+@dataclass(frozen=True, slots=True)
+class _Waiting:
+    """An awaitable run up to its first wait: it handed ``signal`` (a future) to the event loop."""
+
+    steps: Generator[Any, None, Any]
+    signal: Any
+
+
+def _run_until_wait(awaitable: Awaitable[T]) -> T | _Waiting:
+    """Run ``awaitable`` as an ``await`` would until it has to wait: its result when it
+    did not, else where it stopped, to go on with :func:`_resume`."""
+    steps = awaitable.__await__()
+    try:
+        signal = steps.send(None)
+    except StopIteration as done:
+        return done.value
+    return _Waiting(steps, signal)
+
+
+@types.coroutine
+def _resume(waiting: _Waiting, error: BaseException | None = None) -> Generator[Any, None, Any]:
+    """Await what :func:`_run_until_wait` started, exactly as an ``await`` from the start
+    would have (a cancellation included); with ``error``, that is thrown in first."""
+    steps, signal = waiting.steps, waiting.signal
+    while True:
+        if error is not None:
+            try:
+                signal = steps.throw(error)
+            except StopIteration as done:
+                return done.value
+            error = None
+        try:
+            yield signal
+        except BaseException as thrown:  # noqa: BLE001  (the awaitable's, as with yield from)
+            error = thrown
+        else:
+            return (yield from steps)
+
+
+async def _unwind(waiting: _Waiting) -> None:
+    """Cancel a started awaitable whose result is no longer wanted; its ``finally``
+    blocks run (a stream cancels its request at the daemon)."""
+    try:
+        await _resume(waiting, asyncio.CancelledError())
+    except asyncio.CancelledError:
+        return
+
+
+# ---------------------------------------------------------------------- event rendering
+DONE_EVENT = b"data: [DONE]\n\n"
+_OPEN_TEXT = "\x00text\x00"  # a placeholder, spliced out of an encoded chunk
+
+
+def _sse(payload: Mapping[str, object]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class _Spliced:
+    """A chunk's event with its text left open: ``event(text)`` is the event of the chunk
+    with that text, byte for byte, without encoding the rest again."""
+
+    before: bytes
+    after: bytes
+
+    @classmethod
+    def of(cls, chunk: Mapping[str, object]) -> _Spliced:
+        """``chunk`` has ``_OPEN_TEXT`` as its text. The last placeholder is the text's:
+        the client's field (the model's name) comes before it."""
+        before, _, after = _sse(chunk).rpartition(msgspec.json.encode(_OPEN_TEXT))
+        return cls(before, after)
+
+    def event(self, text: str) -> bytes:
+        return self.before + msgspec.json.encode(text) + self.after
+
+
+class _Events:
+    """The events of one streamed answer."""
+
+    whole: Callable[[Result, str, int], dict[str, object]]
+
+    def __init__(self, request_id: str, model: str, created: int, include_usage: bool) -> None:
+        self.request_id, self.model, self.created = request_id, model, created
+        self.include_usage = include_usage
+        self._usage_field: dict[str, object] = {"usage": None} if include_usage else {}
+        self._piece = _Spliced.of(self._open_chunk())
+
+    def piece(self, text: str) -> bytes:
+        return self._piece.event(text)
+
+    def last(self, result: Result) -> bytes:
+        """The finish chunk and, with ``include_usage``, the usage chunk."""
+        finish = _sse(self._finish_chunk(str(result.finish_reason)))
+        if not self.include_usage:
+            return finish
+        return finish + _sse({**self._finish_chunk(None), "choices": [], "usage": usage(result)})
+
+    def _open_chunk(self) -> dict[str, object]:
+        """A chunk of text ``_OPEN_TEXT``."""
+        raise NotImplementedError
+
+    def _finish_chunk(self, finish: str | None) -> dict[str, object]:
+        raise NotImplementedError
+
+
+class _TextEvents(_Events):
     whole = staticmethod(text_completion)
 
-    @staticmethod
-    def piece(request_id: str, model: str, created: int, text: str) -> dict[str, object]:
-        return text_chunk(request_id, model, created, text)
+    def _open_chunk(self) -> dict[str, object]:
+        return self._chunk(_OPEN_TEXT, None)
 
-    @staticmethod
-    def last(request_id: str, model: str, created: int, finish: str | None) -> dict[str, object]:
-        return text_chunk(request_id, model, created, "", finish)
+    def _finish_chunk(self, finish: str | None) -> dict[str, object]:
+        return self._chunk("", finish)
+
+    def _chunk(self, text: str, finish: str | None) -> dict[str, object]:
+        chunk = text_chunk(self.request_id, self.model, self.created, text, finish)
+        return {**chunk, **self._usage_field}
 
 
-class _ChatRender:
+class _ChatEvents(_Events):
     """The first delta states the role, as OpenAI's does."""
 
     whole = staticmethod(chat_completion)
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str, model: str, created: int, include_usage: bool) -> None:
+        super().__init__(request_id, model, created, include_usage)
         self._role_sent = False
 
-    def piece(self, request_id: str, model: str, created: int, text: str) -> dict[str, object]:
-        return chat_chunk(request_id, model, created, self._delta(text))
-
-    def last(self, request_id: str, model: str, created: int, finish: str | None) -> dict[str, object]:
-        return chat_chunk(request_id, model, created, self._delta("") if not self._role_sent else {}, finish)
-
-    def _delta(self, text: str) -> dict[str, str]:
-        delta = {"content": text} if self._role_sent else {"role": "assistant", "content": text}
+    def piece(self, text: str) -> bytes:
+        if self._role_sent:
+            return super().piece(text)
         self._role_sent = True
-        return delta
+        return _sse(self._chunk({"role": "assistant", "content": text}, None))
+
+    def _open_chunk(self) -> dict[str, object]:
+        return self._chunk({"content": _OPEN_TEXT}, None)
+
+    def _finish_chunk(self, finish: str | None) -> dict[str, object]:
+        return self._chunk({} if self._role_sent else {"role": "assistant", "content": ""}, finish)
+
+    def _chunk(self, delta: dict[str, str], finish: str | None) -> dict[str, object]:
+        chunk = chat_chunk(self.request_id, self.model, self.created, delta, finish)
+        return {**chunk, **self._usage_field}
 
 
 async def models(request: web.Request) -> web.Response:
@@ -272,17 +460,6 @@ def _translate(body: CompletionRequest | ChatCompletionRequest,
     return sampling, slo
 
 
-async def _start_events(request: web.Request, request_id: str) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": request_id})
-    await response.prepare(request)
-    return response
-
-
-async def _event(response: web.StreamResponse, payload: Mapping[str, object]) -> None:
-    await response.write(b"data: " + msgspec.json.encode(payload) + b"\n\n")
-
-
 # ---------------------------------------------------------------------- errors, auth
 _STATUS: tuple[tuple[type[ControlPlaneError], int, str], ...] = (
     (InvalidRequest, 400, "invalid_request_error"),
@@ -320,32 +497,45 @@ _HTTP_ERRORS = {
 
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
+    """Every answer gets the request's ``X-Request-Id`` and is counted by status."""
+    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    token = _REQUEST_ID.set(request_id)
+    try:
+        response = await _answer(request, handler)
+    except web.HTTPException as error:  # aiohttp's own below 400: a redirect
+        error.headers[REQUEST_ID_HEADER] = request_id
+        request.app[RESPONSES_KEY][error.status] += 1
+        raise
+    finally:
+        _REQUEST_ID.reset(token)
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    request.app[RESPONSES_KEY][response.status] += 1
+    return response
+
+
+async def _answer(request: web.Request, handler) -> web.StreamResponse:
     settings = request.app[SETTINGS_KEY]
     if settings.api_key is not None and request.path != "/health":
         supplied = request.headers.get("Authorization", "")
         if not hmac.compare_digest(supplied.encode(), f"Bearer {settings.api_key}".encode()):
-            response = _error(401, "missing or wrong API key (Authorization: Bearer ...)",
-                              "invalid_request_error", "invalid_api_key")
-            request.app[RESPONSES_KEY][response.status] += 1
-            return response
+            return _error(401, "missing or wrong API key (Authorization: Bearer ...)",
+                          "invalid_request_error", "invalid_api_key")
     try:
-        response = await handler(request)
+        return await handler(request)
     except BadRequest as error:
-        response = _error(400, str(error), "invalid_request_error", "invalid_request")
+        return _error(400, str(error), "invalid_request_error", "invalid_request")
     except ControlPlaneError as error:
         status, message, error_type, code = _describe(error)
         retry_after = getattr(error, "retry_after_s", None)
         headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
-        response = _error(status, message, error_type, code, headers)
+        return _error(status, message, error_type, code, headers)
     except web.HTTPException as error:  # aiohttp's own: no such route, wrong method, body too large
         if error.status < 400:
-            request.app[RESPONSES_KEY][error.status] += 1
             raise
-        response = _error(error.status, _HTTP_ERRORS.get(error.status, error.reason),
-                          "invalid_request_error", error.reason.lower().replace(" ", "_"),
-                          {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None)
-    request.app[RESPONSES_KEY][response.status] += 1
-    return response
+        return _error(error.status, _HTTP_ERRORS.get(error.status, error.reason),
+                      "invalid_request_error", error.reason.lower().replace(" ", "_"),
+                      {"Allow": error.headers["Allow"]} if "Allow" in error.headers else None)
 
 
 # ---------------------------------------------------------------------- metrics
@@ -398,16 +588,25 @@ def _number(value: float) -> str:
 
 # ---------------------------------------------------------------------- running
 async def serve(client: AsyncClient, settings: GatewaySettings, host: str, port: int,
-                stop: asyncio.Event) -> None:
+                stop: asyncio.Event, announce: Callable[[str], None] | None = None) -> None:
     """Serve HTTP on ``host:port`` until ``stop`` is set; a client that disconnects
-    cancels its handler, and with it its request at the daemon."""
+    cancels its handler, and with it its request at the daemon. Once listening,
+    ``announce`` gets :func:`listening_line`."""
     runner = web.AppRunner(build_app(client, settings), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
+        if announce is not None:
+            announce(listening_line(settings, host, port, client.address))
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def listening_line(settings: GatewaySettings, host: str, port: int, daemon: str) -> str:
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    auth = ", API key required" if settings.api_key is not None else ""
+    return f"gateway listening on {url} (model {settings.model}, daemon {daemon}{auth})"
 
 
 def parse_listen(text: str, allow_non_loopback: bool) -> tuple[str, int]:

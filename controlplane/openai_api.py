@@ -29,6 +29,7 @@ from controlplane.client import Result
 from controlplane.protocol import ChatMessage, Prompt
 
 ROLES = ("system", "developer", "user", "assistant")
+DEFAULT_CHAT_MAX_TOKENS = 2048  # the gateway's, when a chat request sets no limit (why: controlplane.gateway)
 _MEDIA = {"image_url": "images", "input_image": "images", "input_audio": "audio", "audio_url": "audio",
           "video_url": "video", "file": "files", "input_file": "files"}
 

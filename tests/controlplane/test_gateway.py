@@ -18,6 +18,7 @@ from benchmarks.support.paths import REPO
 from benchmarks.support.ports import free_ports
 from controlplane.client import AsyncClient
 from controlplane.gateway import GatewaySettings, parse_listen, serve
+from controlplane.openai_api import DEFAULT_CHAT_MAX_TOKENS
 
 MODEL = "test-model"
 API_KEY = "sk-test"
@@ -131,8 +132,8 @@ def test_streamed_completion_sends_chunks_usage_and_done(cluster):
     (b'{"prompt": "hi", "logprobs": 3, "echo": true}', 400, "logprobs, echo"),
     (b'{"prompt": ["a", "b"]}', 400, "one prompt per request"),
     (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"prompt": "hi", "model": 5}', 400, "$.model"),
     (b'{"prompt": "hi", "temperature": -1}', 400, "temperature"),
-    (b'{"prompt": "hi", "model": "other"}', 404, "not served here"),
     (b'{"prompt": "hi", "slo": "no-such-class", "max_tokens": 2}', 400, "no-such-class"),
     (b'{"prompt": "hi", "slo": {"e2e_ms": 2000, "tpot_ms": 50}}', 400,
      "invalid request body: give e2e_ms (an end-to-end target) or tpot_ms, not both"),
@@ -198,7 +199,8 @@ def test_chat_completion_streamed_and_not(cluster):
             assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
         else:
             assert all("usage" not in c for c in chunks)
-    assert unlimited[0] == 200 and unlimited[1]["usage"]["completion_tokens"] == 1024  # the default limit
+    assert unlimited[0] == 200
+    assert unlimited[1]["usage"]["completion_tokens"] == DEFAULT_CHAT_MAX_TOKENS == 2048  # the default limit
 
 
 @pytest.mark.parametrize(("body", "fragment"), [
@@ -224,7 +226,6 @@ def test_chat_completion_streamed_and_not(cluster):
      "stream_options without stream"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "other"}, "not served here"),
 ])
 def test_bad_chat_requests_get_openai_errors_naming_the_field(cluster, body, fragment):
     async def scenario(session, url, _):
@@ -232,8 +233,106 @@ def test_bad_chat_requests_get_openai_errors_naming_the_field(cluster, body, fra
             return response.status, await response.json()
 
     status, payload = with_gateway(cluster, scenario)
-    assert status == (404 if "model" in body else 400), payload
+    assert status == 400, payload
     assert fragment in payload["error"]["message"] and payload["error"]["type"]
+
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def answer_text(chunks: list) -> str:
+    def text(choice: dict) -> str:
+        if "text" in choice:
+            return choice["text"]
+        return (choice.get("message") or choice.get("delta") or {}).get("content", "")
+
+    return "".join(text(chunk["choices"][0]) for chunk in chunks if chunk["choices"])
+
+
+def test_any_model_name_is_served_and_echoed_back(cluster):
+    """A request may name any model; the answer echoes it (else the served name), and
+    /v1/models still lists only the served name. The odd name holds quotes and the
+    placeholder the streamed events splice their text into."""
+    odd = 'org/"model" \x00text\x00'
+
+    async def scenario(session, url, _):
+        answers = {}
+        for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+            for model in ("gpt-4o-mini", odd, None):
+                for stream in (False, True):
+                    named = {} if model is None else {"model": model}
+                    async with session.post(f"{url}{path}", json={
+                            **body, **named, "max_tokens": 3, "ignore_eos": True, "stream": stream,
+                            **({"stream_options": {"include_usage": True}} if stream else {})}) as response:
+                        raw = await response.text()
+                        answers[path, model, stream] = response.status, events(raw) if stream else [json.loads(raw)]
+        async with session.get(f"{url}/v1/models") as response:
+            listed = await response.json()
+        return answers, listed
+
+    answers, listed = with_gateway(cluster, scenario)
+    assert len(answers) == 12
+    for (path, model, stream), (status, chunks) in answers.items():
+        assert status == 200, (path, model, stream, chunks)
+        assert {chunk["model"] for chunk in chunks} == {model or MODEL}, (path, model, stream)
+        assert answer_text(chunks) == " tok" * 3
+        assert chunks[-1]["usage"]["completion_tokens"] == 3
+    assert [m["id"] for m in listed["data"]] == [MODEL]
+
+
+def test_every_answer_carries_the_request_id(cluster):
+    """``X-Request-Id`` on every answer, streamed, unstreamed and errors alike: the
+    client's when it sent one, else a fresh one per request."""
+    cases = (
+        ("POST", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 2}}, 200),
+        ("POST", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 2, "stream": True}}, 200),
+        ("POST", "/v1/chat/completions", {"json": {"messages": CHAT, "max_tokens": 2}}, 200),
+        ("POST", "/v1/chat/completions", {"json": {"messages": CHAT, "max_tokens": 2, "stream": True}}, 200),
+        ("POST", "/v1/completions", {"json": {"prompt": "hi", "n": 2}}, 400),
+        ("POST", "/v1/completions", {"json": {"prompt": "hi", "slo": "no-such-class", "stream": True}}, 400),
+        ("POST", "/v1/chat/completions", {"data": b"{not json"}, 400),
+        ("POST", "/v1/embeddings", {}, 404),
+        ("GET", "/v1/completions", {}, 405),
+        ("POST", "/v1/completions", {"data": b"x" * (5 * 1024 * 1024)}, 413),
+        ("GET", "/v1/models", {}, 200),
+        ("GET", "/health", {}, 200),
+        ("GET", "/metrics", {}, 200),
+    )
+
+    async def scenario(session, url, _):
+        answers = []
+        for given in (True, False):
+            for index, (method, path, options, _status) in enumerate(cases):
+                headers = {"X-Request-Id": f"rid-{index}"} if given else {}
+                async with session.request(method, f"{url}{path}", headers=headers, **options) as response:
+                    await response.read()
+                    answers.append((given, index, response.status, response.headers.get("X-Request-Id")))
+        headers = {"X-Request-Id": "has a space"}  # refused by the SDK: still echoed
+        async with session.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers=headers) as response:
+            refused = response.status, await response.json(), response.headers.get("X-Request-Id")
+        return answers, refused
+
+    answers, refused = with_gateway(cluster, scenario)
+    generated = set()
+    for given, index, status, request_id in answers:
+        assert status == cases[index][3], (cases[index], status)
+        if given:
+            assert request_id == f"rid-{index}", cases[index]
+        else:
+            assert request_id is not None and len(request_id) == 32 and int(request_id, 16) >= 0, cases[index]
+            generated.add(request_id)
+    assert len(generated) == len(cases), "a fresh id per request"
+    status, body, request_id = refused
+    assert status == 400 and "request_id" in body["error"]["message"] and request_id == "has a space"
+
+
+def test_a_wrong_api_key_answer_carries_the_request_id(cluster):
+    async def scenario(session, url, _):
+        async with session.post(f"{url}/v1/completions", json={"prompt": "hi"},
+                                headers={"X-Request-Id": "unauthorized-1"}) as response:
+            return response.status, response.headers.get("X-Request-Id")
+
+    assert with_gateway(cluster, scenario, api_key=API_KEY) == (401, "unauthorized-1")
 
 
 def test_unknown_endpoints_and_methods_get_openai_errors(cluster):
@@ -294,6 +393,7 @@ def test_a_daemon_failing_the_request_is_a_500_with_an_openai_error(monkeypatch)
             for stream in (False, True):
                 async with session.post(f"{url}/v1/completions", json={"prompt": "hi", "stream": stream},
                                         headers={"X-Request-Id": f"gw-internal-{stream}"}) as response:
+                    assert response.headers["X-Request-Id"] == f"gw-internal-{stream}"
                     outcomes.append((response.status, await response.json()))
             return outcomes
 
@@ -312,3 +412,71 @@ def test_listen_addresses_are_loopback_unless_allowed():
     for bad in ("0.0.0.0:80", "8000", "host:", "127.0.0.1:99999"):
         with pytest.raises(ValueError):
             parse_listen(bad, False)
+
+
+# ---------------------------------------------------------------------- a stream read in two halves
+@pytest.mark.parametrize("text", ["", " tok", 'a "quoted" \\ line\n', "\x00text\x00", "é ✓ 🙂"])
+def test_a_spliced_event_is_the_encoded_chunk_byte_for_byte(text):
+    from controlplane.gateway import _ChatEvents, _sse, _TextEvents
+    from controlplane.openai_api import chat_chunk, text_chunk
+
+    odd_model = 'm "\x00text\x00"'
+    for include_usage in (True, False):
+        usage = {"usage": None} if include_usage else {}
+        completion = _TextEvents("r-1", odd_model, 7, include_usage)
+        assert completion.piece(text) == _sse({**text_chunk("r-1", odd_model, 7, text), **usage})
+        chat = _ChatEvents("r-2", odd_model, 7, include_usage)
+        first, second = chat.piece(text), chat.piece(text)
+        assert first == _sse({**chat_chunk("r-2", odd_model, 7, {"role": "assistant", "content": text}), **usage})
+        assert second == _sse({**chat_chunk("r-2", odd_model, 7, {"content": text}), **usage})
+
+
+def test_a_stream_step_run_until_it_waits_then_resumed_cancelled_or_unwound():
+    """How the gateway takes a stream's next chunk (``_next_chunk``): run at once when it
+    is ready, else stopped at its first wait, the events held written, and then resumed;
+    a cancellation meanwhile, or a write that fails, unwinds it as an ``await`` would.
+    The source waits as the SDK's inbox does (``asyncio.wait_for`` on an event)."""
+    from controlplane.gateway import _resume, _run_until_wait, _unwind, _Waiting
+
+    async def main():
+        gate = asyncio.Event()
+        finished = []
+
+        async def source():
+            try:
+                yield "ready"
+                while True:
+                    await asyncio.wait_for(gate.wait(), 30)
+                    gate.clear()
+                    yield "after a wait"
+            finally:
+                finished.append(True)
+
+        async def left_behind():
+            await asyncio.sleep(0)  # a cancelled task ends on the loop's next turn
+            return asyncio.all_tasks() - {asyncio.current_task()}
+
+        items = source()
+        assert _run_until_wait(anext(items)) == "ready"
+        waiting = _run_until_wait(anext(items))
+        assert isinstance(waiting, _Waiting)
+        asyncio.get_running_loop().call_later(0.01, gate.set)
+        assert await _resume(waiting) == "after a wait"
+
+        waiting = _run_until_wait(anext(items))
+        reader = asyncio.create_task(_resume(waiting))
+        await asyncio.sleep(0)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert finished == [True] and not await left_behind()
+
+        finished.clear()
+        items = source()
+        assert _run_until_wait(anext(items)) == "ready"
+        await _unwind(_run_until_wait(anext(items)))
+        assert finished == [True] and not await left_behind()
+        with pytest.raises(StopAsyncIteration):
+            await anext(items)
+
+    asyncio.run(main())
