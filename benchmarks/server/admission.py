@@ -58,7 +58,7 @@ from benchmarks.server.client_runs import (
 )
 from benchmarks.server.emulated import PROFILE, TIME_SCALE, write_fb_config
 from benchmarks.server.machine_watch import Watch, wait_quiet
-from benchmarks.server.priority import NONE, PROMPT_LENGTH
+from benchmarks.server.priority import CLASS, NONE, PROMPT_LENGTH
 from benchmarks.server.priority import launch_args as priority_args
 from benchmarks.server.stock_server import launch
 from benchmarks.server.stock_vs_fairbatching import COMMON_ARGS
@@ -97,23 +97,54 @@ def stock_configs() -> list[Config]:
     return [Config(f"mixed-{chunk}", mixed(chunk)) for chunk in CHUNKS]
 
 
+def queue_config(chunk: int, queue: int) -> Config:
+    """``mixed-CHUNK`` with SGLang's queue limit (an arrival is refused while ``queue`` wait)."""
+    return Config(f"mixed-{chunk}-queue-{queue}",
+                  (*mixed(chunk), "--max-queued-requests", str(queue)))
+
+
+def timeout_config(chunk: int) -> Config:
+    """``mixed-CHUNK`` with SGLang's waiting timeout at the TTFT target."""
+    return Config(f"mixed-{chunk}-timeout", mixed(chunk),
+                  (("SGLANG_REQ_WAITING_TIMEOUT", f"{TTFT_S:g}"),))
+
+
+def fairbatching_config(mode: str) -> Config:
+    """``fb-MODE``: the shipped config with ``[admission] mode = MODE``."""
+    return Config(f"fb-{mode}", COMMON_ARGS, admission=mode)
+
+
 def admission_configs(best_chunk: int) -> list[Config]:
-    best = mixed(best_chunk)
     return [
-        *(Config(f"mixed-{best_chunk}-queue-{q}", (*best, "--max-queued-requests", str(q)))
-          for q in QUEUE_LIMITS),
-        Config(f"mixed-{best_chunk}-timeout", best, (("SGLANG_REQ_WAITING_TIMEOUT", f"{TTFT_S:g}"),)),
-        Config("fb-reject", COMMON_ARGS, admission="reject"),
-        Config("fb-defer", COMMON_ARGS, admission="defer"),
+        *(queue_config(best_chunk, q) for q in QUEUE_LIMITS),
+        timeout_config(best_chunk),
+        fairbatching_config("reject"),
+        fairbatching_config("defer"),
     ]
+
+
+#: the configuration name's suffix of each priority mode (as in stock_vs_fairbatching)
+PRIORITY_SUFFIXES = {PROMPT_LENGTH: "sjf", CLASS: "priority"}
+
+
+def with_priority(base: Config, mode: str) -> Config:
+    """A stock configuration with SGLang's priority scheduling in a client priority mode
+    (``-sjf``: shortest prompt first, the client sends priority = prompt length;
+    ``-priority``: the SLO class, tightest TTFT first)."""
+    return Config(f"{base.name}-{PRIORITY_SUFFIXES[mode]}", (*base.args, *priority_args(mode)),
+                  base.env, priority=mode)
+
+
+def priority_config(chunk: int, queue: int, mode: str) -> Config:
+    """``mixed-CHUNK-queue-QUEUE`` with priority scheduling (:func:`with_priority`): a full
+    queue then drops its least urgent waiting request for a more urgent arrival."""
+    return with_priority(queue_config(chunk, queue), mode)
 
 
 def sjf_config(best_chunk: int, queue: int) -> Config:
     """The best queue limit with SGLang's priority scheduling, shortest prompt first (the
     client sends priority = prompt length)."""
-    return Config(f"mixed-{best_chunk}-queue-{queue}-sjf",
-                  (*mixed(best_chunk), "--max-queued-requests", str(queue), *priority_args(PROMPT_LENGTH)),
-                  priority=PROMPT_LENGTH)
+    return priority_config(best_chunk, queue, PROMPT_LENGTH)
 
 
 def best_queue(points: list[dict], chunk: int) -> int | None:
@@ -171,14 +202,17 @@ def write_admission_config(directory: Path, mode: str) -> Path:
 
 
 def run_point(url: str, config: Config, rate: float, seed: int, raw: Path, quiet_wait_s: float,
-              pid: int) -> dict:
-    stem = f"{config.name}-r{rate:g}-s{seed}"
+              pid: int, *, arrivals: str = ARRIVALS, seconds: float = SECONDS,
+              slo_mix: str = f"{SLO_CLASS}:1", tag: str = "") -> dict:
+    """One replay against a running server (its cache flushed first, after waiting for other
+    SGLang servers to stop), its machine load watched; ``tag`` goes into the file names."""
+    stem = f"{config.name}{tag}-r{rate:g}-s{seed}"
     waited = wait_quiet(pid, quiet_wait_s)
     flush_cache(url)
-    head = replay_head_seconds(rate, SECONDS)
+    head = replay_head_seconds(rate, seconds)
     output = raw / f"{stem}.json"
     output.unlink(missing_ok=True)
-    command = replay_command(url, rate, head, ARRIVALS, seed, f"{SLO_CLASS}:1", output,
+    command = replay_command(url, rate, head, arrivals, seed, slo_mix, output,
                              priority=config.priority)
     print(f"  {stem} ...", file=sys.stderr, flush=True)
     with Watch(pid) as watch:
@@ -204,15 +238,28 @@ def point_result(result: dict) -> dict:
     return kept
 
 
+def launch_env(config: Config, raw: Path) -> dict[str, str]:
+    """The server's environment for ``config``: the emulated GPU, the configuration's own
+    variables and, for FairBatching, its config file (written into ``raw``)."""
+    env = {"FAIRBATCHING_EMULATED_GPU": PROFILE,
+           "FAIRBATCHING_EMULATED_GPU_TIME_SCALE": f"{TIME_SCALE:g}", **dict(config.env)}
+    if config.admission is not None:
+        env["FAIRBATCHING_CONFIG"] = str(write_admission_config(raw, config.admission))
+    return env
+
+
+def recorded_env(env: dict[str, str]) -> dict[str, str]:
+    """What a point records of the server's environment (the emulated GPU's variables are
+    the same for every point)."""
+    return {k: v for k, v in env.items() if not k.startswith("FAIRBATCHING_EMULATED")}
+
+
 def run_config(config: Config, rates: tuple[float, ...], seeds: tuple[int, ...], done: set,
                model_dir: Path, raw: Path, quiet_wait_s: float) -> None:
     todo = [(rate, seed) for rate in rates for seed in seeds if (config.name, rate, seed) not in done]
     if not todo:
         return
-    env = {"FAIRBATCHING_EMULATED_GPU": PROFILE,
-           "FAIRBATCHING_EMULATED_GPU_TIME_SCALE": f"{TIME_SCALE:g}", **dict(config.env)}
-    if config.admission is not None:
-        env["FAIRBATCHING_CONFIG"] = str(write_admission_config(raw, config.admission))
+    env = launch_env(config, raw)
     wait_quiet(None, quiet_wait_s)
     print(f"[{config.name}] starting server", file=sys.stderr, flush=True)
     server = launch(model_dir, config.args, env, raw / f"server-{config.name}.log", python=sys.executable)
@@ -220,7 +267,7 @@ def run_config(config: Config, rates: tuple[float, ...], seeds: tuple[int, ...],
         for rate, seed in todo:
             point = run_point(server.url, config, rate, seed, raw, quiet_wait_s, server.process.pid)
             point["launch_args"] = list(config.args)
-            point["env"] = {k: v for k, v in env.items() if not k.startswith("FAIRBATCHING_EMULATED")}
+            point["env"] = recorded_env(env)
             point["date_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
             append_point(POINTS, point)
             done.add((config.name, rate, seed))
