@@ -162,6 +162,8 @@ def request_body(request: ReplayRequest, prompt: int, priority: int | None = Non
 async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRecord,
                origin: float, prompt: int, arrivals: list[float] | None,
                priority: int | None) -> None:
+    from aiohttp import ClientError  # a dropped connection (ServerDisconnectedError) too
+
     body = request_body(request, prompt, priority)
     try:
         async with session.post(f"{url}/generate", json=body) as response:
@@ -177,7 +179,7 @@ async def _one(session: Any, url: str, request: ReplayRequest, record: RequestRe
                         arrivals.append(origin + now)
                 if chunk.get("meta_info", {}).get("finish_reason") is not None:
                     record.finish_s = now
-    except (OSError, asyncio.TimeoutError):
+    except (OSError, asyncio.TimeoutError, ClientError):
         record.aborted = True
         return
     if record.tokens_emitted < record.output_tokens:
