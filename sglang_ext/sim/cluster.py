@@ -26,6 +26,14 @@ sequence it accounts for reconciles the debits.
   ``max_queued`` requests waiting is rejected (``overloaded``). A rejected request
   counts as an SLO violation; TTFT counts from the original arrival, so time spent
   queued is part of it.
+- **Shared prefixes** (``prefixes``: one :class:`SharedPrefix` or None per request of
+  the workload): each rank gets a :class:`RankPrefixCache` (its assumptions are that
+  module's) and a request is prefilled only past its longest prefix cached on its rank;
+  its record keeps its whole prompt length. The balancer gets each request's prompt
+  (:func:`prompt_units`, one unit a block of its prefix tree) and, after the dispatch,
+  ``record`` s it; the ledger debits the prompt less what the balancer believed the rank
+  held. Without ``prefixes`` no prompt is passed and nothing is cached (every prompt is
+  its own).
 - Events at the same virtual time run reports first, then arrivals, then steps (a
   single-rank run also submits an arrival before a step that starts at the same time).
 """
@@ -35,15 +43,16 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from controlplane.balancer import BALANCERS, RankView, make_balancer
+from controlplane.balancer import BALANCERS, CacheAwareSettings, RankView, make_balancer
 from controlplane.config import DaemonConfig
 from controlplane.ledger import DispatchLedger
 from sglang_ext.policy.slo import Slo
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.metrics import LatencySamples, RequestRecord, latency_samples, summarize
+from sglang_ext.sim.prefix_cache import RankPrefixCache, SharedPrefix, prompt_units
 from sglang_ext.sim.runner import PolicySpec, Scenario, build_policy, request_slo
 from sglang_ext.sim.workloads import TraceRequest
 
@@ -66,6 +75,7 @@ class ClusterConfig:
     report_delay_s: float = DEFAULT_REPORT_DELAY_S
     queue_ttl_s: float = DEFAULT_QUEUE_TTL_S
     max_queued: int = DEFAULT_MAX_QUEUED
+    rank_cache_tokens: int | None = None  # a rank's prefix cache bound (None: its free KV)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -108,14 +118,18 @@ class _Queued:
     request: TraceRequest
     slo: Slo
     slo_class: str  # the request's class, else the catalog's default class
+    prompt: tuple[int, ...] | None = None  # its units, with shared prefixes only
 
 
 class _Rank:
-    __slots__ = ("index", "name", "engine", "classes", "last_report", "dispatched",
-                 "ingested_seq", "step_scheduled")
+    __slots__ = ("cache", "classes", "dispatched", "engine", "index", "ingested_seq",
+                 "last_report", "name", "prefilling", "step_scheduled")
 
-    def __init__(self, index: int, engine: SimEngine, classes: Mapping[str, Slo]) -> None:
+    def __init__(self, index: int, engine: SimEngine, classes: Mapping[str, Slo],
+                 cache: RankPrefixCache | None = None) -> None:
         self.index = index
+        self.cache = cache
+        self.prefilling: list[tuple[int, tuple[int, ...]]] = []  # dispatched, not yet cached
         self.name = str(index)
         self.engine = engine
         self.classes = classes  # whose budgets it reports (empty: none)
@@ -123,6 +137,22 @@ class _Rank:
         self.dispatched = 0
         self.ingested_seq = 0
         self.step_scheduled = False
+
+    @property
+    def free_kv_tokens(self) -> int:
+        return self.engine.kv_capacity - self.engine.kv_used
+
+    def cache_prefilled(self) -> None:
+        """Insert the prompts whose prefill completed into the cache (drop refused ones)."""
+        records = self.engine.records
+        still = []
+        for index, units in self.prefilling:
+            record = records[index]
+            if record.first_token_s is not None:
+                self.cache.insert(units, self.free_kv_tokens)
+            elif not (record.rejected or record.aborted):
+                still.append((index, units))
+        self.prefilling = still
 
     def report(self) -> RankReport:
         engine = self.engine
@@ -152,25 +182,35 @@ class ClusterSimulation:
     """One run: :meth:`run` once, then read :attr:`records`, :attr:`placement` and
     :meth:`load`."""
 
-    def __init__(self, scenario: Scenario, spec: PolicySpec, cluster: ClusterConfig) -> None:
+    def __init__(self, scenario: Scenario, spec: PolicySpec, cluster: ClusterConfig,
+                 prefixes: Sequence[SharedPrefix | None] | None = None) -> None:
         self.scenario = scenario
         self.spec = spec
         self.cluster = cluster
+        if prefixes is not None and len(prefixes) != len(scenario.workload.requests):
+            raise ClusterConfigError(
+                f"{len(prefixes)} prefixes for {len(scenario.workload.requests)} requests")
+        self.prefixes = prefixes
         classes = scenario.catalog.classes if cluster.balancer.startswith("pab") else {}
+        cache_bound = scenario.profile.kv_capacity_tokens if cluster.rank_cache_tokens is None \
+            else cluster.rank_cache_tokens
         self.ranks = [
             _Rank(i, SimEngine(
                 scenario.profile, build_policy(scenario, spec), seed=scenario.seed + i
-            ), classes)
+            ), classes, None if prefixes is None else RankPrefixCache(cache_bound))
             for i in range(cluster.ranks)
         ]
         self.ledger = DispatchLedger()
-        self.balancer = make_balancer(cluster.balancer, scenario.seed)
+        self.balancer = make_balancer(cluster.balancer, scenario.seed,
+                                      CacheAwareSettings(block_size=1))
+        self.full_prompt_tokens: dict[int, int] = {}  # requests prefilled past a cached prefix
         self.queue: deque[_Queued] = deque()
         self.placement: dict[int, int] = {}
         self.rejected_by_dispatcher: dict[int, RequestRecord] = {}
         self.counters = {
             "queued": 0, "queue_timeout": 0, "overloaded": 0, "dispatched_from_queue": 0,
-            "max_queue_depth": 0, "reports": 0,
+            "max_queue_depth": 0, "reports": 0, "prompt_tokens_dispatched": 0,
+            "prompt_tokens_cached": 0,
         }
         self.queue_waits_s: list[float] = []
         self._events: list[tuple[float, int, int, object]] = []
@@ -209,6 +249,8 @@ class ClusterSimulation:
                 rank = payload
                 rank.step_scheduled = False
                 rank.engine.step()
+                if rank.prefilling:
+                    rank.cache_prefilled()
                 self._send_report(rank)
                 self._schedule_step(rank)
             elif kind == _REPORT:
@@ -217,13 +259,19 @@ class ClusterSimulation:
             else:
                 request = requests[next_arrival]
                 slo, slo_class = request_slo(scenario.catalog, request.slo_class)
-                self._arrive(time_s, _Queued(next_arrival, request, slo, slo_class))
+                prompt = None if self.prefixes is None else prompt_units(
+                    next_arrival, request.prompt_tokens, self.prefixes[next_arrival])
+                self._arrive(time_s, _Queued(next_arrival, request, slo, slo_class, prompt))
                 next_arrival += 1
                 if next_arrival < len(requests):
                     self._push(requests[next_arrival].arrival_s, _ARRIVAL, None)
         for queued in self.queue:
             self._reject(queued, "queue_timeout")
         self.queue.clear()
+        for rank in self.ranks:
+            for index, record in rank.engine.records.items():
+                if index in self.full_prompt_tokens:
+                    record.prompt_tokens = self.full_prompt_tokens[index]
 
     # ---------------------------------------------------------------- dispatcher
     def _apply_report(self, report: RankReport) -> None:
@@ -254,12 +302,19 @@ class ClusterSimulation:
             self._enqueue(queued)
             self._drain_queue(now)
             return
-        chosen = self.balancer.choose(self._views(), queued.request.prompt_tokens,
-                                      queued.request.slo_class or None)
+        chosen = self._choose(queued)
         if chosen is None:
             self._enqueue(queued)
         else:
             self._dispatch(now, queued, self.ranks[int(chosen)])
+
+    def _choose(self, queued: _Queued) -> str | None:
+        request = queued.request
+        if queued.prompt is None:  # a balancer written before prompts still works
+            return self.balancer.choose(self._views(), request.prompt_tokens,
+                                        request.slo_class or None)
+        return self.balancer.choose(self._views(), request.prompt_tokens,
+                                    request.slo_class or None, queued.prompt)
 
     def _enqueue(self, queued: _Queued) -> None:
         if len(self.queue) >= self.cluster.max_queued:
@@ -278,8 +333,7 @@ class ClusterSimulation:
                 queue.popleft()
                 self._reject(head, "queue_timeout")
                 continue
-            chosen = self.balancer.choose(self._views(), head.request.prompt_tokens,
-                                          head.request.slo_class or None)
+            chosen = self._choose(head)
             if chosen is None:
                 return
             queue.popleft()
@@ -289,14 +343,24 @@ class ClusterSimulation:
 
     def _dispatch(self, now: float, queued: _Queued, rank: _Rank) -> None:
         request = queued.request
-        seq = self.ledger.record_dispatch(rank.name, request.prompt_tokens)
+        believed = self.balancer.record(rank.name, queued.prompt, request.prompt_tokens)
+        seq = self.ledger.record_dispatch(rank.name, request.prompt_tokens - believed)
         rank.dispatched += 1
         self.placement[queued.index] = rank.index
         engine = rank.engine
         if not engine.has_work and engine.now < now:
             engine.advance_to(now)
+        prefill = request.prompt_tokens
+        if rank.cache is not None and queued.prompt is not None:
+            cached = rank.cache.cached_tokens(queued.prompt, prefill, rank.free_kv_tokens)
+            if cached:
+                self.full_prompt_tokens[queued.index] = prefill
+                prefill -= cached
+            rank.prefilling.append((queued.index, queued.prompt))
+        self.counters["prompt_tokens_dispatched"] += request.prompt_tokens
+        self.counters["prompt_tokens_cached"] += request.prompt_tokens - prefill
         engine.submit(
-            queued.index, request.arrival_s, request.prompt_tokens, request.output_tokens,
+            queued.index, request.arrival_s, prefill, request.output_tokens,
             queued.slo, queued.slo_class,
         )
         rank.ingested_seq = seq
@@ -354,10 +418,10 @@ class ClusterSimulation:
 
 def simulate_cluster(
     scenario: Scenario, spec: PolicySpec, rate: float, cluster: ClusterConfig,
-    *, keep_samples: bool = False,
+    *, keep_samples: bool = False, prefixes: Sequence[SharedPrefix | None] | None = None,
 ) -> ClusterResult:
     """Replay the scenario's workload at ``rate`` req/s (the whole cluster's offered load)."""
-    simulation = ClusterSimulation(scenario, spec, cluster)
+    simulation = ClusterSimulation(scenario, spec, cluster, prefixes)
     simulation.run(rate)
     samples = latency_samples(simulation.records.values()) if keep_samples else None
     return ClusterResult(f"{spec.label} + {cluster.balancer}", simulation.load(rate), samples)
