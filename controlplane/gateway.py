@@ -65,7 +65,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from controlplane.client import AsyncClient, Result, Stream, StreamChunk
+from controlplane.client import AsyncClient, Result, Stream
 from controlplane.errors import (
     Cancelled, ControlPlaneError, DaemonUnavailable, DeadlineExceeded, DuplicateRequest,
     InternalError, InvalidRequest, NoBudget, NoRanks, Overloaded, QueueTimeout, RankLost,
@@ -146,43 +146,30 @@ async def _serve(request: web.Request, body: CompletionRequest | ChatCompletionR
 
 async def _relay(request: web.Request, stream: Stream, events: _Events) -> web.StreamResponse:
     """The stream as server-sent events. An error before any output is raised (an HTTP
-    error status); after it, it is the last event before ``[DONE]``."""
+    error status); after it, it is the last event before ``[DONE]``. Events are held while
+    the next chunk is ready, so that chunks ready together go out in one HTTP write."""
     writer = _EventWriter(request, stream.request_id)
     try:
-        while (piece := await _next_chunk(stream, writer)) is not None:
+        while True:
+            piece = _run_until_wait(anext(stream))
+            if isinstance(piece, _Waiting):
+                await writer.flush_before(piece)
+                piece = await _resume(piece)
             writer.add(events.piece(piece.text))
+    except StopAsyncIteration:
+        writer.add(events.last(stream.result))
     except ControlPlaneError as error:
         if not writer.started:
             raise
         _, message, kind, code = _describe(error)
         writer.add(_sse({"error": {"message": message, "type": kind, "code": code}}))
-    else:
-        writer.add(events.last(stream.result))
     writer.add(DONE_EVENT)
     return await writer.finish()
 
 
-async def _next_chunk(stream: Stream, writer: _EventWriter) -> StreamChunk | None:
-    """The stream's next chunk (None at its end). When it is not ready yet, the events
-    held are written first: chunks ready together go out in one HTTP write."""
-    try:
-        started = _run_until_wait(anext(stream))
-        if not isinstance(started, _Waiting):
-            return started
-        if writer.holds_events:
-            try:
-                await writer.flush()
-            except BaseException:
-                await _unwind(started)
-                raise
-        return await _resume(started)
-    except StopAsyncIteration:
-        return None
-
-
 class _EventWriter:
-    """Holds a streamed answer's events until a flush; the answer's headers go with the
-    first one."""
+    """Holds a streamed answer's events until they are written; the answer's headers go
+    with the first write."""
 
     def __init__(self, request: web.Request, request_id: str) -> None:
         self._request = request
@@ -195,19 +182,23 @@ class _EventWriter:
         """Whether the answer has begun: output was received, so an error is now an event."""
         return self._response is not None or bool(self._held)
 
-    @property
-    def holds_events(self) -> bool:
-        return bool(self._held)
-
     def add(self, event: bytes) -> None:
         self._held.append(event)
 
-    async def flush(self) -> None:
-        response = await self._started_response()
-        await response.write(self._take())
+    async def flush_before(self, waiting: _Waiting) -> None:
+        """Write what is held, as the stream's next chunk (``waiting``) is not ready; a
+        failed write unwinds ``waiting``."""
+        if not self._held:
+            return
+        try:
+            response = self._response or await self._start()
+            await response.write(self._take())
+        except BaseException:
+            await _unwind(waiting)
+            raise
 
     async def finish(self) -> web.StreamResponse:
-        response = await self._started_response()
+        response = self._response or await self._start()
         await response.write_eof(self._take())
         return response
 
@@ -216,13 +207,12 @@ class _EventWriter:
         self._held.clear()
         return data
 
-    async def _started_response(self) -> web.StreamResponse:
-        if self._response is None:
-            self._response = web.StreamResponse(headers={
-                "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                REQUEST_ID_HEADER: self._request_id})
-            await self._response.prepare(self._request)
-        return self._response
+    async def _start(self) -> web.StreamResponse:
+        response = self._response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            REQUEST_ID_HEADER: self._request_id})
+        await response.prepare(self._request)
+        return response
 
 
 # ---------------------------------------------------------------------- awaiting in two halves
@@ -356,7 +346,7 @@ class _ChatEvents(_Events):
 
     def piece(self, text: str) -> bytes:
         if self._role_sent:
-            return super().piece(text)
+            return self._piece.event(text)
         self._role_sent = True
         return _sse(self._chunk({"role": "assistant", "content": text}, None))
 
