@@ -30,11 +30,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def dispatch(request_id: str = "r1", *, rank: str = "srv:1/1", prompt: p.Prompt | None = None,
              sampling: p.SamplingParams | None = None, slo: p.SloSpec | None = None,
-             seq: int = 7, epoch: int = 5) -> p.Dispatch:
+             seq: int = 7, epoch: int = 5, stream: bool = True) -> p.Dispatch:
     return p.Dispatch(request_id=request_id, rank=rank, epoch=epoch, dispatch_seq=seq,
                       prompt=prompt or p.Prompt(token_ids=[5, 6, 7, 8]),
                       sampling=sampling or p.SamplingParams(max_new_tokens=4, ignore_eos=True),
-                      slo=slo)
+                      slo=slo, stream=stream)
 
 
 class ByteTokenizer:
@@ -230,9 +230,10 @@ class FakeTokenizerManager:
                 reason = FINISH_LENGTH(length=total).to_json() if finished else None
                 if slo.get("class") == "tight" and step == 1:
                     reason, finished = FINISH_ABORT("input too long", status_code=400).to_json(), True
-                yield {"text": "".join(chr(97 + (t % 26)) for t in ids), "output_ids": ids,
-                       "meta_info": {"id": obj.rid, "finish_reason": reason, "prompt_tokens": prompt,
-                                     "completion_tokens": len(ids)}}
+                if obj.stream or finished:  # unstreamed: SGLang yields once, at the finish
+                    yield {"text": "".join(chr(97 + (t % 26)) for t in ids), "output_ids": ids,
+                           "meta_info": {"id": obj.rid, "finish_reason": reason, "prompt_tokens": prompt,
+                                         "completion_tokens": len(ids)}}
                 if finished:
                     return
         finally:
@@ -254,12 +255,15 @@ class ScriptedDaemon:
         self.agent = b""
         self.to_agent = p.daemon_to_agent_channel()
         self.from_agent = p.agent_message_channel()
+        self.backlog: list[p.AgentMessage] = []  # the rest of a RankOutputs
 
     async def recv(self, timeout: float = 10.0) -> p.AgentMessage:
         while True:
-            identity, frame = await asyncio.wait_for(self.socket.recv_multipart(), timeout)
-            self.agent = identity
-            message = self.from_agent.decode(frame)
+            if not self.backlog:
+                identity, frame = await asyncio.wait_for(self.socket.recv_multipart(), timeout)
+                self.agent = identity
+                self.backlog = p.unbatched(self.from_agent.decode(frame))
+            message = self.backlog.pop(0)
             if not isinstance(message, p.Heartbeat):
                 return message
 
@@ -288,11 +292,13 @@ async def _run_engine_scenario() -> dict[str, Any]:
             hellos.add(hello.rank)
             await daemon.send(p.Welcome(hello.rank, 5, "d1", "tcp://127.0.0.1:1", 0.5))
         await daemon.send(dispatch("ok", rank="srv:1/1", sampling=p.SamplingParams(max_new_tokens=5)))
+        await daemon.send(dispatch("quiet", rank="srv:1/1", sampling=p.SamplingParams(max_new_tokens=5),
+                                   stream=False))
         await daemon.send(dispatch("bad", rank="srv:1/0", slo=p.SloSpec(slo_class="no-such-class")))
         await daemon.send(dispatch("refused", rank="srv:1/0", slo=p.SloSpec(slo_class="tight")))
         await daemon.send(dispatch("slow", rank="srv:1/0", sampling=p.SamplingParams(max_new_tokens=50),
                                    slo=p.SloSpec(slo_class="relaxed")))
-        while len(done) < 4:
+        while len(done) < 5:
             message = await daemon.recv()
             if isinstance(message, p.Output):
                 outputs.setdefault(message.request_id, []).append(message)
@@ -311,6 +317,15 @@ async def _run_engine_scenario() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def engine_scenario() -> dict[str, Any]:
     return asyncio.run(_run_engine_scenario())
+
+
+def test_an_unstreamed_dispatch_is_not_streamed_in_sglang_and_crosses_once_in_its_done(
+        engine_scenario) -> None:
+    quiet = next(obj for obj in engine_scenario["tm"].requests if obj.rid == "quiet")
+    assert quiet.stream is False
+    assert "quiet" not in engine_scenario["outputs"]
+    done = engine_scenario["done"]["quiet"]
+    assert (done.token_ids, done.text, done.completion_tokens) == ([100, 101, 102, 103, 104], "wxyza", 5)
 
 
 def test_engine_streams_deltas_and_one_done(engine_scenario) -> None:
