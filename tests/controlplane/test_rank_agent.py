@@ -835,3 +835,25 @@ def test_an_idle_sim_rank_reports_on_the_slow_heartbeat_and_a_change_at_once(rep
                         echoed = report
             assert echoed is not None
     run(scenario())
+
+
+def test_a_heartbeat_goes_before_output_that_waits_for_a_full_socket_and_is_never_dropped():
+    async def scenario():
+        engine = SteppedEngine(steps=1)
+        async with scripted() as daemon, agent_on(daemon, engine) as agent:
+            identity = await daemon.join(agent)
+            await daemon.send(identity, dispatch("full-1"))
+            await until(lambda: engine.waiting == 1)
+            sends = agent._try_send
+            agent._try_send = lambda frame: False  # the socket at its high-water mark
+            engine.step()
+            await until(lambda: agent._blocked_output)  # the output (and Done) wait
+            for _ in range(3):
+                agent._enqueue(p.Heartbeat(agent.agent_id))
+            assert len(agent._blocked_control) == 1  # one waiting heartbeat says it all
+            agent._try_send = sends  # room again
+            _, beat = await daemon.receive(p.Heartbeat, p.Output, p.Done)
+            assert isinstance(beat, p.Heartbeat)
+            _, done = await daemon.receive(p.Done)
+            assert done.request_id == "full-1" and agent.counters["heartbeat_dropped"] == 0
+    run(scenario())
