@@ -209,7 +209,7 @@ class _LatenessGuarded(BatchPolicy):
         if self.context.lateness_guard:
             floor = self._service_floor()
         hopeless: frozenset = frozenset()
-        if self.admission.mode is AdmissionMode.DEFER:
+        if self.admission.mode is AdmissionMode.DEFER and _any_prefill_queued(requests):
             hopeless = forecast(
                 requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
                 self.admission.headroom, self.kv_outlook, self.admission.evicts_longest,
@@ -252,6 +252,14 @@ class _LatenessGuarded(BatchPolicy):
 
     def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
         raise NotImplementedError
+
+
+def _any_prefill_queued(requests: Sequence[RequestState]) -> bool:
+    """Whether the forecast can find anything hopeless (only queued prefills can be)."""
+    for request in requests:
+        if request.pending_prefill > 0:
+            return True
+    return False
 
 
 def _resolved_admission(
