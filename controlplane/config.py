@@ -20,7 +20,8 @@ from controlplane.curve import CurveError, authorized_keys_dir, load_key_pair
 PositiveFloat = Annotated[float, Meta(gt=0.0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
 PolicyName = Literal[
-    "pab", "pab_least_loaded", "round_robin", "request_count", "total_tokens", "power_of_two",
+    "pab", "pab_least_loaded", "pab_cache_aware", "cache_aware", "round_robin", "request_count",
+    "total_tokens", "power_of_two",
 ]
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
@@ -40,7 +41,7 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     policy: PolicyName = "pab_least_loaded"
     on_no_budget: Literal["reject", "queue"] = "reject"
     retry_after_s: PositiveFloat = 0.25
-    queue_ttl_s: PositiveFloat = 5.0
+    queue_ttl_s: PositiveFloat = 5.0  # the longest wait; a request with a TTFT target waits at most that
     max_queued: PositiveInt = 1024
     max_in_flight: PositiveInt = 65536
     local_inflight_cap: PositiveInt = 64  # per rank, when every rank is stale

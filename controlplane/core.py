@@ -26,18 +26,20 @@ from dataclasses import dataclass, field
 from controlplane.balancer import RankView, least_in_flight, make_balancer, routing_class
 from controlplane.config import DaemonConfig
 from controlplane.ledger import DispatchLedger
+from controlplane.prefix_affinity import Prompt as AffinityPrompt
 from controlplane.protocol import (
     Abort, AgentMessage, Cancel, Chunk, ClientReply, ClientRequest, DaemonToAgent, Dispatch,
     Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish, FinishReason, Goodbye,
-    Heartbeat, Hello, Output, Ping, Pong, RankOutputs, RankStatus, Reject, RejectReason, Report,
-    StatusReply, StatusRequest, Submit, Welcome, PROTOCOL_VERSION, client_refusal, protocol_refusal,
-    retryable,
+    Heartbeat, Hello, Output, Ping, Pong, Prompt, RankOutputs, RankStatus, Reject, RejectReason,
+    Report, StatusReply, StatusRequest, Submit, Welcome, PROTOCOL_VERSION, client_refusal,
+    protocol_refusal, retryable,
 )
 from controlplane.prompt_estimate import estimate_prompt_tokens
 from controlplane.ratelimited_log import RateLimitedLog
 from controlplane.registry import Departure, HelloOutcome, RankRegistry, RankState, ReportOutcome
 
 UNKNOWN_AGENT = "unknown agent"
+CACHE_AWARE_POLICIES = frozenset({"cache_aware", "pab_cache_aware"})  # they route on the prompt
 UNKNOWN_RANK = "unknown rank"
 
 
@@ -74,6 +76,18 @@ class Pending:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     tried: set[str] = field(default_factory=set)
+    affinity_prompt: AffinityPrompt | None = None  # what the cache-aware balancers match on
+
+
+def affinity_prompt(prompt: Prompt) -> AffinityPrompt:
+    """What a cache-aware balancer matches a prompt on: its token ids, its text, or a chat
+    conversation as one text (each turn's role and content, in order), so that two
+    conversations sharing their first turns share a prefix."""
+    if prompt.token_ids is not None:
+        return prompt.token_ids
+    if prompt.messages is not None:
+        return "".join(f"<|{m.role}|>{m.content}<|end|>" for m in prompt.messages)
+    return prompt.text or ""
 
 
 @dataclass(slots=True)
@@ -95,6 +109,7 @@ class DispatcherCore:
         self.registry = RankRegistry()
         self.ledger = DispatchLedger(first_dispatch_seq)
         self.balancer = make_balancer(config.policy, config.seed)
+        self._routes_on_prompt = config.policy in CACHE_AWARE_POLICIES
         self.counters: Counter[str] = Counter()
         self.log = log if log is not None else RateLimitedLog(logging.getLogger(__name__))
         self.draining = False
@@ -162,6 +177,8 @@ class DispatcherCore:
                                                self.config.chat_tokens_per_message)
         deadline_at = now + submit.deadline_s if submit.deadline_s is not None else None
         pending = Pending(submit, identity, prompt_tokens, now, deadline_at)
+        if self._routes_on_prompt:
+            pending.affinity_prompt = affinity_prompt(submit.prompt)
         self._requests[submit.request_id] = pending
         if deadline_at is not None:
             heapq.heappush(self._deadlines, (deadline_at, submit.request_id))
@@ -242,12 +259,33 @@ class DispatcherCore:
         ttft_ms = slo.first_token_ms
         return routing_class(class_ttfts, slo.slo_class, None if ttft_ms is None else ttft_ms / 1e3)
 
+    def _queue_ttl(self, submit: Submit, class_ttfts: dict[str, float]) -> float:
+        """How long after its arrival a request may wait for a rank's budget: its own TTFT
+        target (its SLO's first-token target, else its class's as the ranks report it), at
+        most ``queue_ttl_s``, which is also the TTL of a request with neither. Past it, it
+        has missed its SLO anyway, and waiting longer only delays the requests behind it."""
+        cap = self.config.queue_ttl_s
+        slo = submit.slo
+        if slo is None:
+            return cap
+        ttft_ms = slo.first_token_ms
+        if ttft_ms is not None:
+            return min(cap, ttft_ms / 1e3)
+        return min(cap, class_ttfts.get(slo.slo_class, cap)) if slo.slo_class is not None else cap
+
+    def _choose(self, views: list[RankView], pending: Pending, slo_class: str | None) -> str | None:
+        prompt = pending.affinity_prompt
+        if prompt is None:
+            return self.balancer.choose(views, pending.prompt_tokens, slo_class)
+        return self.balancer.choose(views, pending.prompt_tokens, slo_class, prompt)
+
     def _place(self, request_id: str, pending: Pending, now: float) -> list[Send]:
         views, fresh = self._views(now)
         views = [v for v in views if v.rank not in pending.tried]
-        slo_class = self._routing_class(pending.submit, self._class_ttfts())
+        class_ttfts = self._class_ttfts()
+        slo_class = self._routing_class(pending.submit, class_ttfts)
         if fresh:
-            rank = self.balancer.choose(views, pending.prompt_tokens, slo_class)
+            rank = self._choose(views, pending, slo_class)
         else:
             rank = least_in_flight(views, self.config.local_inflight_cap)
             if rank is not None:
@@ -256,20 +294,33 @@ class DispatcherCore:
             return self._dispatch(request_id, pending, rank)
         if not views:
             reason, detail = RejectReason.NO_RANKS, "no reachable rank that is not draining"
-        elif fresh and self.config.policy.startswith("pab"):  # pab, pab_least_loaded
+        elif fresh and self.config.policy.startswith("pab"):  # the policies that decline
             of_class = "" if slo_class is None else f" of SLO class {slo_class}"
-            reason, detail = (RejectReason.NO_BUDGET,
-                              f"no rank's budget{of_class} covers {pending.prompt_tokens} prompt tokens")
+            uncached = " (less what it holds of the prompt)" if self._routes_on_prompt else ""
+            detail = (f"no rank's budget{of_class} covers {pending.prompt_tokens} prompt "
+                      f"tokens{uncached}")
+            reason = RejectReason.NO_BUDGET
         else:
             reason, detail = RejectReason.OVERLOADED, "every rank is at its in-flight cap"
         if self.config.on_no_budget == "queue" and reason is RejectReason.NO_BUDGET:
-            if len(self._queue) < self.config.max_queued:
-                pending.queued_until = now + self.config.queue_ttl_s
+            ttl = self._queue_ttl(pending.submit, class_ttfts)
+            queued_until = pending.received_at + ttl
+            if queued_until <= now:
+                self.counters["queue_timeouts"] += 1
+                reason, detail = RejectReason.QUEUE_TIMEOUT, self._expired(ttl)
+            elif len(self._queue) < self.config.max_queued:
+                pending.queued_until = queued_until
                 self._queue.append(request_id)
                 self.counters["queued"] += 1
                 return []
-            reason, detail = RejectReason.OVERLOADED, "the admission queue is full"
+            else:
+                reason, detail = RejectReason.OVERLOADED, "the admission queue is full"
         return self._close(request_id, self._reject(request_id, reason, detail))
+
+    @staticmethod
+    def _expired(ttl: float) -> str:
+        return (f"no rank's budget covered it within its TTFT target ({ttl:g} s), so it would "
+                "miss its SLO")
 
     def _place_elsewhere(self, request_id: str, pending: Pending, error: str, now: float) -> list[Send]:
         """The rank's own admission refused the request before it cost anything: release it
@@ -288,9 +339,14 @@ class DispatcherCore:
         return self._place(request_id, pending, now)
 
     def _dispatch(self, request_id: str, pending: Pending, rank: str) -> list[Send]:
+        """Send ``pending`` to ``rank``, debiting the prompt less what the balancer believes
+        the rank holds of it already (cache-aware policies; others: the whole prompt)."""
         state = self.registry.get(rank)
         assert state is not None
-        seq = self.ledger.record_dispatch(rank, pending.prompt_tokens)
+        cached = self.balancer.record(rank, pending.affinity_prompt, pending.prompt_tokens)
+        if cached:
+            self.counters["prompt_tokens_believed_cached"] += cached
+        seq = self.ledger.record_dispatch(rank, pending.prompt_tokens - cached)
         pending.rank, pending.epoch, pending.agent, pending.dispatch_seq = rank, state.epoch, state.agent, seq
         pending.queued_until = None
         pending.tried.add(rank)
@@ -305,11 +361,17 @@ class DispatcherCore:
                 ToClient(pending.client, Dispatched(request_id, rank, seq))]
 
     def _pump_queue(self, now: float) -> list[Send]:
+        """Dispatch every queued request a rank's budget now covers, in arrival order, and
+        refuse those past their TTL (``queue_timeout``). A request that does not fit does
+        not hold back those behind it: a later one whose budget fits a rank goes."""
         if not self._queue:
             return []
         sends: list[Send] = []
         views: list[RankView] | None = None  # rebuilt only after a dispatch changes a budget
         fresh = False
+        # the smallest prompt per class no rank took since the views were built: with a
+        # policy blind to the prompt's content, no larger one of that class fits either
+        declined: dict[str | None, int] = {}
         class_ttfts = self._class_ttfts()
         waiting, self._queue = self._queue, deque()
         for request_id in waiting:
@@ -319,13 +381,20 @@ class DispatcherCore:
             self._step.working = request_id
             if pending.queued_until is not None and now > pending.queued_until:
                 self.counters["queue_timeouts"] += 1
+                ttl = pending.queued_until - pending.received_at
                 sends += self._close(request_id, self._reject(
-                    request_id, RejectReason.QUEUE_TIMEOUT, "no rank's budget covered it in time"))
+                    request_id, RejectReason.QUEUE_TIMEOUT, self._expired(ttl)))
                 continue
             if views is None:
                 views, fresh = self._views(now)
+                declined.clear()
             slo_class = self._routing_class(pending.submit, class_ttfts)
-            rank = self.balancer.choose(views, pending.prompt_tokens, slo_class) if fresh else None
+            smallest_declined = declined.get(slo_class)
+            rank = None
+            if fresh and (smallest_declined is None or pending.prompt_tokens < smallest_declined):
+                rank = self._choose(views, pending, slo_class)
+                if rank is None and not self._routes_on_prompt:
+                    declined[slo_class] = pending.prompt_tokens
             if rank is None:
                 self._queue.append(request_id)
             else:
@@ -574,6 +643,9 @@ class DispatcherCore:
             return []
         if reset:
             self.ledger.reset(departure.rank)
+        affinity = getattr(self.balancer, "affinity", None)  # a cache-aware policy's prefix tree
+        if affinity is not None:
+            affinity.forget(departure.rank)  # gone, or back with an empty cache
         sends: list[Send] = []
         for request_id in sorted(departure.in_flight):
             pending = self._requests.get(request_id)
@@ -600,14 +672,20 @@ class DispatcherCore:
         return self._pump_queue(now)
 
     # ------------------------------------------------------------------ time and failures
-    def on_tick(self, now: float) -> list[Send]:
-        return self._guarded("tick", b"", None, self._tick, now)
+    def on_tick(self, now: float, *, agents_unread: bool = False) -> list[Send]:
+        """Deadlines, queue TTLs and silent agents. ``agents_unread``: messages from agents
+        wait unread (the daemon fell behind), so no agent is judged silent on this tick: its
+        heartbeat may be among them."""
+        return self._guarded("tick", b"", None, self._tick, now, agents_unread)
 
-    def _tick(self, now: float) -> list[Send]:
+    def _tick(self, now: float, agents_unread: bool = False) -> list[Send]:
         sends: list[Send] = []
-        for departure in self.registry.lost_agents(now, self.config.lost_after_s):
-            self.counters["ranks_lost"] += 1
-            sends += self._depart(departure, f"rank {departure.rank} stopped responding")
+        if agents_unread:
+            self.counters["lost_check_deferred"] += 1
+        else:
+            for departure in self.registry.lost_agents(now, self.config.lost_after_s):
+                self.counters["ranks_lost"] += 1
+                sends += self._depart(departure, f"rank {departure.rank} stopped responding")
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline_at, request_id = heapq.heappop(self._deadlines)
             pending = self._requests.get(request_id)

@@ -6,7 +6,8 @@ reads every message waiting, without a future per message, and hands each to the
 (``on_client``, ``on_agent``, ``on_report``). Two tasks, children of one
 :class:`asyncio.TaskGroup` (the supervisor)::
 
-    ticker          core.on_tick every TICK_S (staleness, lost ranks, deadlines, queue TTL)
+    ticker          core.on_tick every TICK_S (staleness, lost ranks, deadlines, queue TTL);
+                    no agent is judged silent while the rank socket holds unread messages
     drain watcher   SIGTERM/SIGINT -> drain -> cancel the ticker -> return
 
 Sends go out inline (``zmq.NOBLOCK``) as the core returns them. Replies about a client's
@@ -281,13 +282,19 @@ class Daemon:
         known: set[str] = set()
         while True:
             await asyncio.sleep(TICK_S)
-            self._deliver(self._handled("tick", self.core.on_tick))
+            unread = bool(self.rank_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            if unread:
+                self._pumps[1].poke()  # reading the events may have eaten the socket's edge
+            self._deliver(self._handled("tick", self._on_tick, unread))
             ranks = {state.rank for state in self.core.registry.ranks()}
             for rank in sorted(ranks - known):
                 self.log.info("rank joined", rank=rank)
             for rank in sorted(known - ranks):
                 self.log.warning("rank gone", rank=rank)
             known = ranks
+
+    def _on_tick(self, agents_unread: bool, now: float) -> list[Send]:
+        return self.core.on_tick(now, agents_unread=agents_unread)
 
     async def _drain_watcher(self, workers: list[asyncio.Task]) -> None:
         """Wait for a drain request, drain, then cancel ``workers`` (the supervisor ends)."""

@@ -16,16 +16,12 @@ def view(
     return RankView(rank, pab, running, waiting, total_tokens, in_flight)
 
 
-#: balancers that need the prompt, which the daemon does not pass them yet
-AWAITING_THE_DAEMON = {"pab_cache_aware", "cache_aware"}
-
-
 def test_the_names_are_the_configs_policies() -> None:
     assert BALANCERS == (
         "pab", "pab_least_loaded", "pab_cache_aware", "cache_aware", "round_robin",
         "request_count", "total_tokens", "power_of_two",
     )
-    assert set(BALANCERS) - AWAITING_THE_DAEMON == set(get_args(PolicyName))
+    assert set(BALANCERS) == set(get_args(PolicyName))
     for name in BALANCERS:
         assert make_balancer(name).name == name
 

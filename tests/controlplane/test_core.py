@@ -10,8 +10,9 @@ from controlplane.protocol import (
     PROTOCOL_VERSION,
     Abort, Cancel, Chunk, Dispatch, Dispatched, Done, DrainRank, DrainReply, Draining, Fenced, Finish,
     FinishReason, Goodbye,
-    Heartbeat, Hello, Output, Ping, Pong, Prompt, Reject, RejectReason, Report, SamplingParams,
-    StatusRequest, StatusReply, Submit, Welcome, ClassBudget, SloSpec,
+    Heartbeat, Hello, Output, Ping, Pong, Prompt, RankOutputs, Reject, RejectReason, Report,
+    SamplingParams,
+    StatusRequest, StatusReply, Submit, Welcome, ClassBudget, SloSpec, ChatMessage,
 )
 
 CLIENT = b"client-1"
@@ -639,3 +640,133 @@ def test_a_version_1_agent_is_fenced_at_hello_naming_both_versions():
     assert "upgrade the daemon" in newer.message.detail
     welcome = core.on_agent(b"cur", Hello("cur", "r0", 3, protocol=PROTOCOL_VERSION), 0.0)
     assert any(isinstance(s.message, Welcome) for s in welcome)
+
+
+# ---------------------------------------------------------------------- overload: the queue
+def test_a_queued_request_waits_at_most_its_own_ttft_target():
+    core = make_core(on_no_budget="queue", queue_ttl_s=5.0)
+    join(core, "r0", pab=1_000)
+    class_report(core, "r0", 1_000, {"interactive": (0.5, 1_000.0), "batch": (30.0, 1_000.0)}, seq=2)
+    assert submit(core, "named", tokens=2_000, slo=SloSpec(slo_class="interactive")) == []
+    assert submit(core, "explicit", tokens=2_000, slo=SloSpec(ttft_ms=800, tpot_ms=50)) == []
+    assert submit(core, "long", tokens=2_000, slo=SloSpec(slo_class="batch")) == []
+    assert submit(core, "plain", tokens=2_000) == [] and core.queued == 4
+    expired = {}
+    for now in (0.6, 0.9, 5.1):
+        for reject in replies(core.on_tick(now), Reject):
+            assert reject.reason is RejectReason.QUEUE_TIMEOUT and reject.retryable
+            assert reject.retry_after_s == core.config.retry_after_s
+            expired[reject.request_id] = now
+    # its class's TTFT, its own; without one, or one past queue_ttl_s, queue_ttl_s
+    assert expired == {"named": 0.6, "explicit": 0.9, "long": 5.1, "plain": 5.1}
+    assert core.queued == 0 and core.counters["queue_timeouts"] == 4
+
+
+def test_a_request_past_its_ttft_target_is_refused_at_once_instead_of_queued():
+    core = make_core(on_no_budget="queue", queue_ttl_s=5.0)
+    join(core, "r0", pab=4_000)
+    join(core, "r1", pab=100)
+    (dispatch,) = dispatches(submit(core, "a", tokens=2_000, slo=SloSpec(ttft_ms=500, tpot_ms=50)))
+    assert dispatch.rank == "r0"
+    refusal = Done("r0", 1, "a", FinishReason.ERROR, no_budget=True, error="the rank refused it",
+                   dispatch_seq=dispatch.dispatch_seq)
+    (reject,) = replies(core.on_agent(b"agent-r0", RankOutputs([refusal]), 0.7), Reject)
+    # 0.7 s after its arrival r1's budget does not cover it and its 0.5 s have passed
+    assert reject.reason is RejectReason.QUEUE_TIMEOUT and reject.retry_after_s is not None
+    assert "TTFT target (0.5 s)" in reject.detail and core.queued == 0 and core.idle
+
+
+def test_the_head_of_the_queue_does_not_hold_back_a_request_that_fits():
+    core = make_core(on_no_budget="queue", queue_ttl_s=5.0)
+    join(core, "r0", pab=500)
+    assert submit(core, "big", tokens=3_000) == []
+    assert submit(core, "small", tokens=800, now=0.1) == [] and core.queued == 2
+    (dispatch,) = dispatches(report(core, "r0", 1_000, seq=2, now=0.2))
+    assert dispatch.request_id == "small" and core.queued == 1
+    (dispatch,) = dispatches(report(core, "r0", 3_000, seq=3, echo=dispatch.dispatch_seq, now=0.3))
+    assert dispatch.request_id == "big" and core.queued == 0
+
+
+def test_a_full_queue_refuses_at_once_with_retry_after():
+    core = make_core(on_no_budget="queue", max_queued=2)
+    join(core, "r0", pab=100)
+    assert submit(core, "a", tokens=1_000) == [] and submit(core, "b", tokens=1_000) == []
+    (reject,) = replies(submit(core, "c", tokens=1_000), Reject)
+    assert reject.reason is RejectReason.OVERLOADED and reject.retryable
+    assert reject.retry_after_s == core.config.retry_after_s and "queue is full" in reject.detail
+
+
+def test_no_agent_is_judged_silent_while_its_messages_wait_unread():
+    core = make_core(lost_after_s=1.0, heartbeat_interval_s=0.5)
+    join(core, "r0")
+    assert dispatches(submit(core, "a"))
+    assert core.on_tick(5.0, agents_unread=True) == []  # the daemon stalled; a heartbeat waits
+    assert "r0" in core.registry and core.counters["lost_check_deferred"] == 1
+    core.on_agent(b"agent-r0", Heartbeat("agent-r0"), 5.01)
+    assert core.on_tick(5.05) == [] and "r0" in core.registry
+    (reject,) = replies(core.on_tick(6.5), Reject)
+    assert reject.reason is RejectReason.RANK_LOST and "r0" not in core.registry
+
+
+# ---------------------------------------------------------------------- cache-aware routing
+def text_submit(core: DispatcherCore, request_id: str, text: str, now: float = 0.0, **fields) -> list:
+    message = Submit(request_id, Prompt(text=text), SamplingParams(max_new_tokens=4),
+                     protocol=PROTOCOL_VERSION, **fields)
+    return core.on_client(CLIENT, message, now)
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "pab_cache_aware"])
+def test_a_shared_prefix_goes_to_the_rank_that_holds_it_and_is_debited_less(policy):
+    core = make_core(policy=policy)
+    join(core, "r0", pab=100_000)
+    join(core, "r1", pab=100_000)
+    shared = "You are a helpful assistant. " * 100  # 2,900 characters, 725 tokens
+    (first,) = dispatches(text_submit(core, "first", shared + "What is 2+2?"))
+    debit = 100_000 - core.ledger.effective_budget(first.rank)
+    other = "r1" if first.rank == "r0" else "r0"
+    (busy,) = dispatches(text_submit(core, "unrelated", "x" * 3_000))
+    assert busy.rank == other  # least loaded
+    (second,) = dispatches(text_submit(core, "second", shared + "And 3+3?"))
+    assert second.rank == first.rank
+    second_debit = 100_000 - debit - core.ledger.effective_budget(first.rank)
+    assert second_debit < debit / 10  # only the uncached rest
+    assert core.counters["prompt_tokens_believed_cached"] > 600
+
+
+def test_chat_conversations_sharing_their_first_turns_share_a_rank():
+    core = make_core(policy="pab_cache_aware")
+    join(core, "r0", pab=100_000)
+    join(core, "r1", pab=100_000)
+    system = ChatMessage(role="system", content="Answer as a pirate. " * 200)
+    ranks = set()
+    for request_id, question in (("a", "hi"), ("b", "hello there"), ("c", "ahoy")):
+        message = Submit(request_id, Prompt(messages=[system, ChatMessage(role="user", content=question)]),
+                         SamplingParams(max_new_tokens=4), protocol=PROTOCOL_VERSION)
+        (dispatch,) = dispatches(core.on_client(CLIENT, message, 0.0))
+        ranks.add(dispatch.rank)
+    assert len(ranks) == 1
+
+
+def test_pab_cache_aware_leaves_the_holder_when_its_budget_cannot_cover_the_rest():
+    core = make_core(policy="pab_cache_aware")
+    join(core, "r0", pab=100_000)
+    join(core, "r1", pab=100_000)
+    shared = "s" * 4_000  # 1,000 tokens
+    (first,) = dispatches(text_submit(core, "first", shared + "q" * 400))
+    holder = first.rank
+    other = "r1" if holder == "r0" else "r0"
+    report(core, holder, 50, seq=2, echo=first.dispatch_seq)  # less than the uncached 100 tokens
+    (second,) = dispatches(text_submit(core, "second", shared + "r" * 400))
+    assert second.rank == other
+    (reject,) = replies(text_submit(core, "third", "t" * 400_000), Reject)  # nobody's budget covers it
+    assert reject.reason is RejectReason.NO_BUDGET and "less what it holds" in reject.detail
+
+
+def test_a_restarted_rank_is_no_longer_believed_to_hold_its_prefixes():
+    core = make_core(policy="cache_aware")
+    join(core, "r0", pab=100_000)
+    shared = "p" * 4_000
+    dispatches(text_submit(core, "first", shared))
+    assert core.balancer.affinity.held_blocks("r0") > 0
+    join(core, "r0", epoch=2, pab=100_000)
+    assert core.balancer.affinity.held_blocks("r0") == 0
