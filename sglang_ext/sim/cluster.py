@@ -19,13 +19,16 @@ sequence it accounts for reconciles the debits.
 - **Classes.** The ``pab`` balancers judge a request by the budget of its SLO class
   (a trace's own or ``--class-mix``); a request without a class by the default class's
   PAB, as the daemon does.
-- **No covering budget** (``pab`` and ``pab_least_loaded``: the balancer returns None):
-  the daemon's ``on_no_budget = "queue"``. The request waits in a FIFO admission queue
-  (the head blocks those behind it), retried on every report; past ``queue_ttl_s`` from
-  its arrival it is rejected (``queue_timeout``), and an arrival that finds
-  ``max_queued`` requests waiting is rejected (``overloaded``). A rejected request
-  counts as an SLO violation; TTFT counts from the original arrival, so time spent
-  queued is part of it.
+- **No covering budget** (the ``pab`` balancers: the balancer returns None): the
+  daemon's ``on_no_budget = "queue"``, as its ``DispatcherCore`` queues. The request
+  waits in an admission queue retried in arrival order on every report, where one that
+  does not fit does not hold back a later one that does; past its own TTFT target from
+  its arrival (at most ``queue_ttl_s``) it is rejected (``queue_timeout``): it has missed
+  its SLO anyway. A request that finds ``max_queued`` requests waiting is rejected
+  (``overloaded``). A rejected request counts as an SLO violation; TTFT counts from the
+  original arrival, so time spent queued is part of it. (Every simulated request has an
+  SLO, its class's or the default class's; the daemon holds a request that names none
+  for ``queue_ttl_s``.)
 - **Shared prefixes** (``prefixes``: one :class:`SharedPrefix` or None per request of
   the workload): each rank gets a :class:`RankPrefixCache` (its assumptions are that
   module's) and a request is prefilled only past its longest prefix cached on its rank;
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 
 from controlplane.balancer import BALANCERS, CacheAwareSettings, RankView, make_balancer
 from controlplane.config import DaemonConfig
+from controlplane.core import CACHE_AWARE_POLICIES
 from controlplane.ledger import DispatchLedger
 from sglang_ext.policy.slo import Slo
 from sglang_ext.sim.engine import SimEngine
@@ -298,23 +302,23 @@ class ClusterSimulation:
         return views
 
     def _arrive(self, now: float, queued: _Queued) -> None:
-        if self.queue:
-            self._enqueue(queued)
-            self._drain_queue(now)
-            return
-        chosen = self._choose(queued)
+        chosen = self._choose(self._views(), queued)
         if chosen is None:
             self._enqueue(queued)
         else:
             self._dispatch(now, queued, self.ranks[int(chosen)])
 
-    def _choose(self, queued: _Queued) -> str | None:
+    def _choose(self, views: list[RankView], queued: _Queued) -> str | None:
         request = queued.request
         if queued.prompt is None:  # a balancer written before prompts still works
-            return self.balancer.choose(self._views(), request.prompt_tokens,
-                                        request.slo_class or None)
-        return self.balancer.choose(self._views(), request.prompt_tokens,
-                                    request.slo_class or None, queued.prompt)
+            return self.balancer.choose(views, request.prompt_tokens, request.slo_class or None)
+        return self.balancer.choose(views, request.prompt_tokens, request.slo_class or None,
+                                    queued.prompt)
+
+    def _queue_ttl(self, queued: _Queued) -> float:
+        """How long after its arrival a request may wait: its TTFT target, at most
+        ``queue_ttl_s`` (the daemon's ``DispatcherCore._queue_ttl``)."""
+        return min(self.cluster.queue_ttl_s, queued.slo.ttft_s)
 
     def _enqueue(self, queued: _Queued) -> None:
         if len(self.queue) >= self.cluster.max_queued:
@@ -325,21 +329,35 @@ class ClusterSimulation:
         self.counters["max_queue_depth"] = max(self.counters["max_queue_depth"], len(self.queue))
 
     def _drain_queue(self, now: float) -> None:
-        queue = self.queue
-        ttl = self.cluster.queue_ttl_s
-        while queue:
-            head = queue[0]
-            if now - head.request.arrival_s > ttl:
-                queue.popleft()
-                self._reject(head, "queue_timeout")
+        """The daemon's ``DispatcherCore._pump_queue``: in arrival order, refuse those past
+        their TTL, dispatch those a rank's budget covers, keep the rest in order."""
+        if not self.queue:
+            return
+        waiting, self.queue = self.queue, deque()
+        views: list[RankView] | None = None
+        declined: dict[str, int] = {}  # per class, the smallest prompt no rank took
+        blind = self.cluster.balancer not in CACHE_AWARE_POLICIES  # the prompt cannot change a choice
+        for queued in waiting:
+            request = queued.request
+            if now - request.arrival_s > self._queue_ttl(queued):
+                self._reject(queued, "queue_timeout")
                 continue
-            chosen = self._choose(head)
+            if views is None:
+                views = self._views()
+                declined.clear()
+            smallest_declined = declined.get(request.slo_class)
+            chosen = None
+            if smallest_declined is None or request.prompt_tokens < smallest_declined:
+                chosen = self._choose(views, queued)
+                if chosen is None and blind:
+                    declined[request.slo_class] = request.prompt_tokens
             if chosen is None:
-                return
-            queue.popleft()
+                self.queue.append(queued)
+                continue
             self.counters["dispatched_from_queue"] += 1
-            self.queue_waits_s.append(now - head.request.arrival_s)
-            self._dispatch(now, head, self.ranks[int(chosen)])
+            self.queue_waits_s.append(now - request.arrival_s)
+            self._dispatch(now, queued, self.ranks[int(chosen)])
+            views = None
 
     def _dispatch(self, now: float, queued: _Queued, rank: _Rank) -> None:
         request = queued.request

@@ -89,6 +89,27 @@ def test_pab_queues_times_out_and_overflows_without_losing_a_request() -> None:
     assert load["attainment"] < 1.0
 
 
+def test_a_queued_request_waits_at_most_its_ttft_target_as_in_the_daemon() -> None:
+    workload = burst(40, prompt=3000, output=30)
+    simulation = run(workload, 2, "pab", policy="fb-anchor-margin-pab", catalog=TIGHT, queue_ttl_s=5.0)
+    check_conservation(simulation, len(workload))
+    ttft_s = TIGHT.default.ttft_s
+    assert simulation.counters["queue_timeout"] > 0
+    assert max(simulation.queue_waits_s) <= ttft_s  # not queue_ttl_s: it would miss its SLO anyway
+
+
+def test_the_head_of_the_queue_does_not_hold_back_a_request_that_fits() -> None:
+    big = [TraceRequest(i * 1e-4, 6000, 30) for i in range(6)]
+    small = [TraceRequest(0.001 + i * 1e-4, 300, 30) for i in range(6)]
+    workload = Workload(tuple(big + small), "big then small")
+    simulation = run(workload, 1, "pab", policy="fb-anchor-margin-pab", catalog=TIGHT, queue_ttl_s=5.0)
+    check_conservation(simulation, len(workload))
+    order = list(simulation.placement)  # dispatch order
+    later_bigs = [order.index(index) for index in range(1, len(big)) if index in simulation.placement]
+    first_smalls = [order.index(index) for index in range(len(big), len(big) + 5)]
+    assert max(first_smalls) < min(later_bigs, default=len(order))  # a FIFO queue sent them last
+
+
 def test_pab_never_dispatches_a_prompt_the_effective_budget_cannot_cover() -> None:
     workload = burst(40, prompt=3000, output=30)
     simulation = ClusterSimulation(
