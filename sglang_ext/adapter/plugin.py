@@ -43,8 +43,10 @@ def register() -> None:
     from sglang_ext.adapter.ingress_time import install_ingress_time
     from sglang_ext.adapter.request_validation import install_request_validation
     from sglang_ext.adapter.scheduler.hooks import install_scheduler_hooks
+    from sglang_ext.adapter.scheduler.router_metrics import install_router_metrics
 
     install_scheduler_hooks(config)
+    install_router_metrics()  # after install_scheduler_hooks
     install_ingress_time()
     install_request_validation(config.catalog, config.build_policy().initial_step_model)
     install_admission_gate(config)

@@ -171,6 +171,13 @@ class FairBatchingState:
             self.admission_echo = dict(self.records.admission_echo)
 
     @property
+    def decision_inputs(self) -> tuple[Sequence[RequestState], float] | None:
+        """The views and clock of the last decision (or idle pass), as :meth:`update_pab`
+        received them; None before the first."""
+        inputs = self._pab_inputs
+        return None if inputs is None else (inputs[0], inputs[1])
+
+    @property
     def pab_tokens(self) -> int:
         """The Prefill Admission Budget at the last decision, whole tokens (0 before any)."""
         if self._pab_tokens is None:
