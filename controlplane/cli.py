@@ -21,6 +21,8 @@ from controlplane.errors import DaemonUnavailable
 from controlplane.openai_api import DEFAULT_CHAT_MAX_TOKENS
 from controlplane.protocol import DrainReply, RankStatus, StatusReply
 
+GATEWAY_MAX_IN_FLIGHT = 1024  # gateway.DEFAULT_MAX_IN_FLIGHT, without importing aiohttp here
+
 EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_SUCH_RANK, EXIT_STILL_BUSY = range(6)
 EXIT_CODES = """exit codes:
   0  success
@@ -114,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "limit past it; the default is twice the longest reply of the Azure "
                               "conversation trace, so a reply that ends on its own is practically never "
                               "cut)")
+    gateway.add_argument("--max-in-flight", type=positive_int, default=GATEWAY_MAX_IN_FLIGHT, metavar="N",
+                         help="completion requests the gateway holds at once, waiting for the daemon or "
+                              "streaming; one more is answered 429 with Retry-After at once instead of "
+                              "waiting (default: %(default)s). Behind it the daemon answers 429 (with "
+                              "Retry-After) for a request no rank's budget can take within its TTFT "
+                              "target, or when its own queue or in-flight limit is full; the SDK inside "
+                              "retries those up to 3 times before the 429 reaches the client")
     gateway.add_argument("--api-key-file", metavar="FILE",
                          help="require 'Authorization: Bearer <the file's first line>' (not on /health)")
     gateway.add_argument("--allow-non-loopback", action="store_true",
@@ -167,7 +176,8 @@ def _gateway(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    settings = gateway.GatewaySettings(model=args.model, api_key=api_key, chat_max_tokens=args.chat_max_tokens)
+    settings = gateway.GatewaySettings(model=args.model, api_key=api_key, chat_max_tokens=args.chat_max_tokens,
+                                       max_in_flight=args.max_in_flight)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -26,6 +26,13 @@
   ``GET /metrics`` (Prometheus text: the daemon's counters and per-rank load, one status
   request per scrape, plus this gateway's responses by status).
 
+**Overload.** The gateway holds at most ``GatewaySettings.max_in_flight`` completion
+requests (``--max-in-flight``, 1,024), waiting for the daemon or streaming; one more is
+answered 429 at once (code ``gateway_overloaded``, ``Retry-After: 1``) instead of waiting in
+the gateway. Behind it the daemon refuses what it cannot dispatch within the request's TTFT
+target (429 ``queue_timeout`` / ``no_budget`` / ``overloaded``, see docs/controlplane.md,
+*Overload*). Every 429 carries ``Retry-After``.
+
 Every answer, errors included, carries ``X-Request-Id``: the client's header, else a fresh
 id; it is the request's id at the daemon, and retries inside the SDK keep it. Every
 failure has OpenAI's shape ``{"error": {"message", "type", "code"}}``: 400 invalid, 404
@@ -81,9 +88,14 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 CLIENT_KEY: web.AppKey[AsyncClient] = web.AppKey("client", AsyncClient)
 SETTINGS_KEY: web.AppKey[GatewaySettings] = web.AppKey("settings")
 RESPONSES_KEY: web.AppKey[Counter[int]] = web.AppKey("responses", Counter)
+IN_FLIGHT_KEY: web.AppKey[InFlight] = web.AppKey("in_flight")
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID: ContextVar[str] = ContextVar("gateway_request_id")  # set per request by the middleware
 T = TypeVar("T")
+
+
+DEFAULT_MAX_IN_FLIGHT = 1024
+GATEWAY_RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +103,31 @@ class GatewaySettings:
     model: str = "fairbatching"  # the served name /v1/models lists; a request may name any model
     api_key: str | None = None  # required as ``Authorization: Bearer <key>`` when set
     chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # a chat request's limit when it sets none
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT  # completions held at once; one more is a 429
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+
+
+class InFlight:
+    """How many completion requests the gateway holds (waiting for the daemon or streaming),
+    bounded: past ``limit`` a request is refused at once instead of waiting in the gateway."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self.refused = 0
+
+    def enter(self) -> bool:
+        if self.count >= self.limit:
+            self.refused += 1
+            return False
+        self.count += 1
+        return True
+
+    def leave(self) -> None:
+        self.count -= 1
 
 
 class BadRequest(ValueError):
@@ -102,6 +139,7 @@ def build_app(client: AsyncClient, settings: GatewaySettings) -> web.Application
     app[CLIENT_KEY] = client
     app[SETTINGS_KEY] = settings
     app[RESPONSES_KEY] = Counter()
+    app[IN_FLIGHT_KEY] = InFlight(settings.max_in_flight)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -128,6 +166,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _serve(request: web.Request, body: CompletionRequest | ChatCompletionRequest,
                  prompt: Prompt, events: type[_TextEvents | _ChatEvents]) -> web.StreamResponse:
+    in_flight = request.app[IN_FLIGHT_KEY]
+    if not in_flight.enter():
+        return _error(429, f"the gateway holds {in_flight.limit} requests, its limit (--max-in-flight)",
+                      "overloaded", "gateway_overloaded", {"Retry-After": str(GATEWAY_RETRY_AFTER_S)})
+    try:
+        return await _serve_admitted(request, body, prompt, events)
+    finally:
+        in_flight.leave()
+
+
+async def _serve_admitted(request: web.Request, body: CompletionRequest | ChatCompletionRequest,
+                          prompt: Prompt, events: type[_TextEvents | _ChatEvents]) -> web.StreamResponse:
     client, settings = request.app[CLIENT_KEY], request.app[SETTINGS_KEY]
     sampling, slo = _translate(body, settings.chat_max_tokens)
     request_id = _REQUEST_ID.get()
@@ -382,7 +432,7 @@ async def metrics(request: web.Request) -> web.Response:
         status = await request.app[CLIENT_KEY].status(timeout_s=2.0)
     except ControlPlaneError as error:
         return _error(503, f"the daemon does not answer: {error}", "service_unavailable", "daemon_unavailable")
-    text = prometheus_text(status, request.app[RESPONSES_KEY])
+    text = prometheus_text(status, request.app[RESPONSES_KEY], request.app[IN_FLIGHT_KEY])
     return web.Response(text=text, content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
 
@@ -517,7 +567,8 @@ async def _answer(request: web.Request, handler) -> web.StreamResponse:
         return _error(400, str(error), "invalid_request_error", "invalid_request")
     except ControlPlaneError as error:
         status, message, error_type, code = _describe(error)
-        retry_after = getattr(error, "retry_after_s", None)
+        retry_after = getattr(error, "retry_after_s", None) or (
+            GATEWAY_RETRY_AFTER_S if status == 429 else None)  # every 429 says when to retry
         headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
         return _error(status, message, error_type, code, headers)
     except web.HTTPException as error:  # aiohttp's own: no such route, wrong method, body too large
@@ -529,8 +580,10 @@ async def _answer(request: web.Request, handler) -> web.StreamResponse:
 
 
 # ---------------------------------------------------------------------- metrics
-def prometheus_text(status: StatusReply, responses: Mapping[int, int]) -> str:
-    """The daemon's status and the gateway's responses in Prometheus' text format."""
+def prometheus_text(status: StatusReply, responses: Mapping[int, int],
+                    in_flight: InFlight | None = None) -> str:
+    """The daemon's status and the gateway's responses (and requests held) in Prometheus'
+    text format."""
     lines: list[str] = []
 
     def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
@@ -562,6 +615,13 @@ def prometheus_text(status: StatusReply, responses: Mapping[int, int]) -> str:
         family(f"{prefix}_{name}", "gauge", help_text, samples)
     family("fairbatching_gateway_responses_total", "counter", "HTTP responses of this gateway by status.",
            [(_labels(status=str(code)), count) for code, count in sorted(responses.items())])
+    if in_flight is not None:
+        family("fairbatching_gateway_in_flight", "gauge", "Completion requests this gateway holds.",
+               [("", in_flight.count)])
+        family("fairbatching_gateway_in_flight_limit", "gauge", "Its limit (--max-in-flight).",
+               [("", in_flight.limit)])
+        family("fairbatching_gateway_refused_total", "counter",
+               "Requests refused (429) because the gateway held its limit.", [("", in_flight.refused)])
     return "\n".join(lines) + "\n"
 
 

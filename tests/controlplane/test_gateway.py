@@ -480,3 +480,68 @@ def test_a_stream_step_run_until_it_waits_then_resumed_cancelled_or_unwound():
             await anext(items)
 
     asyncio.run(main())
+
+
+class _HeldClient:
+    """An SDK stand-in whose requests wait until released; only what the gateway calls."""
+
+    address = "tcp://stub"
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.waiting = 0
+
+    async def generate(self, prompt, **options):
+        from controlplane.errors import QueueTimeout
+        from controlplane.protocol import RejectReason
+
+        self.waiting += 1
+        await self.release.wait()
+        raise QueueTimeout(RejectReason.QUEUE_TIMEOUT, "stub", retry_after_s=None)
+
+
+def test_past_its_in_flight_limit_the_gateway_answers_429_with_retry_after_at_once():
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    async def main():
+        client, stop = _HeldClient(), asyncio.Event()
+        server = asyncio.create_task(serve(client, GatewaySettings(MODEL, max_in_flight=2), "127.0.0.1", port,
+                                           stop))
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(100):
+                    try:
+                        async with session.get(f"http://127.0.0.1:{port}/v1/models"):
+                            break
+                    except aiohttp.ClientConnectionError:
+                        await asyncio.sleep(0.05)
+                held = [asyncio.create_task(session.post(url, json={"prompt": "hi"})) for _ in range(2)]
+                while client.waiting < 2:
+                    await asyncio.sleep(0.01)
+                async with session.post(url, json={"prompt": "one too many"}) as response:
+                    refused = (response.status, response.headers.get("Retry-After"), await response.json())
+                client.release.set()
+                answers = []
+                for task in held:
+                    async with await task as response:
+                        answers.append((response.status, response.headers.get("Retry-After")))
+                return refused, answers
+        finally:
+            stop.set()
+            await server
+
+    refused, answers = asyncio.run(main())
+    status, retry_after, payload = refused
+    assert (status, retry_after, payload["error"]["code"]) == (429, "1", "gateway_overloaded")
+    assert "--max-in-flight" in payload["error"]["message"]
+    assert answers == [(429, "1"), (429, "1")]  # a 429 the daemon gave without one still says when
+
+
+def test_the_gateway_in_flight_limit_must_be_positive_and_the_cli_default_is_the_gateway_default():
+    from controlplane.cli import GATEWAY_MAX_IN_FLIGHT
+    from controlplane.gateway import DEFAULT_MAX_IN_FLIGHT
+
+    assert GATEWAY_MAX_IN_FLIGHT == DEFAULT_MAX_IN_FLIGHT
+    with pytest.raises(ValueError, match="max_in_flight must be >= 1"):
+        GatewaySettings(max_in_flight=0)
