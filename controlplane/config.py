@@ -44,6 +44,9 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     queue_ttl_s: PositiveFloat = 5.0  # the longest wait; a request with a TTFT target waits at most that
     max_queued: PositiveInt = 1024
     max_in_flight: PositiveInt = 65536
+    # the event loop's busy share (its thread's CPU time over wall time, about the last second)
+    # at or above which new submits are refused overloaded: the daemon's own inputs are piling up
+    max_loop_busy: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.95
     local_inflight_cap: PositiveInt = 64  # per rank, when every rank is stale
     chars_per_token: PositiveFloat = 4.0  # a text prompt's token estimate: its UTF-8 bytes / this
     chat_tokens_per_message: Annotated[int, Meta(ge=0, le=4096)] = 5  # a chat template's tokens per turn

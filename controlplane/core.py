@@ -113,6 +113,7 @@ class DispatcherCore:
         self.counters: Counter[str] = Counter()
         self.log = log if log is not None else RateLimitedLog(logging.getLogger(__name__))
         self.draining = False
+        self.saturated = False  # the daemon's own event loop cannot keep up (set by the daemon)
         self._requests: dict[str, Pending] = {}
         self._queue: deque[str] = deque()
         self._deadlines: list[tuple[float, str]] = []
@@ -196,6 +197,11 @@ class DispatcherCore:
         if len(self._requests) >= self.config.max_in_flight:
             return Reject(request_id, RejectReason.OVERLOADED, "the daemon's in-flight limit is reached",
                           retry_after_s=self.config.retry_after_s, retryable=True)
+        if self.saturated:
+            return Reject(request_id, RejectReason.OVERLOADED,
+                          "the daemon is saturated (its event loop busy at least max_loop_busy of the "
+                          "time): requests would wait in its sockets", retry_after_s=self.config.retry_after_s,
+                          retryable=True)
         if not len(self.registry):
             return Reject(request_id, RejectReason.NO_RANKS, "no rank is registered",
                           retry_after_s=self.config.retry_after_s, retryable=True)

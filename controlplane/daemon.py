@@ -7,7 +7,9 @@ reads every message waiting, without a future per message, and hands each to the
 :class:`asyncio.TaskGroup` (the supervisor)::
 
     ticker          core.on_tick every TICK_S (staleness, lost ranks, deadlines, queue TTL);
-                    no agent is judged silent while the rank socket holds unread messages
+                    no agent is judged silent while the rank socket holds unread messages;
+                    the loop's busy share (LoopBusy) sets core.saturated: while it is at
+                    least max_loop_busy new submits are refused overloaded
     drain watcher   SIGTERM/SIGINT -> drain -> cancel the ticker -> return
 
 Sends go out inline (``zmq.NOBLOCK``) as the core returns them. Replies about a client's
@@ -55,8 +57,27 @@ from controlplane.ratelimited_log import RateLimitedLog
 from controlplane.socket_pump import SocketPump
 
 TICK_S = 0.05
+BUSY_WINDOW_S = 1.0  # the event loop's busy share is smoothed over about this long
 LOG_INTERVAL_S = 10.0
 BATCHED_REPLIES = (Dispatched, Chunk, Finish, Reject)
+
+
+class LoopBusy:
+    """The share of wall time the calling thread spent on the CPU, smoothed over about
+    ``window_s`` (an exponential average of the shares between samples)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.share = 0.0
+        self._last: tuple[float, float] | None = None
+
+    def sample(self, wall_s: float, cpu_s: float) -> float:
+        last, self._last = self._last, (wall_s, cpu_s)
+        if last is not None and wall_s > last[0]:
+            elapsed = wall_s - last[0]
+            share = min(1.0, max(0.0, (cpu_s - last[1]) / elapsed))
+            self.share += (share - self.share) * min(1.0, elapsed / self.window_s)
+        return self.share
 
 
 def configure_logging(level: str) -> None:
@@ -280,8 +301,15 @@ class Daemon:
 
     async def _tick(self) -> None:
         known: set[str] = set()
+        busy = LoopBusy(BUSY_WINDOW_S)
         while True:
             await asyncio.sleep(TICK_S)
+            saturated = busy.sample(time.monotonic(), time.thread_time()) >= self.config.max_loop_busy
+            if saturated != self.core.saturated:
+                self.core.counters["saturated_on" if saturated else "saturated_off"] += 1
+                self.rare_log.warning(f"saturated:{saturated}", "event loop saturation changed",
+                                      saturated=saturated, busy=round(busy.share, 3))
+                self.core.saturated = saturated
             unread = bool(self.rank_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
             if unread:
                 self._pumps[1].poke()  # reading the events may have eaten the socket's edge

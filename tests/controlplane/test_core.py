@@ -770,3 +770,18 @@ def test_a_restarted_rank_is_no_longer_believed_to_hold_its_prefixes():
     assert core.balancer.affinity.held_blocks("r0") > 0
     join(core, "r0", epoch=2, pab=100_000)
     assert core.balancer.affinity.held_blocks("r0") == 0
+
+
+def test_a_saturated_daemon_refuses_new_submits_with_retry_after_and_serves_the_rest():
+    core = make_core()
+    join(core, "r0")
+    (dispatch,) = dispatches(submit(core, "before"))
+    core.saturated = True
+    (reject,) = replies(submit(core, "during"), Reject)
+    assert reject.reason is RejectReason.OVERLOADED and reject.retryable
+    assert reject.retry_after_s == core.config.retry_after_s and "saturated" in reject.detail
+    sends = core.on_agent(b"agent-r0", Done("r0", 1, "before", FinishReason.LENGTH,
+                                            dispatch_seq=dispatch.dispatch_seq), 0.1)
+    assert replies(sends, Finish)  # what it holds still finishes
+    core.saturated = False
+    assert dispatches(submit(core, "after"))
