@@ -678,20 +678,21 @@ class DispatcherCore:
         return self._pump_queue(now)
 
     # ------------------------------------------------------------------ time and failures
-    def on_tick(self, now: float, *, agents_unread: bool = False) -> list[Send]:
-        """Deadlines, queue TTLs and silent agents. ``agents_unread``: messages from agents
-        wait unread (the daemon fell behind), so no agent is judged silent on this tick: its
-        heartbeat may be among them."""
-        return self._guarded("tick", b"", None, self._tick, now, agents_unread)
+    def on_tick(self, now: float, *, agents_read_until: float | None = None) -> list[Send]:
+        """Deadlines, queue TTLs and silent agents. ``agents_read_until``: the last time the
+        daemon had read everything the agents sent (None: now). An agent is lost once it has
+        said nothing for ``lost_after_s`` before that time, so a daemon that fell behind never
+        takes the heartbeats it has not read yet for silence."""
+        return self._guarded("tick", b"", None, self._tick, now, agents_read_until)
 
-    def _tick(self, now: float, agents_unread: bool = False) -> list[Send]:
+    def _tick(self, now: float, agents_read_until: float | None = None) -> list[Send]:
         sends: list[Send] = []
-        if agents_unread:
-            self.counters["lost_check_deferred"] += 1
-        else:
-            for departure in self.registry.lost_agents(now, self.config.lost_after_s):
-                self.counters["ranks_lost"] += 1
-                sends += self._depart(departure, f"rank {departure.rank} stopped responding")
+        read_until = now if agents_read_until is None else min(now, agents_read_until)
+        if read_until < now:
+            self.counters["lost_check_behind"] += 1
+        for departure in self.registry.lost_agents(read_until, self.config.lost_after_s):
+            self.counters["ranks_lost"] += 1
+            sends += self._depart(departure, f"rank {departure.rank} stopped responding")
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline_at, request_id = heapq.heappop(self._deadlines)
             pending = self._requests.get(request_id)

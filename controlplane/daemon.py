@@ -7,7 +7,8 @@ reads every message waiting, without a future per message, and hands each to the
 :class:`asyncio.TaskGroup` (the supervisor)::
 
     ticker          core.on_tick every TICK_S (staleness, lost ranks, deadlines, queue TTL);
-                    no agent is judged silent while the rank socket holds unread messages;
+                    an agent is judged silent only up to the last time the rank socket was
+                    seen empty (its heartbeat may wait unread in a daemon that fell behind);
                     the loop's busy share (LoopBusy) sets core.saturated: while it is at
                     least max_loop_busy new submits are refused overloaded
     drain watcher   SIGTERM/SIGINT -> drain -> cancel the ticker -> return
@@ -302,6 +303,7 @@ class Daemon:
     async def _tick(self) -> None:
         known: set[str] = set()
         busy = LoopBusy(BUSY_WINDOW_S)
+        agents_read_at = time.monotonic()  # the rank socket was last seen empty
         while True:
             await asyncio.sleep(TICK_S)
             saturated = busy.sample(time.monotonic(), time.thread_time()) >= self.config.max_loop_busy
@@ -310,10 +312,11 @@ class Daemon:
                 self.rare_log.warning(f"saturated:{saturated}", "event loop saturation changed",
                                       saturated=saturated, busy=round(busy.share, 3))
                 self.core.saturated = saturated
-            unread = bool(self.rank_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-            if unread:
+            if self.rank_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._pumps[1].poke()  # reading the events may have eaten the socket's edge
-            self._deliver(self._handled("tick", self._on_tick, unread))
+            else:
+                agents_read_at = time.monotonic()
+            self._deliver(self._handled("tick", self._on_tick, agents_read_at))
             ranks = {state.rank for state in self.core.registry.ranks()}
             for rank in sorted(ranks - known):
                 self.log.info("rank joined", rank=rank)
@@ -321,8 +324,8 @@ class Daemon:
                 self.log.warning("rank gone", rank=rank)
             known = ranks
 
-    def _on_tick(self, agents_unread: bool, now: float) -> list[Send]:
-        return self.core.on_tick(now, agents_unread=agents_unread)
+    def _on_tick(self, agents_read_at: float, now: float) -> list[Send]:
+        return self.core.on_tick(now, agents_read_until=agents_read_at)
 
     async def _drain_watcher(self, workers: list[asyncio.Task]) -> None:
         """Wait for a drain request, drain, then cancel ``workers`` (the supervisor ends)."""

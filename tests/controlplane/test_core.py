@@ -696,15 +696,16 @@ def test_a_full_queue_refuses_at_once_with_retry_after():
     assert reject.retry_after_s == core.config.retry_after_s and "queue is full" in reject.detail
 
 
-def test_no_agent_is_judged_silent_while_its_messages_wait_unread():
+def test_no_agent_is_judged_silent_on_time_the_daemon_has_not_read_yet():
     core = make_core(lost_after_s=1.0, heartbeat_interval_s=0.5)
     join(core, "r0")
     assert dispatches(submit(core, "a"))
-    assert core.on_tick(5.0, agents_unread=True) == []  # the daemon stalled; a heartbeat waits
-    assert "r0" in core.registry and core.counters["lost_check_deferred"] == 1
+    assert core.on_tick(5.0, agents_read_until=0.5) == []  # the daemon stalled; a heartbeat waits
+    assert "r0" in core.registry and core.counters["lost_check_behind"] == 1
     core.on_agent(b"agent-r0", Heartbeat("agent-r0"), 5.01)
     assert core.on_tick(5.05) == [] and "r0" in core.registry
-    (reject,) = replies(core.on_tick(6.5), Reject)
+    assert core.on_tick(6.5, agents_read_until=5.9) == []  # read up to 0.89 s after its heartbeat
+    (reject,) = replies(core.on_tick(6.5, agents_read_until=6.1), Reject)  # 1.09 s: silent
     assert reject.reason is RejectReason.RANK_LOST and "r0" not in core.registry
 
 
