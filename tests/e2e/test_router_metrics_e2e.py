@@ -10,6 +10,7 @@ assumed after a sleep.
 from __future__ import annotations
 
 import importlib.util
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ SERVER_TTFT = "fairbatching:server_predicted_ttft_seconds"
 RANK_LABELS = {"model_name", "dp_rank", "tp_rank", "pp_rank"}
 BURST_PROMPTS = 16
 BURST_PROMPT_TOKENS = 6000
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def emulated_env(fb_config: Path) -> dict[str, str]:
@@ -159,3 +161,29 @@ def test_a_dp_server_exports_each_rank(dp_server, slo_classes) -> None:
         budgets = [value(samples, BUDGET, dp_rank=rank, slo_class=slo_class) for rank in ("0", "1")]
         # one series per class, merged over the ranks (multiprocess mode max)
         assert value(samples, SERVER_BUDGET, slo_class=slo_class) >= min(budgets)
+
+
+def recipe_selectors() -> list[str]:
+    """The ``metricSpec`` selectors of docs/metrics.md's llm-d recipe."""
+    return re.findall(r'metricSpec: "([^"]+)"', METRICS_DOC.read_text())
+
+
+def epp_matches(samples: Samples, selector: str) -> list[float]:
+    """The series an llm-d EPP selector ``name{label=value,...}`` matches: every series of
+    that name whose labels include the given ones (the EPP takes the first)."""
+    name, _, block = selector.partition("{")
+    wanted = dict(pair.split("=", 1) for pair in block.rstrip("}").split(",") if pair)
+    return [v for labels, v in samples.get(name, []) if wanted.items() <= labels.items()]
+
+
+@pytest.mark.parametrize("server", ["fb_server", "dp_server"])
+def test_the_llm_d_recipe_selectors_each_name_one_series(server, request) -> None:
+    url = request.getfixturevalue(server).url
+    ranks = 2 if server == "dp_server" else 1
+    samples = wait_for(url, lambda s: fresh(s, ranks=ranks), "fresh router gauges")
+    selectors = recipe_selectors()
+    assert len(selectors) >= 3
+    if server == "fb_server":  # without DP the per-rank gauge names one series too
+        selectors.append(f"{BUDGET}{{slo_class=standard}}")
+    for selector in selectors:
+        assert len(epp_matches(samples, selector)) == 1, selector
