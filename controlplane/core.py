@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -65,7 +65,7 @@ class Pending:
     submit: Submit
     client: bytes
     prompt_tokens: int
-    received_at: float
+    received_at: float  # its first arrival: a resubmission after a queue timeout keeps it
     deadline_at: float | None
     queued_until: float | None = None
     rank: str | None = None
@@ -116,6 +116,9 @@ class DispatcherCore:
         self.saturated = False  # the daemon's own event loop cannot keep up (set by the daemon)
         self._requests: dict[str, Pending] = {}
         self._queue: deque[str] = deque()
+        # first arrivals of requests refused queue_timeout: a resubmission (the SDK's retry)
+        # keeps its age, so it is not queued for another TTFT it has already missed
+        self._timed_out: OrderedDict[str, float] = OrderedDict()
         self._deadlines: list[tuple[float, str]] = []
         self._step = _Step()
 
@@ -177,7 +180,10 @@ class DispatcherCore:
         prompt_tokens = estimate_prompt_tokens(submit.prompt, self.config.chars_per_token,
                                                self.config.chat_tokens_per_message)
         deadline_at = now + submit.deadline_s if submit.deadline_s is not None else None
-        pending = Pending(submit, identity, prompt_tokens, now, deadline_at)
+        arrived = self._timed_out.pop(submit.request_id, None)
+        if arrived is None or now - arrived > self.config.queue_ttl_s:
+            arrived = now
+        pending = Pending(submit, identity, prompt_tokens, arrived, deadline_at)
         if self._routes_on_prompt:
             pending.affinity_prompt = affinity_prompt(submit.prompt)
         self._requests[submit.request_id] = pending
@@ -312,7 +318,7 @@ class DispatcherCore:
             ttl = self._queue_ttl(pending.submit, class_ttfts)
             queued_until = pending.received_at + ttl
             if queued_until <= now:
-                self.counters["queue_timeouts"] += 1
+                self._timed_out_at(request_id, pending)
                 reason, detail = RejectReason.QUEUE_TIMEOUT, self._expired(ttl)
             elif len(self._queue) < self.config.max_queued:
                 pending.queued_until = queued_until
@@ -322,6 +328,15 @@ class DispatcherCore:
             else:
                 reason, detail = RejectReason.OVERLOADED, "the admission queue is full"
         return self._close(request_id, self._reject(request_id, reason, detail))
+
+    def _timed_out_at(self, request_id: str, pending: Pending) -> None:
+        """Count a queue timeout and remember the request's first arrival (at most
+        ``max_queued`` of them, the oldest forgotten first)."""
+        self.counters["queue_timeouts"] += 1
+        self._timed_out[request_id] = pending.received_at
+        self._timed_out.move_to_end(request_id)
+        while len(self._timed_out) > self.config.max_queued:
+            self._timed_out.popitem(last=False)
 
     @staticmethod
     def _expired(ttl: float) -> str:
@@ -386,7 +401,7 @@ class DispatcherCore:
                 continue
             self._step.working = request_id
             if pending.queued_until is not None and now > pending.queued_until:
-                self.counters["queue_timeouts"] += 1
+                self._timed_out_at(request_id, pending)
                 ttl = pending.queued_until - pending.received_at
                 sends += self._close(request_id, self._reject(
                     request_id, RejectReason.QUEUE_TIMEOUT, self._expired(ttl)))

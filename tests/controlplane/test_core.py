@@ -786,3 +786,29 @@ def test_a_saturated_daemon_refuses_new_submits_with_retry_after_and_serves_the_
     assert replies(sends, Finish)  # what it holds still finishes
     core.saturated = False
     assert dispatches(submit(core, "after"))
+
+
+def test_a_retry_after_a_queue_timeout_keeps_its_first_arrival():
+    core = make_core(on_no_budget="queue", queue_ttl_s=5.0, stale_after_s=100.0, lost_after_s=100.0)
+    join(core, "r0", pab=100)
+    interactive = SloSpec(ttft_ms=500, tpot_ms=50)
+    assert submit(core, "a", tokens=1_000, slo=interactive) == []
+    (reject,) = replies(core.on_tick(0.6), Reject)
+    assert reject.reason is RejectReason.QUEUE_TIMEOUT
+    (again,) = replies(submit(core, "a", tokens=1_000, now=0.9, slo=interactive), Reject)
+    assert again.reason is RejectReason.QUEUE_TIMEOUT and core.queued == 0  # not another 0.5 s
+    report(core, "r0", 5_000, seq=2, now=1.0)
+    assert dispatches(submit(core, "a", tokens=1_000, now=1.2, slo=interactive))  # a budget: it goes
+    assert submit(core, "b", tokens=9_000, now=1.3, slo=interactive) == []
+    assert replies(core.on_tick(1.9), Reject)
+    assert submit(core, "b", tokens=9_000, now=7.0, slo=interactive) == []  # long after: a new request
+
+
+def test_the_memory_of_timed_out_arrivals_is_bounded():
+    core = make_core(on_no_budget="queue", max_queued=3, queue_ttl_s=0.1, stale_after_s=100.0,
+                     lost_after_s=100.0)
+    join(core, "r0", pab=10)
+    for index in range(10):
+        assert submit(core, f"r{index}", tokens=100, now=index * 0.2) == []
+        assert replies(core.on_tick(index * 0.2 + 0.15), Reject)
+    assert list(core._timed_out) == ["r7", "r8", "r9"]
