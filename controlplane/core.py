@@ -39,8 +39,8 @@ from controlplane.ratelimited_log import RateLimitedLog
 from controlplane.registry import Departure, HelloOutcome, RankRegistry, RankState, ReportOutcome
 
 UNKNOWN_AGENT = "unknown agent"
-CACHE_AWARE_POLICIES = frozenset({"cache_aware", "pab_cache_aware"})  # they route on the prompt
 UNKNOWN_RANK = "unknown rank"
+CACHE_AWARE_POLICIES = frozenset({"cache_aware", "pab_cache_aware"})  # they route on the prompt
 
 
 @dataclass(frozen=True, slots=True)
