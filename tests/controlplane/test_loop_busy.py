@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import time
 
+import pytest
+import zmq
+from live import thread_daemon
+
+from controlplane import daemon as daemon_module
+from controlplane import protocol as p
 from controlplane.config import ConfigError, DaemonConfig
 from controlplane.daemon import LoopBusy
 
@@ -37,3 +43,34 @@ def test_max_loop_busy_is_a_share():
     for bad in (0.0, 1.5):
         with pytest.raises(ConfigError, match="max_loop_busy"):
             DaemonConfig.from_mapping({"max_loop_busy": bad})
+
+
+def test_a_saturated_daemon_answers_new_submits_overloaded_until_its_loop_has_room(monkeypatch):
+    share = {"now": 1.0}
+    monkeypatch.setattr(daemon_module.LoopBusy, "sample", lambda self, wall_s, cpu_s: share["now"])
+    replies = p.client_reply_channel()
+    with thread_daemon() as running:
+        client = zmq.Context.instance().socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(running.config.client_address)
+        try:
+            def answer(request_id: str):
+                client.send(p.encode(p.Submit(request_id, p.Prompt(text="hi"), protocol=p.PROTOCOL_VERSION)))
+                assert client.poll(5000), "no answer"
+                return replies.decode(client.recv())
+
+            deadline = time.monotonic() + 30
+            while not running.daemon.core.saturated:
+                assert time.monotonic() < deadline, "never saturated"
+                time.sleep(0.01)
+            refused = answer("during")
+            assert (refused.reason, refused.retryable) == (p.RejectReason.OVERLOADED, True)
+            assert refused.retry_after_s == running.config.retry_after_s and "saturated" in refused.detail
+            share["now"] = 0.1
+            while running.daemon.core.saturated:
+                assert time.monotonic() < deadline, "never recovered"
+                time.sleep(0.01)
+            assert answer("after").reason is p.RejectReason.NO_RANKS  # admitted: no rank to take it
+            assert running.counters()["saturated_on"] == running.counters()["saturated_off"] == 1
+        finally:
+            client.close()
