@@ -578,6 +578,7 @@ class AsyncClient:
 
     def _on_monitor(self, frames: list[zmq.Frame]) -> None:
         if parse_monitor_message([frame.bytes for frame in frames])["event"] == zmq.EVENT_DISCONNECTED:
+            self._pumps[0].read_now()  # the daemon's last answers came before the drop
             self._new_incarnation(f"the connection to {self.address} dropped", None)
 
     def _route(self, frames: list[zmq.Frame]) -> None:

@@ -60,6 +60,8 @@ from controlplane.socket_pump import SocketPump
 TICK_S = 0.05
 BUSY_WINDOW_S = 1.0  # the event loop's busy share is smoothed over about this long
 LOG_INTERVAL_S = 10.0
+#: how long closing waits for the last answers of a drain (ShuttingDown, aborts) to leave
+FINAL_SEND_LINGER_MS = 1000
 BATCHED_REPLIES = (Dispatched, Chunk, Finish, Reject)
 
 
@@ -131,9 +133,9 @@ class Daemon:
             self._close()
             raise
 
-    def _close(self) -> None:
+    def _close(self, linger_ms: int = 0) -> None:
         for socket in self._sockets:
-            socket.close(linger=0)
+            socket.close(linger=linger_ms)
         if self._authenticator is not None:
             self._authenticator.stop()
         self._context.term()
@@ -188,7 +190,7 @@ class Daemon:
         finally:
             for pump in self._pumps:
                 pump.stop()
-            self._close()
+            self._close(FINAL_SEND_LINGER_MS if self._drain_requested.is_set() else 0)
             self.log.info("daemon stopped", counters=dict(self.core.counters),
                           log_lines_suppressed=self.rare_log.suppressed())
 

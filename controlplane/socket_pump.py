@@ -64,6 +64,12 @@ class SocketPump:
         if self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._schedule()
 
+    def read_now(self) -> None:
+        """A pass at once (before acting on news from another socket, such as a monitor's
+        disconnect, that must come after what this one already holds)."""
+        if self._fd is not None:
+            self._pass()
+
     def _schedule(self) -> None:
         if not self._scheduled and self._loop is not None:
             self._scheduled = True

@@ -671,6 +671,9 @@ class FakeAgent:
         self.dispatched: list[Dispatch] = []
         self.welcomes: list[Welcome] = []
         self._task: asyncio.Task | None = None
+        # Python 3.11's wait_for may swallow a cancel that meets a message: _run also
+        # checks this flag, so that __aexit__ cannot wait forever on it
+        self._stopping = False
 
     async def __aenter__(self) -> FakeAgent:
         context = zmq.asyncio.Context.instance()
@@ -685,6 +688,7 @@ class FakeAgent:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        self._stopping = True
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self._socket.close(linger=0)
@@ -696,7 +700,7 @@ class FakeAgent:
     async def _run(self) -> None:
         channel, seq = daemon_to_agent_channel(), 0
         self._send(Hello(self.agent, self.rank, self.epoch, protocol=PROTOCOL_VERSION))
-        while True:
+        while not self._stopping:
             try:
                 message = channel.decode(await asyncio.wait_for(self._socket.recv(), 0.1))
             except TimeoutError:
