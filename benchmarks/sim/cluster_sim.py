@@ -335,8 +335,9 @@ def markdown(doc: dict, command: str) -> str:
          f"{doc['jobs']} worker processes ({doc['simulation_cpu_s']:.0f} s of simulation)."),
         "",
         (f"{RANKS} ranks of profile {PROFILE}; reports reach the dispatcher 5 ms late; the pab "
-         "routers queue what no budget covers (the daemon's defaults: FIFO, TTL 5 s, 1024 deep; "
-         "a timed-out or refused request is a violation). SLO classes from configs/slo.toml "
+         "routers queue what no budget covers (the daemon's queue: each request waits at most its "
+         "TTFT target, capped by the 5 s TTL, 1024 deep, a later request that fits goes before "
+         "one that does not; a timed-out or refused request is a violation). SLO classes from configs/slo.toml "
          "(standard: TTFT 2 s, TPOT 50 ms; interactive 0.5 s / 50 ms; relaxed 5 s / 200 ms). "
          f"Capacity: the highest cluster-wide req/s with >= 90% on time (every lower probe "
          f"too), bisected to {doc['tolerance']:.0%} (a lower bound); worst bucket / class: the "
