@@ -17,8 +17,11 @@ Per scenario:
   ``TUNING_BUDGETS``, the cap or timeout from its default x 1/4 .. 4, widened while the
   best is at an edge), scored by its **capacity**, not its peak effective RPS: the lowest
   of its capacities at 90% in the worst prompt bucket and the worst SLO class, then its
-  overall capacity (bisection to ``TUNING_TOLERANCE``). ``sglang-default`` and
-  ``vllm-default`` have nothing to tune.
+  overall capacity (bisection to ``TUNING_TOLERANCE``). Where the budget is searched (the
+  H20), the families with a cap or timeout start at plain Sarathi's tuned budget
+  (``TUNING_RULE``); ``--resume`` reruns a scenario tuned before that rule, reusing its
+  deterministic results by label. ``sglang-default`` and ``vllm-default`` have nothing to
+  tune.
 - **Tuned elsewhere.** The settings tuned on the reference scenario (bundled sample, the
   measured H100, one class) run unchanged, as an operator who does not re-tune per
   workload and GPU runs them.
@@ -113,7 +116,12 @@ def build_scenario(key: ScenarioKey, trace: Path) -> Scenario:
     return Scenario(workload, load_profile(bundled_profile_path(key.profile)), catalog)
 
 
-def bisect(scenario: Scenario, label: str, *, targets=(0.9,), tolerance=TOLERANCE) -> dict:
+def bisect(scenario: Scenario, label: str, *, targets=(0.9,), tolerance=TOLERANCE,
+           known: dict | None = None) -> dict:
+    """Capacity of ``label``; ``known``: results of an earlier run of the same scenario at
+    the same ``targets`` and ``tolerance`` (the simulator is deterministic), by label."""
+    if known is not None and label in known:
+        return known[label]
     spec = parse_policy(label)
     search = capacity.bisect_capacity(
         lambda rate: simulate(scenario, spec, rate).load, targets=targets,
@@ -137,15 +145,22 @@ def tuning_score(result: dict) -> tuple[float, float]:
     return worst, capacity_of(result, "0.9", "overall")
 
 
-def tune_for_capacity(scenario: Scenario, family: str, budgets) -> tuple[str, dict]:
+def tune_for_capacity(scenario: Scenario, family: str, budgets, *, start_budget: int | None = None,
+                      known_scores: dict | None = None) -> tuple[str, dict]:
+    """``family`` tuned by ``tuning_score``; ``known_scores``: an earlier run's scores of the
+    same scenario, by label (reused, not rerun)."""
     context = build_policy(scenario, PolicySpec(family)).context
-    search = tune(family, context, budgets)
+    search = tune(family, context, budgets, start_budget)
     scores: dict[str, tuple[float, float]] = {}
     asked = next(search)
     try:
         while True:
             for label in asked:
-                if label not in scores:
+                if label in scores:
+                    continue
+                if known_scores is not None and label in known_scores:
+                    scores[label] = tuple(known_scores[label])
+                else:
                     scores[label] = tuning_score(bisect(scenario, label, tolerance=TUNING_TOLERANCE))
             asked = search.send({label: scores[label] for label in asked})
     except StopIteration as stop:
@@ -153,27 +168,52 @@ def tune_for_capacity(scenario: Scenario, family: str, budgets) -> tuple[str, di
     return result.best, {"tried": {k: list(v) for k, v in scores.items()}, "edge": result.edge}
 
 
+#: where the budget is searched (``TUNING_BUDGETS_BY_PROFILE`` None), the families with a
+#: cap or timeout start at plain Sarathi's tuned budget: started at 512, where on the H20
+#: every setting fails in its worst group, their search never left 256-2048
+TUNING_RULE = "settings tuned first at plain sarathi's tuned budget where the budget is searched"
+
+
+def _earlier_run(saved: Path | None) -> tuple[dict, dict]:
+    """An earlier run's tuning scores and capacity results, by label (empty: none)."""
+    if saved is None or not saved.is_file():
+        return {}, {}
+    entry = json.loads(saved.read_text())
+    scores = {label: score for record in entry["tuning"].values()
+              for label, score in record["tried"].items()}
+    return scores, entry["capacity"]
+
+
 def run_scenario(job: tuple) -> dict:
     key, trace, reference_settings, quick, saved = job
+    budgets = (512, 1024) if quick else TUNING_BUDGETS_BY_PROFILE.get(key.profile, TUNING_BUDGETS)
+    known_scores: dict = {}
+    known_capacity: dict = {}
     if saved is not None and saved.is_file():
         entry = json.loads(saved.read_text())
-        if entry.get("steady_rule") != STEADY_RULE:  # saved before the rule: that point again
-            steady_points(build_scenario(key, trace), entry)
-            saved.write_text(json.dumps(entry, indent=1) + "\n")
-        return entry
+        if budgets is None and entry.get("tuning_rule") != TUNING_RULE:  # tuned before the rule
+            known_scores, known_capacity = _earlier_run(saved)
+        else:
+            if entry.get("steady_rule") != STEADY_RULE:  # saved before the rule: that point again
+                steady_points(build_scenario(key, trace), entry)
+                saved.write_text(json.dumps(entry, indent=1) + "\n")
+            return entry
     began = time.perf_counter()
     scenario = build_scenario(key, trace)
-    budgets = (512, 1024) if quick else TUNING_BUDGETS_BY_PROFILE.get(key.profile, TUNING_BUDGETS)
     families = [f for f in BASELINE_FAMILIES if key.mix != "one class" or "priority" not in f]
     tuned: dict[str, dict] = {}
+    start_budget = None
     for family in families:
-        best, record = tune_for_capacity(scenario, family, budgets)
+        best, record = tune_for_capacity(scenario, family, budgets, start_budget=start_budget,
+                                         known_scores=known_scores)
         tuned[family] = {"best": best, **record}
+        if family == "sarathi" and budgets is None:
+            start_budget = parse_policy(best).token_budget
     labels = {"fairbatching": list(FAIRBATCHING),
               "tuned here": [tuned[f]["best"] for f in families] + list(UNTUNED_BASELINES),
               "tuned elsewhere": [label for f, label in (reference_settings or {}).items()
                                   if f in families and label != tuned[f]["best"]]}
-    results = {label: bisect(scenario, label, targets=(0.9, 0.99))
+    results = {label: bisect(scenario, label, targets=(0.9, 0.99), known=known_capacity)
                for group in labels.values() for label in group}
     baselines = labels["tuned here"]
     best_capacity = max(capacity_of(results[b], "0.9", "overall") for b in baselines)
@@ -182,7 +222,7 @@ def run_scenario(job: tuple) -> dict:
                      for label in results} for name, rate in loads.items()}
     entry = {"scenario": key.__dict__, "workload": scenario.workload.source,
              "requests": len(scenario.workload.requests), "labels": labels, "tuning": tuned,
-             "capacity": results, "loads": loads, "points": points,
+             "tuning_rule": TUNING_RULE, "capacity": results, "loads": loads, "points": points,
              "wall_s": time.perf_counter() - began}
     steady_points(scenario, entry)
     if saved is not None:

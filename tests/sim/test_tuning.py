@@ -71,6 +71,22 @@ def test_two_axis_family_tunes_both_to_interior() -> None:
     assert 30_000 <= dict(best.settings)["cap"] <= 52_000
 
 
+def test_a_setting_family_stuck_where_all_tie_is_freed_by_its_start_budget() -> None:
+    """The H20 case: every budget above 192 fails its worst group (score 0) while its overall
+    capacity grows with the budget, so a search that starts at 512 climbs away from the small
+    budgets; started at plain Sarathi's best, it finds them."""
+    def score(spec):
+        budget = spec.token_budget
+        return (0.0, budget / 10_000) if budget > 192 else (peaked(160)(budget)[0], 1.0)
+
+    context = context_for(llama())
+    stuck = parse_policy(drive(tune("sarathi-queue-timeout", context, None), score).best)
+    freed = drive(tune("sarathi-queue-timeout", context, None, start_budget=160), score)
+    assert stuck.token_budget >= 256
+    assert 120 <= parse_policy(freed.best).token_budget <= 192
+    assert "budget" not in freed.edge
+
+
 def test_parse_policy_settings() -> None:
     spec = parse_policy("sarathi-queue-cap@1024,cap=32768")
     assert spec.token_budget == 1024 and spec.settings == (("cap", 32768.0),)

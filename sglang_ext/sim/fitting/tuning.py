@@ -143,8 +143,15 @@ def tuned_settings(factory) -> tuple[str, ...]:
     return tuple(getattr(factory, "tuned_settings", factory.setting_names))
 
 
-def tune(name: str, context: PolicyContext, budgets: Sequence[int] | None) -> Search:
-    """The search for family ``name`` (a registered policy with tunables)."""
+def tune(name: str, context: PolicyContext, budgets: Sequence[int] | None,
+         start_budget: int | None = None) -> Search:
+    """The search for family ``name`` (a registered policy with tunables).
+
+    ``start_budget``: where a family with settings tunes them first, and whose halving and
+    doubling open its budget pass (default: the grid's value nearest ``START_BUDGET``). A
+    search that starts where every setting fails (all scores tied) never leaves that
+    region, so a caller that knows a good budget (the plain family's tuned one) passes it.
+    """
     factory = POLICIES.get(name)
     result = TuningResult(best="")
     budget = budget_axis(budgets)
@@ -153,7 +160,10 @@ def tune(name: str, context: PolicyContext, budgets: Sequence[int] | None) -> Se
         result.best = _label(name, best)
         result.edge = ["budget"] if budget.at_edge(best) else []
         return result
-    start_budget = min(budget.grid, key=lambda b: abs(b - START_BUDGET))
+    if start_budget is None:
+        start_budget = min(budget.grid, key=lambda b: abs(b - START_BUDGET))
+    else:
+        start_budget = budget.snap(start_budget)
     best_budget = start_budget if factory.takes_token_budget else None
     defaults = {setting: factory.default_setting(setting, context, int(start_budget))
                 for setting in tuned_settings(factory)}
