@@ -17,7 +17,12 @@ at one rate before the next rate, so the machine's drift touches all alike):
   beside it);
 * ``cp-default``   -- the daemon with its default balancer (``pab_least_loaded``) behind its
   OpenAI gateway (``fairbatching-controlplane gateway``);
-* ``cp-pab``       -- the daemon with ``policy = "pab"`` (restarted between the two).
+* ``cp-pab``       -- the daemon with ``policy = "pab"``;
+* ``cp-cache``     -- the daemon with ``policy = "pab_cache_aware"`` (prefix affinity within
+  each rank's PAB; the prefix tree's knobs smg ``cache_aware``'s defaults).
+
+The daemon (with its gateway) restarts for every run, as smg does: a prefix-tree balancer's
+tree starts empty like the servers' flushed caches.
 
 smg talks HTTP to the servers' ports; the daemon reaches them through their control-plane
 ingress (ZeroMQ). Every request is ``POST /v1/completions``, streamed, with a text prompt
@@ -44,8 +49,10 @@ request = (last token - first token) / (tokens - 1), a mean, as in
 ``sglang.benchmark.serving``; failures, 429s and timeouts are misses); TTFT/TPOT
 percentiles over completed requests; the prefill tokens the servers actually computed
 (from the emulated GPU's step log) over the prompt tokens sent; the router's CPU seconds
-per 1000 requests (``/proc/<pid>/stat`` utime+stime over the run; smg: its one process;
-the daemon: daemon + gateway processes; the SGLang servers' CPU beside it); and the
+per 1000 requests and per 1000 output tokens streamed to the client (``/proc/<pid>/stat``
+utime+stime over the run; smg: its one process; the daemon: daemon + gateway processes;
+the SGLang servers' CPU beside it; tokens: each stream's usage event, else one per text
+chunk, recorded with the run as ``result.output_tokens``); and the
 router's added latency: a sequential probe before each run (``PROBES`` 32-token prompts,
 2 output tokens, alternately through the router and straight to a server) whose
 TTFT median through the router minus the median direct is the router's cost unloaded.
@@ -53,7 +60,8 @@ TTFT median through the router minus the median direct is the router's cost unlo
 Every finished run is appended to ``out/bench_routers/points.jsonl`` (raw logs beside it);
 ``docs/bench/routers.md`` and ``routers.json`` are rendered from the points::
 
-    scripts/bench_routers.sh                  # the full run (about 40 min on 2 vCPUs)
+    scripts/bench_routers.sh                  # the full run (about 40 min on 2 vCPUs with
+                                              # four routers, before cp-cache joined)
     scripts/bench_routers.sh --quick          # one rate per workload, 12 s runs, 3-point sweep (~8 min)
     scripts/bench_routers.sh --render-only    # re-render docs/bench/routers.* from the points
     scripts/bench_routers.sh --workloads prefix --azure-rates 6 --prefix-rates 8,12

@@ -99,19 +99,32 @@ def probe_summary(points: Iterable[dict]) -> dict[str, dict]:
     return {router: added_latency(via, direct) for router, (via, direct) in pooled.items()}
 
 
+def point_output_tokens(point: dict) -> int | None:
+    """The output tokens a run streamed through its router (None: a point saved before
+    runs recorded them)."""
+    tokens = (point.get("cpu") or {}).get("output_tokens")
+    return tokens if tokens is not None else (point.get("result") or {}).get("output_tokens")
+
+
 def cpu_summary(points: Iterable[dict]) -> dict[str, dict[str, float | None]]:
-    """Per workload and router: router CPU s per 1000 requests, summed over its runs."""
-    sums: dict[tuple, list[float]] = {}
+    """Per workload and router: router (and servers) CPU s per 1000 requests and per 1000
+    streamed output tokens, summed over its runs (per token: None when a run did not record
+    its tokens)."""
+    sums: dict[tuple, list] = {}
     for p in main_points(points):
         cpu = p.get("cpu") or {}
-        entry = sums.setdefault((p["workload"], p["router"]), [0.0, 0, 0.0])
+        entry = sums.setdefault((p["workload"], p["router"]), [0.0, 0, 0.0, 0])
         entry[0] += cpu.get("router_s", 0.0)
         entry[1] += p["result"]["requests"]
         entry[2] += cpu.get("servers_s", 0.0)
+        tokens = point_output_tokens(p)
+        entry[3] = None if tokens is None or entry[3] is None else entry[3] + tokens
     out: dict[str, dict] = {}
-    for (workload, router), (cpu_s, n, servers) in sums.items():
-        out.setdefault(workload, {})[router] = {"router_s_per_1000": cpu_per_1000(cpu_s, n),
-                                                "servers_s_per_1000": cpu_per_1000(servers, n)}
+    for (workload, router), (cpu_s, n, servers, tokens) in sums.items():
+        out.setdefault(workload, {})[router] = {
+            "router_s_per_1000": cpu_per_1000(cpu_s, n), "servers_s_per_1000": cpu_per_1000(servers, n),
+            "output_tokens": tokens, "router_s_per_1000_tokens": cpu_per_1000(cpu_s, tokens, 4),
+            "servers_s_per_1000_tokens": cpu_per_1000(servers, tokens, 4)}
     return out
 
 
@@ -165,9 +178,19 @@ def wins(points: Sequence[dict], side: str) -> list[str]:
         m = [v["router_s_per_1000"] for r, v in routers.items() if r.startswith(side) and v["router_s_per_1000"]]
         t = [v["router_s_per_1000"] for r, v in routers.items() if r.startswith(other) and v["router_s_per_1000"]]
         if m and t and max(m) < min(t):
-            lines.append(f"router CPU, {workload}: {max(m):.1f} s per 1000 requests or less for {name} "
-                         f"against {min(t):.1f} s or more for {other_name} ({min(t) / max(m):.1f}x)")
+            line = (f"router CPU, {workload}: {max(m):.1f} s per 1000 requests or less for {name} "
+                    f"against {min(t):.1f} s or more for {other_name} ({min(t) / max(m):.1f}x)")
+            mk = [v["router_s_per_1000_tokens"] for r, v in routers.items() if r.startswith(side)]
+            tk = [v["router_s_per_1000_tokens"] for r, v in routers.items() if r.startswith(other)]
+            if mk and tk and None not in mk + tk:
+                line += f"; per 1000 streamed output tokens {_span(mk)} s against {_span(tk)} s"
+            lines.append(line)
     return lines
+
+
+def _span(values: Sequence[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.3f}" if low == high else f"{low:.3f}-{high:.3f}"
 
 
 def smg_wins(points: Sequence[dict]) -> list[str]:

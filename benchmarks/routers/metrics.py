@@ -44,6 +44,12 @@ class Record:
     def e2e_s(self) -> float | None:
         return None if self.last_token_s is None else self.last_token_s - self.sent_s
 
+    @property
+    def streamed_tokens(self) -> int:
+        """Output tokens the router streamed to the client: the usage event's count, else
+        one per text chunk seen (a stream cut off before its usage event)."""
+        return self.completion_tokens or self.events
+
 
 def meets_slo(record: Record, slo: dict = SLO) -> bool:
     if not record.ok:
@@ -81,6 +87,7 @@ def summarize(records: Sequence[Record], rate: float, slo: dict = SLO) -> dict:
     attainment = good / n if n else 0.0
     return {
         "requests": n, "completed": len(done), "good": good, "failed": n - len(done),
+        "output_tokens": sum(r.streamed_tokens for r in records),
         "failures": statuses, "attainment": round(attainment, 4),
         "goodput": round(rate * attainment, 3),
         "ttft_ms": _pcts_ms([r.ttft_s for r in done]),
@@ -106,5 +113,7 @@ def prefill_summary(sent: int, served: int, computed: int) -> dict:
             "computed_fraction": round(computed / served, 4) if served else None}
 
 
-def cpu_per_1000(cpu_s: float, requests: int) -> float | None:
-    return None if requests <= 0 else round(cpu_s / requests * 1000, 2)
+def cpu_per_1000(cpu_s: float, count: int | None, digits: int = 2) -> float | None:
+    """CPU seconds per 1000 of ``count`` (requests, or streamed output tokens); None for
+    none (or an unknown count)."""
+    return None if not count or count <= 0 else round(cpu_s / count * 1000, digits)

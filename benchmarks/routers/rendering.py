@@ -20,7 +20,14 @@ from benchmarks.routers.analysis import (
 )
 from benchmarks.routers.client import PROBE_OUTPUT_TOKENS, PROBE_PROMPT_TOKENS, REQUEST_TIMEOUT_S
 from benchmarks.routers.metrics import SLO
-from benchmarks.routers.stack import ROUTERS, SERVER_ARGS, SMG_CA_EXTRA, SMG_QUEUE_TIMEOUT_S
+from benchmarks.routers.stack import (
+    DAEMON_DEFAULT_POLICY,
+    DAEMON_POLICY,
+    ROUTERS,
+    SERVER_ARGS,
+    SMG_CA_EXTRA,
+    SMG_QUEUE_TIMEOUT_S,
+)
 from benchmarks.routers.workloads import (
     PREFIX_OUTPUT_TOKENS,
     PREFIX_TOKENS,
@@ -53,6 +60,15 @@ def router_commands(points: Sequence[dict], commands: Sequence[str]) -> list[str
     return lines
 
 
+def daemon_routers_text(chars_per_token: object) -> str:
+    """The header's line on the daemon's routers, from :data:`DAEMON_POLICY`."""
+    names = " / ".join(f"`{n}`" for n in DAEMON_POLICY)
+    policies = " / ".join(f"`{p or DAEMON_DEFAULT_POLICY}`" for p in DAEMON_POLICY.values())
+    return (f"{names} = the daemon ({policies}, other keys default but `chars_per_token = "
+            f"{chars_per_token}`, this text's; the cache-aware policies' prefix tree has smg "
+            "`cache_aware`'s default knobs) behind its gateway.")
+
+
 def render_markdown(points: Sequence[dict], meta: dict) -> str:
     rows = main_points(points)
     lines = [
@@ -77,9 +93,13 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
         "the servers' prefix caches flushed before each, every router at a rate before the next rate.",
         "- Routers: `smg-rr` = smg `--policy round_robin`, its defaults; `smg-ca` = `--policy "
         f"cache_aware {' '.join(SMG_CA_EXTRA)}` with `--max-concurrent-requests C --queue-size Q "
-        f"--queue-timeout-secs {SMG_QUEUE_TIMEOUT_S}`, C and Q swept (below); `cp-default` / `cp-pab` = "
-        "the daemon (`pab_least_loaded` / `pab`, other keys default but `chars_per_token = "
-        f"{meta.get('chars_per_token', '?')}`, this text's) behind its gateway. smg restarts for every run.",
+        f"--queue-timeout-secs {SMG_QUEUE_TIMEOUT_S}`, C and Q swept (below); "
+        f"{daemon_routers_text(meta.get('chars_per_token', '?'))} smg and the daemon restart for every run "
+        "(their prefix trees start empty, like the servers' flushed caches).",
+        ("- *router CPU*: utime + stime of the router's processes (smg: one; the daemon: daemon + "
+         "gateway) over a run, per 1000 requests sent and per 1000 output tokens streamed to the "
+         "client (the usage event's completion tokens, else one per text chunk; refused requests "
+         "stream none)."),
         "- *prefill computed*: prompt tokens the servers' emulated GPUs actually prefilled over "
         + ("the prompt tokens of the requests they accepted (HTTP 200)"
            if all("served_prompt_tokens" in (p.get("prefill") or {}) for p in points if "result" in p)
@@ -108,8 +128,9 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
                            f"{PREFIX_OUTPUT_TOKENS[1]} output tokens)"}[workload]
         lines += [f"## {title}", "",
                   "| rate | router | goodput | attainment | failed | TTFT p50 / p90 / p99 ms | "
-                  "TPOT p50 / p90 / p99 ms | prefill computed | router CPU s / 1000 req |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "TPOT p50 / p90 / p99 ms | prefill computed | router CPU s / 1000 req | "
+                  "router CPU s / 1000 tokens |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         best = {}
         for p in wrows:
             if p["result"]["goodput"] > best.get(p["rate"], -1):
@@ -122,13 +143,14 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
             prefill = p.get("prefill") or {}
             frac = prefill.get("computed_fraction")
             cpu = (p.get("cpu") or {}).get("router_s_per_1000")
+            cpu_tokens = (p.get("cpu") or {}).get("router_s_per_1000_tokens")
             t, o = r["ttft_ms"], r["tpot_ms"]
             crashed = " †" if p.get("server_died") else ""
             lines.append(
                 f"| {p['rate']:g} | {router_label(p)}{crashed} | {goodput} | {r['attainment']:.3f} | {r['failed']} | "
                 f"{_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} | "
                 f"{_fmt(o['p50'], 1)} / {_fmt(o['p90'], 1)} / {_fmt(o['p99'], 1)} | "
-                f"{'-' if frac is None else f'{100 * frac:.0f}%'} | {_fmt(cpu, 1)} |")
+                f"{'-' if frac is None else f'{100 * frac:.0f}%'} | {_fmt(cpu, 1)} | {_fmt(cpu_tokens, 3)} |")
         died = [p for p in wrows if p.get("server_died")]
         if died:
             first = next(iter(died[0]["server_died"].values()))
@@ -164,10 +186,12 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
                   f"{PROBE_OUTPUT_TOKENS} output tokens, alternately through the router and straight "
                   "to a server; added = median TTFT through it minus median direct. CPU: utime + "
                   "stime of the router's processes (smg: one; daemon: daemon + gateway) over the "
-                  "comparison runs, and of the two SGLang servers' process groups beside it.", "",
+                  "comparison runs, and of the two SGLang servers' process groups beside it, per 1000 "
+                  "requests sent and per 1000 output tokens streamed.", "",
                   "| router | probes | TTFT direct ms | TTFT via router ms | added ms | "
-                  + " | ".join(f"CPU s / 1000 req ({w}): router, servers" for w in WORKLOADS) + " |",
-                  "|---|---:|---:|---:|---:|" + "---:|" * len(WORKLOADS)]
+                  + " | ".join(f"CPU s / 1000 req ({w}): router, servers | "
+                               f"CPU s / 1000 tokens ({w}): router, servers" for w in WORKLOADS) + " |",
+                  "|---|---:|---:|---:|---:|" + "---:|---:|" * len(WORKLOADS)]
         cpu = cpu_summary(points)
         for router in ROUTERS:
             v = probes.get(router)
@@ -177,6 +201,8 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
             for w in WORKLOADS:
                 c = cpu.get(w, {}).get(router) or {}
                 cells.append(f"{_fmt(c.get('router_s_per_1000'), 1)}, {_fmt(c.get('servers_s_per_1000'), 0)}")
+                cells.append(f"{_fmt(c.get('router_s_per_1000_tokens'), 3)}, "
+                             f"{_fmt(c.get('servers_s_per_1000_tokens'), 2)}")
             lines.append(f"| {router} | {v['n']} | {v['direct_ms']:.1f} | {v['router_ms']:.1f} | "
                          f"{v['added_ms']:.1f} | " + " | ".join(cells) + " |")
         lines.append("")

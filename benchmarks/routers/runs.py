@@ -103,9 +103,13 @@ class Bench:
             served = sum(r.prompt_tokens for r, rec in zip(requests, records) if rec.status == 200)
             point["result"] = summarize(records, rate)
             point["prefill"] = prefill_summary(sent, served, computed)
+            tokens = point["result"]["output_tokens"]  # streamed through the router
             point["cpu"] = {"router_s": round(cpu1 - cpu0, 3), "servers_s": round(servers1 - servers0, 3),
                             "router_s_per_1000": cpu_per_1000(cpu1 - cpu0, len(requests)),
                             "servers_s_per_1000": cpu_per_1000(servers1 - servers0, len(requests)),
+                            "output_tokens": tokens,
+                            "router_s_per_1000_tokens": cpu_per_1000(cpu1 - cpu0, tokens, 4),
+                            "servers_s_per_1000_tokens": cpu_per_1000(servers1 - servers0, tokens, 4),
                             "run_wall_s": round(wall, 2)}
             point["machine_during_run"] = {"load_average_before": load0, "load_average_after": os.getloadavg()}
             point["probe_added"] = {k: point["probe"].get(k) for k in ("direct_ms", "router_ms", "added_ms")}
@@ -115,7 +119,9 @@ class Bench:
             print(f"  {tag}: goodput {r['goodput']:.2f} ({r['good']}/{r['requests']}), failed {r['failed']}, "
                   f"TTFT p99 {r['ttft_ms']['p99']} ms, TPOT p99 {r['tpot_ms']['p99']} ms, prefill computed "
                   f"{point['prefill']['computed_fraction']}, added {point['probe'].get('added_ms')} ms, "
-                  f"router CPU {point['cpu']['router_s_per_1000']} s/1000 ({wall:.0f} s)", file=sys.stderr, flush=True)
+                  f"router CPU {point['cpu']['router_s_per_1000']} s/1000 req, "
+                  f"{point['cpu']['router_s_per_1000_tokens']} s/1000 tokens ({tokens} streamed; "
+                  f"{wall:.0f} s)", file=sys.stderr, flush=True)
         except Exception as error:  # noqa: BLE001 - saved with the point, the run goes on
             point["error"] = f"{type(error).__name__}: {error}"
             print(f"  {tag}: FAILED {point['error']}", file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -41,8 +42,26 @@ SERVER_ARGS = ("--max-total-tokens", str(KV_TOKENS), "--max-prefill-tokens", str
 SMG_CA_EXTRA = ("--disable-worker-overload-protection", "--worker-warmup-secs", "0")
 SMG_QUEUE_TIMEOUT_S = 2  # = the TTFT target (whole seconds: smg's flag is an integer)
 
-ROUTERS = ("smg-rr", "smg-ca", "cp-default", "cp-pab")
-DAEMON_POLICY = {"cp-default": None, "cp-pab": "pab"}  # None: the daemon's default
+ROUTERS = ("smg-rr", "smg-ca", "cp-default", "cp-pab", "cp-cache")
+#: The daemon's routers: name -> its ``policy`` key (None: not set, the daemon's default).
+DAEMON_POLICY = {"cp-default": None, "cp-pab": "pab", "cp-cache": "pab_cache_aware"}
+DAEMON_DEFAULT_POLICY = "pab_least_loaded"  # controlplane.config.DaemonConfig's default
+
+
+def daemon_router_name(policy: str | None) -> str:
+    """The router name of the daemon with ``policy`` (:data:`DAEMON_POLICY` inverted)."""
+    for name, value in DAEMON_POLICY.items():
+        if value == policy:
+            return name
+    raise KeyError(f"no router runs the daemon with policy {policy!r}; known: {DAEMON_POLICY}")
+
+
+def check_daemon_config(text: str, source: object = "<bench daemon config>") -> None:
+    """Parse ``text`` as the daemon will (keys, types, ranges; every key not set takes its
+    default): a bad config fails here, before any process starts."""
+    from controlplane.config import DaemonConfig
+
+    DaemonConfig.from_mapping(tomllib.loads(text).get("daemon", {}), source=str(source))
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 30.0, method: str | None = None) -> tuple[int, str]:
@@ -164,9 +183,8 @@ class Stack:
 
     def start_daemon(self, policy: str | None) -> Router:
         """The daemon with ``policy`` (None: its default) and its gateway, the two servers
-        joined as ranks; restarted only when the policy changes."""
-        if self.daemon is not None and self.daemon_policy == policy and self.daemon.poll() is None:
-            return self._daemon_router(policy)
+        joined as ranks: started afresh for every run, as smg is (a prefix-tree balancer's
+        tree, like its ledger, must start empty like the servers' flushed caches)."""
         self.spawn_daemon(policy)
         self.wait_daemon()
         return self._daemon_router(policy)
@@ -175,7 +193,9 @@ class Stack:
         self.stop_daemon()
         tag = policy or "default"
         config = self.raw / f"daemon-{tag}.toml"
-        config.write_text(self.daemon_config_text(policy))
+        text = self.daemon_config_text(policy)
+        check_daemon_config(text, config)
+        config.write_text(text)
         self.daemon = spawn([self.python, "-m", "controlplane", "serve", "--config", str(config)],
                             self.raw / f"daemon-{tag}.log")
         self.gateway = start_gateway(self.addresses["client"], self.gateway_port,
@@ -192,10 +212,10 @@ class Stack:
 
     def _daemon_router(self, policy: str | None) -> Router:
         assert self.daemon is not None and self.gateway is not None
-        return Router("cp-pab" if policy == "pab" else "cp-default", f"http://127.0.0.1:{self.gateway_port}",
+        return Router(daemon_router_name(policy), f"http://127.0.0.1:{self.gateway_port}",
                       self.served_model, (self.daemon.pid, self.gateway.pid),
                       f"fairbatching-controlplane serve --config daemon.toml  # policy = "
-                      f"{policy or 'default (pab_least_loaded)'}; + gateway --listen 127.0.0.1:PORT")
+                      f"{policy or f'default ({DAEMON_DEFAULT_POLICY})'}; + gateway --listen 127.0.0.1:PORT")
 
     async def _wait_ranks(self, timeout: float) -> None:
         from controlplane.client import AsyncClient

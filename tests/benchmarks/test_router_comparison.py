@@ -13,11 +13,19 @@ import random
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from benchmarks.routers.analysis import main_points, rate_tuned_limits, smg_wins, tuned_limits, wins
+from benchmarks.routers.analysis import (
+    cpu_summary,
+    main_points,
+    rate_tuned_limits,
+    smg_wins,
+    tuned_limits,
+    wins,
+)
 from benchmarks.routers.cli import build_plan, main
 from benchmarks.routers.metrics import (
     Record,
@@ -30,7 +38,14 @@ from benchmarks.routers.metrics import (
 )
 from benchmarks.routers.rendering import render_json, render_markdown
 from benchmarks.routers.runs import QUICK_SECONDS, Bench, Plan
-from benchmarks.routers.stack import ROUTERS
+from benchmarks.routers.stack import (
+    DAEMON_DEFAULT_POLICY,
+    DAEMON_POLICY,
+    ROUTERS,
+    Stack,
+    check_daemon_config,
+    daemon_router_name,
+)
 from benchmarks.routers.sweep import (
     QUICK_SWEEP_CONCURRENCY,
     edge_extension,
@@ -129,6 +144,9 @@ def test_record_times_and_the_slo_check() -> None:
     assert not meets_slo(record(error="stream error: rank lost"))
     assert not record(tokens=5, expected=10).ok  # cut short
     assert not record(ttft=None).ok
+    cut = Record(0, 0.0, 10, status=200, error="client: TimeoutError", events=4)
+    assert cut.streamed_tokens == 4  # no usage event: one token per text chunk
+    assert record(tokens=7).streamed_tokens == 7 and record(status=429, ttft=None).streamed_tokens == 0
 
 
 def test_percentile_matches_numpy_linear_interpolation() -> None:
@@ -148,6 +166,7 @@ def test_summarize_counts_goodput_as_rate_times_attainment_and_every_failure_as_
     assert s["attainment"] == 0.6 and s["goodput"] == 3.0
     assert s["failures"] == {"429": 1, "200:client": 1}
     assert s["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert s["output_tokens"] == 10 * 11  # every token streamed, a missed SLO's too
     assert s["tpot_ms"]["p99"] > 50
     assert summarize([], 3.0)["goodput"] == 0.0
 
@@ -160,6 +179,8 @@ def test_added_latency_is_the_difference_of_medians_and_cpu_is_per_thousand_requ
     assert prefill_summary(1000, 0, 0)["computed_fraction"] is None
     assert cpu_per_1000(3.0, 600) == 5.0
     assert cpu_per_1000(3.0, 0) is None
+    assert cpu_per_1000(3.0, None) is None  # tokens a run did not record
+    assert cpu_per_1000(0.5, 30_000, 4) == pytest.approx(0.0167)
 
 
 # ---------------------------------------------------------------- the sweep
@@ -262,9 +283,12 @@ def point(workload: str, rate: float, router: str, goodput: float, limits=None, 
               "ttft_ms": {"p50": 100.0, "p90": 200.0, "p99": 300.0},
               "tpot_ms": {"p50": 20.0, "p90": 30.0, "p99": 40.0},
               "e2e_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0}, "ttft_attainment": 1.0}
+    tokens = 200 * n  # 200 output tokens a request
+    result["output_tokens"] = tokens
     p = {"workload": workload, "rate": rate, "router": router, "limits": limits, "phase": phase,
          "result": result, "prefill": {"computed_fraction": 0.5},
-         "cpu": {"router_s": cpu * n / 1000, "servers_s": 10.0, "router_s_per_1000": cpu},
+         "cpu": {"router_s": cpu * n / 1000, "servers_s": 10.0, "router_s_per_1000": cpu,
+                 "output_tokens": tokens, "router_s_per_1000_tokens": cpu_per_1000(cpu * n / 1000, tokens, 4)},
          "probe": {"router_ttft_s": [0.02 + added / 1000] * 3, "direct_ttft_s": [0.02] * 3}, **extra}
     if tuned is not None:
         p["tuned"] = tuned
@@ -286,6 +310,8 @@ def synthetic_points() -> list[dict]:
             point("prefix", 16.0, "cp-default", 12.0, added=3.0, cpu=30.0, server_died={"server-a.log": "boom"}),
             point("prefix", 8.0, "cp-pab", 7.9, added=3.5, cpu=31.0),
             point("prefix", 16.0, "cp-pab", 11.0, added=3.5, cpu=31.0),
+            point("prefix", 8.0, "cp-cache", 8.0, added=3.2, cpu=33.0),
+            point("prefix", 16.0, "cp-cache", 13.0, added=3.2, cpu=33.0),
             point("azure", 6.0, "smg-rr", 5.0, added=2.0, cpu=9.0),
             point("azure", 6.0, "cp-default", 6.0, added=3.0, cpu=60.0),
             {"workload": "azure", "rate": 9.0, "router": "cp-pab", "error": "RuntimeError: x"}]
@@ -310,18 +336,22 @@ def test_main_points_keep_only_the_tuned_cache_aware_limits_and_skip_errors() ->
         {(8.0, 32, 16), (16.0, 32, 16)}
     assert not any("error" in p for p in rows)
     assert [p["router"] for p in rows if p["workload"] == "prefix" and p["rate"] == 16.0] == \
-        ["smg-rr", "smg-ca", "cp-default", "cp-pab"]
+        ["smg-rr", "smg-ca", "cp-default", "cp-pab", "cp-cache"]
     assert tuned_limits(synthetic_points()) == {"prefix": (32, 16)}
 
 
 def test_smg_wins_names_goodput_latency_and_cpu_wins_only() -> None:
     found = smg_wins(synthetic_points())
     text = "\n".join(found)
-    assert "goodput, prefix at 16 req/s: 14.00 (smg-ca) against 12.00 (cp-default), 1.17x" in text
+    # the daemon's best at 16 req/s is cp-cache (13.00), above cp-default's 12.00
+    assert "goodput, prefix at 16 req/s: 14.00 (smg-ca) against 13.00 (cp-cache), 1.08x" in text
     assert "prefix at 8 req/s" not in text  # a tie is no win
     assert "azure at 6" not in text  # the daemon wins there
     assert any(w.startswith("added latency") for w in found)
     assert any(w.startswith("router CPU, prefix") for w in found)
+    # per streamed token too: smg 4.0-4.5 s / 1000 req at 200 tokens a request, the daemon 30-33
+    assert "router CPU, prefix: 4.5 s per 1000 requests or less for smg against 30.0 s or more for the " \
+           "daemon (6.7x); per 1000 streamed output tokens 0.020-0.022 s against 0.150-0.165 s" in text
     daemon = wins(synthetic_points(), "cp")
     assert daemon == ["goodput, azure at 6 req/s: 6.00 (cp-default) against 5.00 (smg-rr), 1.20x"]
 
@@ -335,6 +365,13 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     assert "## Where the daemon wins" in text and "A FairBatching server crashed in 1 run(s)" in text
     assert "| 16 | smg-ca (C=32, Q=16) | **14.00** |" in text
     assert "| 16 | cp-default † |" in text and "† a server died" in text
+    assert "router CPU s / 1000 req | router CPU s / 1000 tokens |" in text
+    assert "| 16 | cp-cache | 13.00 | 0.810 | 0 | 100 / 200 / 300 | 20.0 / 30.0 / 40.0 | 50% | 33.0 | 0.165 |" \
+        in text
+    assert "`cp-default` / `cp-pab` / `cp-cache` = the daemon (`pab_least_loaded` / `pab` / " \
+           "`pab_cache_aware`" in text
+    assert "| cp-cache | 6 |" in text and "CPU s / 1000 tokens (prefix): router, servers" in text
+    assert "| 33.0, 100 | 0.165, 0.50 |" in text  # prefix: per request, then per token
     assert "best C=32, Q=16; concurrency interior, queue size interior" in text
     assert "| **32** | **16** | 14.00 |" in text
     assert "## Router added latency" in text and "| smg-rr |" in text
@@ -343,7 +380,66 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     assert data["sweeps"]["prefix"]["best"] == [32, 16] and data["sweeps"]["azure"] is None
     assert data["added_latency"]["cp-pab"]["added_ms"] == pytest.approx(3.5)
     assert data["cpu"]["prefix"]["cp-default"]["router_s_per_1000"] == pytest.approx(30.0)
+    assert data["cpu"]["prefix"]["cp-cache"]["router_s_per_1000_tokens"] == pytest.approx(0.165)
+    assert any(c["router"] == "cp-cache" for c in data["comparison"])
     json.dumps(data)
+
+
+def test_cpu_per_token_is_unknown_where_a_run_did_not_record_its_tokens() -> None:
+    old = point("azure", 6.0, "smg-rr", 5.0, cpu=9.0)
+    del old["result"]["output_tokens"], old["cpu"]["output_tokens"], old["cpu"]["router_s_per_1000_tokens"]
+    new = point("azure", 9.0, "smg-rr", 8.0, cpu=9.0)
+    assert cpu_summary([new])["azure"]["smg-rr"]["router_s_per_1000_tokens"] == pytest.approx(0.045)
+    summary = cpu_summary([old, new])["azure"]["smg-rr"]
+    assert summary["router_s_per_1000"] == pytest.approx(9.0)
+    assert summary["router_s_per_1000_tokens"] is None and summary["output_tokens"] is None
+    text = render_markdown([old], {})
+    assert "| 6 | smg-rr | **5.00** |" in text and "| 9.0 | - |" in text and "| 9.0, 100 | -, - |" in text
+
+
+# ---------------------------------------------------------------- the daemon's routers
+def test_every_daemon_router_is_named_from_its_policy_and_its_config_parses(tmp_path: Path) -> None:
+    from controlplane.config import ConfigError, DaemonConfig
+
+    assert DaemonConfig().policy == DAEMON_DEFAULT_POLICY
+    assert set(DAEMON_POLICY) <= set(ROUTERS) and "cp-cache" in ROUTERS
+    assert DAEMON_POLICY["cp-cache"] == "pab_cache_aware"
+    stack = Stack(tmp_path, "smg", WORDS)
+    for name, policy in DAEMON_POLICY.items():
+        assert daemon_router_name(policy) == name
+        text = stack.daemon_config_text(policy)
+        check_daemon_config(text)
+        config = DaemonConfig.from_mapping(tomllib.loads(text)["daemon"])
+        assert config.policy == (policy or DAEMON_DEFAULT_POLICY)
+        assert config.chars_per_token == pytest.approx(stack.chars_per_token)
+        assert config.client_address == stack.addresses["client"]
+        assert config.log_level == "warning"
+    with pytest.raises(KeyError):
+        daemon_router_name("power_of_two")
+    with pytest.raises(ConfigError):
+        check_daemon_config(stack.daemon_config_text("no_such_policy"))
+
+
+def test_the_daemon_restarts_for_every_run_and_names_its_router(tmp_path: Path) -> None:
+    class Alive:
+        pid = 1
+
+        def poll(self):
+            return None
+
+    stack = Stack(tmp_path, "smg", WORDS)
+    spawned = []
+
+    def fake_spawn(policy):
+        spawned.append(policy)
+        stack.daemon, stack.gateway, stack.daemon_policy = Alive(), Alive(), policy
+
+    stack.spawn_daemon, stack.wait_daemon = fake_spawn, lambda: None
+    routers = [stack.start_daemon(p) for p in ("pab", "pab", "pab_cache_aware", "pab_cache_aware", None)]
+    assert spawned == ["pab", "pab", "pab_cache_aware", "pab_cache_aware", None]  # its trees start empty
+    assert [r.name for r in routers] == ["cp-pab", "cp-pab", "cp-cache", "cp-cache", "cp-default"]
+    assert "policy = pab_cache_aware;" in routers[2].command
+    assert "policy = default (pab_least_loaded);" in routers[4].command
 
 
 def test_plans_and_the_cli_refuse_unknown_names(tmp_path: Path) -> None:
