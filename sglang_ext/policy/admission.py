@@ -304,7 +304,8 @@ class KvOutlook:
 
     def available_at(self, time_s: float) -> float:
         """KV tokens free for prefills by ``time_s``."""
-        return self.free_tokens + self._released_by(time_s)
+        index = bisect_right(self.release_times, time_s)  # _released_by, inlined
+        return self.free_tokens + (self.released_through[index - 1] if index else 0.0)
 
     def need_of(self, request: RequestState) -> float:
         return request.pending_prefill + self.reserves.get(request.req_id, self.new_reserve)
@@ -380,18 +381,64 @@ def forecast(
     """The forecast at ``now``. Which prefills ``defer`` gives up when not all fit
     (:class:`GiveUp`): ``evict_longest``, ``evict_fairly``, else each that does not fit."""
     usable = coefficients.usable()
+    rate, kept, hopeless = _kept(requests, now, usable, default_tpot_s, headroom, kv,
+                                 evict_longest, evict_fairly)
+    tables = _Tables()
+    _scan(kept, rate, now, kv, hopeless, tables)
+    return QueueForecast(
+        now, rate, tuple(tables.deadlines), tuple(tables.work_through),
+        _suffix_minima(tables.spares), frozenset(hopeless), kv, tuple(tables.need_through),
+        _suffix_minima(tables.kv_spares) if kv is not None else (),
+        None if isinstance(usable, StepCoefficients) else usable.prompt_for_work,
+    )
+
+
+def hopeless_prefills(
+    requests: Sequence[RequestState], now: float, coefficients: StepPredictor,
+    default_tpot_s: float, headroom: float = DEFAULT_HEADROOM, kv: KvOutlook | None = None,
+    evict_longest: bool = False, evict_fairly: bool = False,
+) -> frozenset[Hashable]:
+    """``forecast(...).hopeless`` and nothing else: what a decision under ``defer`` reads
+    (the scan runs the same, without the tables the budgets need)."""
+    rate, kept, hopeless = _kept(requests, now, coefficients.usable(), default_tpot_s,
+                                 headroom, kv, evict_longest, evict_fairly)
+    _scan(kept, rate, now, kv, hopeless)
+    return frozenset(hopeless)
+
+
+def _kept(
+    requests: Sequence[RequestState], now: float, usable: StepPredictor, default_tpot_s: float,
+    headroom: float, kv: KvOutlook | None, evict_longest: bool, evict_fairly: bool,
+) -> tuple[float, list[tuple], set[Hashable]]:
+    """The rate, the queue in deadline order less what ``defer`` gives up, and the
+    request ids it gave up."""
     rate, queue = _rate_and_queue(requests, usable, default_tpot_s, headroom, kv)
     queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
     hopeless: set[Hashable] = set()
     if evict_longest or evict_fairly:
-        kept = _on_time(queue, rate, now, hopeless, _longest if evict_longest else _drawn)
-    else:
-        kept = queue
-    deadlines: list[float] = []
-    work_through: list[float] = []
-    spares: list[float] = []
-    need_through: list[float] = []
-    kv_spares: list[float] = []
+        return rate, _on_time(queue, rate, now, hopeless,
+                              _longest if evict_longest else _drawn), hopeless
+    return rate, queue, hopeless
+
+
+@dataclass(slots=True)
+class _Tables:
+    """What a :class:`QueueForecast` keeps of the feasible entries, in deadline order."""
+
+    deadlines: list[float] = field(default_factory=list)
+    work_through: list[float] = field(default_factory=list)
+    spares: list[float] = field(default_factory=list)
+    need_through: list[float] = field(default_factory=list)
+    kv_spares: list[float] = field(default_factory=list)
+
+
+def _scan(
+    kept: list[tuple], rate: float, now: float, kv: KvOutlook | None, hopeless: set[Hashable],
+    tables: _Tables | None = None,
+) -> None:
+    """The EDF scan (module docstring) over the deadline-ordered ``kept``: an entry whose
+    work does not fit by its deadline, or whose KV does not by its latest start, joins
+    ``hopeless`` and is not counted; each feasible one goes into ``tables`` when given."""
     work = 0.0
     needed = 0.0
     for deadline, _, pending, need, req_id, _ in kept:
@@ -405,65 +452,78 @@ def forecast(
                 hopeless.add(req_id)
                 continue
             needed += need
-            need_through.append(needed)
-            kv_spares.append(kv_spare)
+            if tables is not None:
+                tables.need_through.append(needed)
+                tables.kv_spares.append(kv_spare)
         work += pending
-        deadlines.append(deadline)
-        work_through.append(work)
-        spares.append(capacity - work)
-    return QueueForecast(
-        now, rate, tuple(deadlines), tuple(work_through), _suffix_minima(spares),
-        frozenset(hopeless), kv, tuple(need_through),
-        _suffix_minima(kv_spares) if kv is not None else (),
-        None if isinstance(usable, StepCoefficients) else usable.prompt_for_work,
-    )
+        if tables is not None:
+            tables.deadlines.append(deadline)
+            tables.work_through.append(work)
+            tables.spares.append(capacity - work)
 
 
 def _rate_and_queue(
     requests: Sequence[RequestState], usable: StepPredictor, default_tpot_s: float,
     headroom: float, kv: KvOutlook | None,
 ) -> tuple[float, list[tuple]]:
-    """:func:`prefill_rate` and the queued prefills ``(deadline, arrival_seq, work, kv need,
-    req_id, started)``, in one pass over the requests (the forecast runs at every
-    decision under ``defer``); the rate is the same sum in the same order, bit for bit."""
+    """:func:`prefill_rate` and :func:`_queue`, with one pass over the requests for the
+    rate and the prefills queued (the forecast runs at every decision under ``defer``);
+    the rate is the same sum in the same order, bit for bit."""
     terms = _decode_cost_terms(usable, len(requests))
     if terms is None:
-        return prefill_rate(requests, usable, default_tpot_s, headroom), [
-            _queue_entry(request, usable, kv) for request in requests
-            if request.pending_prefill > 0]
+        return prefill_rate(requests, usable, default_tpot_s, headroom), _queue(
+            [request for request in requests if request.pending_prefill > 0], usable, kv)
     fixed, per_kv_token, scale = terms
     period = default_tpot_s
     decode_share = 0.0
-    queue = []
-    work_of = usable.prefill_work
+    waiting = []
     for request in requests:
-        slo = request.slo
-        tpot = slo.tpot_s
+        tpot = request.slo.tpot_s
         if tpot < period:
             period = tpot
         pending = request.pending_prefill
         decode_share += (fixed + per_kv_token * (request.context + pending) * scale) / tpot
-        if pending <= 0:
-            continue
-        queue.append((
-            request.arrival + slo.ttft_s + tpot * request.next_output_index,
-            request.arrival_seq, work_of(pending, request.context),
-            0.0 if kv is None else kv.need_of(request), request.req_id,
+        if pending > 0:
+            waiting.append(request)
+    free = 1.0 - usable.a_s / period - decode_share
+    return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom), _queue(waiting, usable, kv)
+
+
+def _queue(
+    waiting: Sequence[RequestState], usable: StepPredictor, kv: KvOutlook | None,
+) -> list[tuple]:
+    """The queued prefills ``(deadline, arrival_seq, work, kv need, req_id, started)``, in
+    the order given. The knee model's ``prefill_work`` and ``KvOutlook.need_of`` are
+    inlined, operation for operation."""
+    queue = []
+    add = queue.append
+    knee = type(usable) is KneeStepModel
+    if knee:
+        knee_tokens, b, c, e = (usable.knee_tokens, usable.b_s_per_token,
+                                usable.c_s_per_prefill_context_token, usable.e_s_per_pair)
+    work_of = usable.prefill_work
+    reserve_of = None if kv is None else kv.reserves.get
+    new_reserve = 0.0 if kv is None else kv.new_reserve
+    for request in waiting:
+        slo = request.slo
+        pending = request.pending_prefill
+        context = request.context
+        req_id = request.req_id
+        if knee:  # prefill_cost_s(pending, context, knee_tokens) / b
+            after = knee_tokens + pending
+            if after < knee_tokens:
+                after = knee_tokens
+            work = (b * (after - knee_tokens) + c * context
+                    + e * pending * (context + (pending + 1) / 2.0)) / b
+        else:
+            work = work_of(pending, context)
+        add((
+            request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index,
+            request.arrival_seq, work,
+            0.0 if reserve_of is None else pending + reserve_of(req_id, new_reserve), req_id,
             pending < request.prompt_tokens,
         ))
-    free = 1.0 - usable.a_s / period - decode_share
-    return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom), queue
-
-
-def _queue_entry(request: RequestState, usable: StepPredictor, kv: KvOutlook | None) -> tuple:
-    pending = request.pending_prefill
-    slo = request.slo
-    return (
-        request.arrival + slo.ttft_s + slo.tpot_s * request.next_output_index,
-        request.arrival_seq, usable.prefill_work(pending, request.context),
-        0.0 if kv is None else kv.need_of(request), request.req_id,
-        pending < request.prompt_tokens,
-    )
+    return queue
 
 
 _FIBONACCI = 0x9E3779B97F4A7C15
@@ -499,14 +559,16 @@ def _on_time(
     victims = [(-victim_key(entry[1], entry[2]), -position)
                for position, entry in enumerate(queue[:first_late]) if not entry[5]]
     heapq.heapify(victims)
+    push, pop = heapq.heappush, heapq.heappop
+    longest = victim_key is _longest  # its key is the pending work: no call
     for position in range(first_late, len(queue)):
         deadline, arrival_seq, pending, _, _, started = queue[position]
         work += pending
         if not started:
-            heapq.heappush(victims, (-victim_key(arrival_seq, pending), -position))
+            push(victims, (-pending if longest else -victim_key(arrival_seq, pending), -position))
         capacity = rate * (deadline - now)
         while work > capacity and victims:
-            victim = -heapq.heappop(victims)[1]
+            victim = -pop(victims)[1]
             work -= queue[victim][2]
             dropped.add(victim)
         if work > capacity and position not in dropped:

@@ -21,6 +21,7 @@ from sglang_ext.policy.admission import (
     KvOutlook,
     class_budgets,
     forecast,
+    hopeless_prefills,
 )
 from sglang_ext.policy.batch_former import (
     DEFAULT_MAX_TOKEN_BUDGET,
@@ -210,11 +211,11 @@ class _LatenessGuarded(BatchPolicy):
             floor = self._service_floor()
         hopeless: frozenset = frozenset()
         if self.admission.mode is AdmissionMode.DEFER and _any_prefill_queued(requests):
-            hopeless = forecast(
+            hopeless = hopeless_prefills(
                 requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
                 self.admission.headroom, self.kv_outlook, self.admission.evicts_longest,
                 self.admission.evicts_fairly,
-            ).hopeless
+            )
         return triage(
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,
             deadline_guard_s=self._deadline_guard_s(),
@@ -255,8 +256,10 @@ class _LatenessGuarded(BatchPolicy):
 
 
 def _any_prefill_queued(requests: Sequence[RequestState]) -> bool:
-    """Whether the forecast can find anything hopeless (only queued prefills can be)."""
-    for request in requests:
+    """Whether the forecast can find anything hopeless (only queued prefills can be).
+    Newest first: an engine keeps its requests in arrival order, and the queued are the
+    newest."""
+    for request in reversed(requests):
         if request.pending_prefill > 0:
             return True
     return False

@@ -1,7 +1,8 @@
 """The forecast's fast paths (it runs over every request at every decision under admission
 ``defer``): ``prefill_rate`` inlines the step models' ``decode_cost_s``, the forecast takes
-the rate and its queue in one pass, and Moore-Hodgson starts its heap at the first late
-entry. Each must stay bit for bit what the plain form gives."""
+the rate and its queue in one pass (the knee model's ``prefill_work`` and the KV need
+inlined), Moore-Hodgson starts its heap at the first late entry, and a decision computes
+only the hopeless prefills. Each must stay bit for bit what the plain form gives."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import random
 
 import pytest
 
-from sglang_ext.policy.admission import _drawn, _longest, _on_time, _rate_and_queue, prefill_rate
+from sglang_ext.policy.admission import (
+    KvOutlook,
+    _drawn,
+    _longest,
+    _on_time,
+    _rate_and_queue,
+    forecast,
+    hopeless_prefills,
+    prefill_rate,
+)
 from sglang_ext.policy.knee_step_model import KneeStepModel
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
@@ -44,6 +54,9 @@ class OtherPredictor:
 
     def decode_cost_s(self, kv_tokens: float, decodes: int) -> float:
         return self.linear.decode_cost_s(kv_tokens, decodes) * 1.5
+
+    def prefill_work(self, pending: int, prefix: int) -> float:
+        return self.linear.prefill_work(pending, prefix) * 1.25
 
 
 MODELS = [
@@ -85,19 +98,42 @@ def random_requests(rng: random.Random, count: int) -> list[RequestView]:
             for i in range(count)]
 
 
-@pytest.mark.parametrize("model", MODELS, ids=lambda m: f"{type(m).__name__}")
+def random_kv(rng: random.Random, requests: list[RequestView]) -> KvOutlook:
+    releases = [(rng.uniform(0.0, 40.0), float(rng.randint(1, 5000)))
+                for _ in range(rng.randint(0, 30))]
+    reserves = {r.req_id: float(rng.randint(0, 500)) for r in requests if rng.random() < 0.5}
+    return KvOutlook.of(rng.choice([0, 5000, 400_000]), releases, reserves,
+                        rng.choice([0.0, 128.0]))
+
+
+@pytest.mark.parametrize("model", [*MODELS, OtherPredictor(MODELS[0])],
+                         ids=lambda m: f"{type(m).__name__}")
 def test_the_one_pass_rate_and_queue_are_the_separate_ones(model):
     rng = random.Random(12)
     usable = model.usable()
     for trial in range(100):
         requests = random_requests(rng, rng.choice([0, 1, 64, 320]))
-        rate, queue = _rate_and_queue(requests, usable, 0.05, 0.1, None)
+        kv = random_kv(rng, requests) if trial % 2 else None
+        rate, queue = _rate_and_queue(requests, usable, 0.05, 0.1, kv)
         assert rate == prefill_rate(requests, model, 0.05, 0.1)
         assert queue == [
             (r.arrival + r.slo.ttft_s + r.slo.tpot_s * r.next_output_index, r.arrival_seq,
-             usable.prefill_work(r.pending_prefill, r.context), 0.0, r.req_id,
+             usable.prefill_work(r.pending_prefill, r.context),
+             0.0 if kv is None else kv.need_of(r), r.req_id,
              r.pending_prefill < r.prompt_tokens)
             for r in requests if r.pending_prefill > 0]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: f"{type(m).__name__}")
+@pytest.mark.parametrize("give_up", ["each", "longest", "fair"])
+def test_a_decision_finds_the_hopeless_prefills_of_the_whole_forecast(model, give_up):
+    rng = random.Random(14)
+    for trial in range(100):
+        requests = random_requests(rng, rng.choice([0, 1, 64, 320]))
+        kv = random_kv(rng, requests) if trial % 2 else None
+        args = (requests, 50.0, model, 0.05, rng.choice([0.0, 0.1]), kv,
+                give_up == "longest", give_up == "fair")
+        assert hopeless_prefills(*args) == forecast(*args).hopeless
 
 
 def plain_on_time(queue, rate, now, hopeless, victim_key):
