@@ -4,19 +4,21 @@ The caller passes only the ranks it considers fresh (stale means unknown, never 
 as :class:`RankView` values built from the last reports plus its own dispatches since
 (see ``docs/controlplane.md``). A balancer may keep a little state of its own (a cursor,
 a seeded RNG) but does no I/O. ``choose`` returns a rank name, or None when the policy
-declines: no rank given, or (``pab`` and ``pab_least_loaded`` only) no rank's budget
-covers the prompt.
+declines: no rank given, or (the ``pab`` policies only) no rank's budget covers the
+prompt (``pab_least_loaded`` and ``pab_cache_aware``: the part of it the rank does not hold).
 
 ``slo_class`` names the SLO class whose budget a request is judged by (the ``pab``
 policies; :func:`routing_class` maps a request's SLO onto one); None, or a class a
 rank did not report, means that rank's default-class budget.
 
-``prompt`` (optional: the prompt's text or token ids) feeds the cache-aware policies'
-:class:`~controlplane.prefix_affinity.PrefixAffinity`; the others ignore it. After
-dispatching a request to the chosen rank the caller calls ``record(rank, prompt,
-prompt_tokens)``: a cache-aware policy remembers that the rank now holds the prompt and
-returns how many of its tokens it believed the rank held already (every other policy: 0),
-so the caller debits the rank's budget with the uncached rest only.
+``prompt`` (optional: the prompt's text or token ids) feeds the
+:class:`~controlplane.prefix_affinity.PrefixAffinity` of the policies that keep one
+(:data:`PREFIX_TREE_POLICIES`: the cache-aware policies route on it, ``pab_least_loaded``
+only sizes its budget check with it); the others ignore it. After dispatching a request to
+the chosen rank the caller calls ``record(rank, prompt, prompt_tokens)``: a policy with a
+prefix tree remembers that the rank now holds the prompt and returns how many of its tokens
+it believed the rank held already (every other policy: 0), so the caller debits the rank's
+budget with the uncached rest only.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ BALANCERS: tuple[str, ...] = (
     "pab", "pab_least_loaded", "pab_cache_aware", "cache_aware", "round_robin", "request_count",
     "total_tokens", "power_of_two",
 )
+# the policies that keep a prefix tree: they want the prompt, and debit only its uncached part
+PREFIX_TREE_POLICIES = frozenset({"pab_least_loaded", "pab_cache_aware", "cache_aware"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,15 +256,23 @@ class CacheAwareBalancer(_AffinityPolicy):
                 and most > settings.balance_rel_threshold * least)
 
 
-class PabCacheAwareBalancer(_AffinityPolicy):
-    """Prefix affinity within each rank's PAB for the request's class. A rank is eligible
-    when its budget covers the part of the prompt it does not hold (the prompt less its
-    believed cached tokens): a rank that cannot fit that prefill before the class's
-    deadline is never chosen. Among eligible ranks whose match ratio exceeds the threshold,
-    the longest match (ties: the lower vLLM load score); none: ``pab_least_loaded`` over
-    the eligible ranks. None when no rank is eligible (the caller queues or rejects)."""
+class PabLeastLoadedBalancer(_AffinityPolicy):
+    """PAB as the admission filter, vLLM's load score as the choice: among the ranks whose
+    effective PAB (of the request's class) covers the part of the prompt the rank does not
+    hold (the prompt less its believed cached tokens, from the prefix tree; no prompt: the
+    whole prompt), the lowest :func:`request_count_score`; ties go to the first one met
+    scanning from a start index that advances by one every call (vLLM's guard against
+    herding). None when no rank is eligible (the caller queues or rejects).
 
-    name = "pab_cache_aware"
+    Why not ``pab``'s largest budget first: at a TTFT target of seconds every rank's PAB is
+    many prompts deep, so the largest is decided by small per-rank differences (e.g. in an
+    online-learned step model) and herds onto the rank that looks fastest. Why the uncached
+    part: a rank computes only that, so judging the whole prompt declines requests a rank
+    holding their prefix could start at once (with shared prefixes under load, most of
+    them), and debiting it understates the rank's budget until its next report."""
+
+    name = "pab_least_loaded"
+    prefers_cached = False  # pab_cache_aware: the longest match above the threshold first
 
     def __init__(self, settings: CacheAwareSettings) -> None:
         super().__init__(settings)
@@ -272,6 +284,7 @@ class PabCacheAwareBalancer(_AffinityPolicy):
         if count == 0:
             return None
         match = None if prompt is None else self._match(prompt)[1]
+        affinity = match if self.prefers_cached else None
         threshold = self.settings.cache_threshold
         start = self._start % count
         self._start = start + 1
@@ -285,14 +298,26 @@ class PabCacheAwareBalancer(_AffinityPolicy):
             if not budget_covers(view, prompt_tokens - cached, slo_class):
                 continue
             score = request_count_score(view)
-            if match is not None and match.ratio(view.rank) > threshold:
-                key = (match.ratio(view.rank), -score)
+            if affinity is not None and affinity.ratio(view.rank) > threshold:
+                key = (affinity.ratio(view.rank), -score)
                 if affine is None or key > affine_key:
                     affine, affine_key = view, key
             if least is None or score < least_score:
                 least, least_score = view, score
         chosen = affine or least
         return None if chosen is None else chosen.rank
+
+
+class PabCacheAwareBalancer(PabLeastLoadedBalancer):
+    """Prefix affinity within each rank's PAB for the request's class. A rank is eligible
+    when its budget covers the part of the prompt it does not hold (the prompt less its
+    believed cached tokens): a rank that cannot fit that prefill before the class's
+    deadline is never chosen. Among eligible ranks whose match ratio exceeds the threshold,
+    the longest match (ties: the lower vLLM load score); none: ``pab_least_loaded`` over
+    the eligible ranks. None when no rank is eligible (the caller queues or rejects)."""
+
+    name = "pab_cache_aware"
+    prefers_cached = True
 
 
 def budget_covers(view: RankView, prompt_tokens: int, slo_class: str | None = None) -> bool:
@@ -333,19 +358,17 @@ class PowerOfTwoBalancer(_Oblivious):
 def make_balancer(name: str, seed: int = 0,
                   cache_aware: CacheAwareSettings | None = None) -> Balancer:
     """A fresh balancer by policy name (``seed`` drives ``power_of_two``'s draws;
-    ``cache_aware`` the two cache-aware policies' knobs, default smg's)."""
-    if name in ("cache_aware", "pab_cache_aware"):
+    ``cache_aware`` the prefix-tree policies' knobs, default smg's; ``pab_least_loaded``
+    uses only the tree's block size and bound)."""
+    if name in PREFIX_TREE_POLICIES:
         settings = cache_aware or CacheAwareSettings()
-        return CacheAwareBalancer(settings) if name == "cache_aware" \
-            else PabCacheAwareBalancer(settings)
+        if name == "cache_aware":
+            return CacheAwareBalancer(settings)
+        if name == "pab_cache_aware":
+            return PabCacheAwareBalancer(settings)
+        return PabLeastLoadedBalancer(settings)
     if name == "pab":
         return PabBalancer()
-    if name == "pab_least_loaded":
-        # PAB as the admission filter, vLLM's load score as the choice. Why not pab's
-        # largest budget first: at a TTFT target of seconds every rank's PAB is many prompts
-        # deep, so the largest is decided by small per-rank differences (e.g. in an
-        # online-learned step model) and herds onto the rank that looks fastest.
-        return LowestScoreBalancer("pab_least_loaded", request_count_score, budget_covers)
     if name == "round_robin":
         return RoundRobinBalancer()
     if name == "request_count":

@@ -23,7 +23,13 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controlplane.balancer import RankView, least_in_flight, make_balancer, routing_class
+from controlplane.balancer import (
+    PREFIX_TREE_POLICIES,
+    RankView,
+    least_in_flight,
+    make_balancer,
+    routing_class,
+)
 from controlplane.config import DaemonConfig
 from controlplane.ledger import DispatchLedger
 from controlplane.prefix_affinity import Prompt as AffinityPrompt
@@ -40,7 +46,6 @@ from controlplane.registry import Departure, HelloOutcome, RankRegistry, RankSta
 
 UNKNOWN_AGENT = "unknown agent"
 UNKNOWN_RANK = "unknown rank"
-CACHE_AWARE_POLICIES = frozenset({"cache_aware", "pab_cache_aware"})  # they route on the prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +81,7 @@ class Pending:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     tried: set[str] = field(default_factory=set)
-    affinity_prompt: AffinityPrompt | None = None  # what the cache-aware balancers match on
+    affinity_prompt: AffinityPrompt | None = None  # what the prefix-tree balancers match on
 
 
 def affinity_prompt(prompt: Prompt) -> AffinityPrompt:
@@ -109,7 +114,8 @@ class DispatcherCore:
         self.registry = RankRegistry()
         self.ledger = DispatchLedger(first_dispatch_seq)
         self.balancer = make_balancer(config.policy, config.seed)
-        self._routes_on_prompt = config.policy in CACHE_AWARE_POLICIES
+        # the prompt can change a choice (what a rank holds of it)
+        self._routes_on_prompt = config.policy in PREFIX_TREE_POLICIES
         self.counters: Counter[str] = Counter()
         self.log = log if log is not None else RateLimitedLog(logging.getLogger(__name__))
         self.draining = False
@@ -361,7 +367,7 @@ class DispatcherCore:
 
     def _dispatch(self, request_id: str, pending: Pending, rank: str) -> list[Send]:
         """Send ``pending`` to ``rank``, debiting the prompt less what the balancer believes
-        the rank holds of it already (cache-aware policies; others: the whole prompt)."""
+        the rank holds of it already (the prefix-tree policies; others: the whole prompt)."""
         state = self.registry.get(rank)
         assert state is not None
         cached = self.balancer.record(rank, pending.affinity_prompt, pending.prompt_tokens)
@@ -664,7 +670,7 @@ class DispatcherCore:
             return []
         if reset:
             self.ledger.reset(departure.rank)
-        affinity = getattr(self.balancer, "affinity", None)  # a cache-aware policy's prefix tree
+        affinity = getattr(self.balancer, "affinity", None)  # a prefix-tree policy's tree
         if affinity is not None:
             affinity.forget(departure.rank)  # gone, or back with an empty cache
         sends: list[Send] = []

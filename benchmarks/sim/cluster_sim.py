@@ -396,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated subset of " + ", ".join(WORKLOADS))
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_REQUESTS} requests, Sarathi budgets "
-                        f"{QUICK_SARATHI_BUDGETS}, bisection to {QUICK_TOLERANCE:.0%}")
+                        f"{QUICK_SARATHI_BUDGETS}, bisection to {QUICK_TOLERANCE:.0%}%")  # %%: argparse
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     parser.add_argument("--no-write", action="store_true", help="print only")

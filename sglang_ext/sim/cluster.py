@@ -49,9 +49,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from controlplane.balancer import BALANCERS, CacheAwareSettings, RankView, make_balancer
+from controlplane.balancer import (
+    BALANCERS,
+    PREFIX_TREE_POLICIES,
+    CacheAwareSettings,
+    RankView,
+    make_balancer,
+)
 from controlplane.config import DaemonConfig
-from controlplane.core import CACHE_AWARE_POLICIES
 from controlplane.ledger import DispatchLedger
 from sglang_ext.policy.slo import Slo
 from sglang_ext.sim.engine import SimEngine
@@ -336,7 +341,7 @@ class ClusterSimulation:
         waiting, self.queue = self.queue, deque()
         views: list[RankView] | None = None
         declined: dict[str, int] = {}  # per class, the smallest prompt no rank took
-        blind = self.cluster.balancer not in CACHE_AWARE_POLICIES  # the prompt cannot change a choice
+        blind = self.cluster.balancer not in PREFIX_TREE_POLICIES  # the prompt cannot change a choice
         for queued in waiting:
             request = queued.request
             if now - request.arrival_s > self._queue_ttl(queued):

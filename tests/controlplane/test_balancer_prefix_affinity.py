@@ -176,6 +176,27 @@ def test_pab_cache_aware_without_a_prompt_is_pab_least_loaded() -> None:
         assert ours.choose(ranks, tokens) == theirs.choose(ranks, tokens)
 
 
+def test_pab_least_loaded_judges_each_rank_by_what_it_must_prefill() -> None:
+    balancer = make_balancer("pab_least_loaded", cache_aware=SMALL)
+    ranks = [view("a", pab=500, waiting=2), view("b", pab=500)]
+    assert balancer.choose(ranks, 1000, None, SYSTEM) is None  # nobody holds it: 1000 > 500
+    assert balancer.record("a", SYSTEM, 1000) == 0
+    assert balancer.choose(ranks, 1000, None, SYSTEM + "more") == "a"  # only "a" can take it
+    cached = balancer.record("a", SYSTEM + "more", 1000)
+    assert 500 < cached < 1000  # the caller debits 1000 - cached
+    roomy = [view("a", pab=5000, waiting=2), view("b", pab=5000)]
+    assert balancer.choose(roomy, 1000, None, SYSTEM + "again") == "b"  # least loaded, not affinity
+
+
+def test_pab_least_loaded_uses_the_requests_class_budget_for_the_uncached_part() -> None:
+    balancer = make_balancer("pab_least_loaded", cache_aware=SMALL)
+    balancer.record("a", SYSTEM, 1000)
+    ranks = [view("a", pab=5000, waiting=5, class_pab={"interactive": 100}),
+             view("b", pab=5000, class_pab={"interactive": 100})]
+    assert balancer.choose(ranks, 1000, "interactive", SYSTEM + "question") == "a"
+    assert balancer.choose(ranks, 1000, "standard", SYSTEM + "question") == "b"
+
+
 def test_bad_threshold_is_refused() -> None:
     with pytest.raises(ValueError):
         CacheAwareSettings(cache_threshold=1.5)

@@ -51,9 +51,11 @@ def report(core: DispatcherCore, rank: str, pab: float, *, epoch: int = 1, seq: 
 
 
 def submit(core: DispatcherCore, request_id: str, tokens: int = 100, now: float = 0.0, client: bytes = CLIENT,
-           **fields) -> list:
+           token: int = 1, **fields) -> list:
+    """Submit a prompt of ``tokens`` copies of ``token`` (prompts of one token share a prefix
+    in the prefix-tree policies' eyes)."""
     fields.setdefault("protocol", PROTOCOL_VERSION)
-    message = Submit(request_id, Prompt(token_ids=[1] * tokens), SamplingParams(max_new_tokens=4), **fields)
+    message = Submit(request_id, Prompt(token_ids=[token] * tokens), SamplingParams(max_new_tokens=4), **fields)
     return core.on_client(client, message, now)
 
 
@@ -599,14 +601,17 @@ def test_a_request_is_routed_and_refused_on_its_slo_class_budget(policy):
     class_report(core, "roomy", 20_000, {"interactive": (0.5, 200.0), "relaxed": (8.0, 40_000.0)}, seq=2)
     class_report(core, "fit", 4_000, {"interactive": (0.5, 1_500.0), "relaxed": (8.0, 9_000.0)}, seq=2,
                  waiting=3)
-    (tight,) = dispatches(submit(core, "tight", tokens=1_000, slo=SloSpec(slo_class="interactive")))
+    # distinct prompts: nothing is believed cached, every prompt is judged whole
+    (tight,) = dispatches(submit(core, "tight", tokens=1_000, token=1, slo=SloSpec(slo_class="interactive")))
     assert tight.rank == "fit"  # though "roomy" has five times its default-class budget
     assert core.ledger.effective_budget("fit", "relaxed") == 8_000  # every class is debited
-    (plain,) = dispatches(submit(core, "plain", tokens=1_000))
+    (plain,) = dispatches(submit(core, "plain", tokens=1_000, token=2))
     assert plain.rank == "roomy"
-    (explicit,) = dispatches(submit(core, "explicit", tokens=400, slo=SloSpec(ttft_ms=900, tpot_ms=50)))
+    (explicit,) = dispatches(submit(core, "explicit", tokens=400, token=3,
+                                    slo=SloSpec(ttft_ms=900, tpot_ms=50)))
     assert explicit.rank == "fit"  # 900 ms: the interactive class (500 ms) is the largest not above it
-    (reject,) = replies(submit(core, "late", tokens=200, slo=SloSpec(slo_class="interactive")), Reject)
+    (reject,) = replies(submit(core, "late", tokens=200, token=4, slo=SloSpec(slo_class="interactive")),
+                        Reject)
     assert reject.reason is RejectReason.NO_BUDGET and "of SLO class interactive" in reject.detail
     ranks = {rank.rank: rank for rank in core.status(0.0).ranks}
     assert ranks["fit"].class_pab_tokens == {"interactive": 100.0, "relaxed": 7_600.0}
@@ -760,6 +765,29 @@ def test_pab_cache_aware_leaves_the_holder_when_its_budget_cannot_cover_the_rest
     (second,) = dispatches(text_submit(core, "second", shared + "r" * 400))
     assert second.rank == other
     (reject,) = replies(text_submit(core, "third", "t" * 400_000), Reject)  # nobody's budget covers it
+    assert reject.reason is RejectReason.NO_BUDGET and "less what it holds" in reject.detail
+
+
+def test_pab_least_loaded_admits_and_debits_the_part_of_a_shared_prefix_a_rank_lacks():
+    """The default policy judges and debits a prompt less what the rank holds of it, and still
+    chooses by load among the ranks that can take it (issue 29: it collapsed on shared prefixes)."""
+    core = make_core(policy="pab_least_loaded")
+    join(core, "r0", pab=100_000)
+    join(core, "r1", pab=100_000)
+    shared = "s" * 4_000  # 1,000 tokens
+    (first,) = dispatches(text_submit(core, "first", shared + "q" * 400))
+    holder = first.rank
+    other = "r1" if holder == "r0" else "r0"
+    assert 100_000 - core.ledger.effective_budget(holder) == 1_100  # nothing cached yet: all of it
+    (second,) = dispatches(text_submit(core, "second", shared + "r" * 400))
+    assert second.rank == other  # both can take it: the less loaded, not the holder
+    report(core, holder, 500, seq=2, echo=first.dispatch_seq)  # covers the uncached rest, not 1,100
+    report(core, other, 50, seq=2, echo=second.dispatch_seq)
+    (third,) = dispatches(text_submit(core, "third", shared + "t" * 400))
+    assert third.rank == holder
+    assert 500 - core.ledger.effective_budget(holder) < 200  # debited the uncached rest only
+    assert core.counters["prompt_tokens_believed_cached"] > 900
+    (reject,) = replies(text_submit(core, "fourth", "u" * 4_400), Reject)  # held nowhere
     assert reject.reason is RejectReason.NO_BUDGET and "less what it holds" in reject.detail
 
 

@@ -62,7 +62,9 @@ async def wait_until(check, what: str):
 
 async def one_request(session: aiohttp.ClientSession, url: str, index: int
                       ) -> tuple[int, str | None, str, float]:
-    body = {"prompt": [7] * 3000, "max_tokens": 24, "ignore_eos": True,
+    # each client its own prompt: the simulated ranks cache no prefixes, while the daemon's
+    # prefix tree would believe a repeated prompt cached and debit ~1 token of it
+    body = {"prompt": [7 + index] * 3000, "max_tokens": 24, "ignore_eos": True,
             "slo": "interactive" if index % 2 else "standard", "stream": index % 3 == 0}
     started = time.perf_counter()
     async with session.post(f"{url}/v1/completions", json=body,
