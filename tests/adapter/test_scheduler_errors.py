@@ -107,14 +107,37 @@ def test_handled_errors_log_again_after_the_interval_with_the_count_left_out(cap
     ]
 
 
-def test_the_prometheus_counter_counts_by_site():
-    from prometheus_client import REGISTRY
-
+@pytest.fixture(scope="module")
+def metrics():
+    """One per process: the metrics register in prometheus_client's global registry."""
     from sglang_ext.adapter.scheduler.prometheus_metrics import FairBatchingMetrics
+
+    return FairBatchingMetrics(dp_rank=None)
+
+
+def test_the_prometheus_counter_counts_by_site(metrics):
+    from prometheus_client import REGISTRY
 
     labels = {"dp_rank": "0", "site": "run_batch.untimed_step"}
     before = REGISTRY.get_sample_value("fairbatching:handled_errors_total", labels) or 0.0
-    metrics = FairBatchingMetrics(dp_rank=None)
     metrics.observe_error("run_batch.untimed_step")
     metrics.observe_error("run_batch.untimed_step")
     assert REGISTRY.get_sample_value("fairbatching:handled_errors_total", labels) == before + 2
+
+
+def test_the_old_admission_budget_gauge_is_deprecated_and_still_published(metrics, state):
+    """``fairbatching:admission_budget_tokens`` duplicates the router gauge
+    ``fairbatching:prefill_admission_budget_tokens`` (docs/metrics.md): its HELP names the
+    replacement, and it keeps its values until it is removed."""
+    from prometheus_client import REGISTRY
+
+    old = "fairbatching:admission_budget_tokens"
+    (family,) = [f for f in REGISTRY.collect() if f.name == old]
+    assert family.documentation.startswith(
+        "DEPRECATED, use fairbatching:prefill_admission_budget_tokens")
+    assert "removed in a later release" in family.documentation
+    state.admission_budgets = {"standard": 1234}
+    metrics.publish(state)
+    assert REGISTRY.get_sample_value(old, {"dp_rank": "0", "slo_class": "standard"}) == 1234
+    doc = (REPO / "docs" / "metrics.md").read_text()
+    assert f"**Deprecated:** `{old}{{slo_class}}`" in doc and "will be removed in a later release" in doc

@@ -7,16 +7,30 @@ runs with ``--enable-metrics`` (SGLang's multiprocess registry; one series per D
 ``fairbatching:fallbacks_total``, ``fairbatching:gc_pause_seconds`` and
 ``fairbatching:handled_errors_total{site}`` (errors a hook caught instead of raising;
 see :class:`sglang_ext.adapter.scheduler.state.HandledErrors`); with admission control,
-``fairbatching:admission_budget_tokens{slo_class}`` (mode reject: the budget the rank
-publishes per SLO class), ``fairbatching:late_prefills_total`` (mode defer: prefills
-the forecast called hopeless, summed over decisions) and
-``fairbatching:deferred_expired_total`` (mode defer: requests ended after
-``max_defer_s`` without a first token).
+``fairbatching:late_prefills_total`` (mode defer: prefills the forecast called hopeless,
+summed over decisions) and ``fairbatching:deferred_expired_total`` (mode defer: requests
+ended after ``max_defer_s`` without a first token).
+
+**Deprecated:** ``fairbatching:admission_budget_tokens{slo_class}`` (only while the rank
+publishes budgets: the budget per SLO class it publishes) duplicates the router gauge
+``fairbatching:prefill_admission_budget_tokens``
+(:mod:`sglang_ext.adapter.scheduler.router_metrics`: the same number whenever the rank
+publishes budgets, always exported, with SGLang's rank labels). It is still emitted so that
+existing dashboards keep working, and will be removed in a later release.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+#: The deprecated duplicate of ``fairbatching:prefill_admission_budget_tokens``: still
+#: emitted so that existing dashboards keep working; to be removed in a later release.
+DEPRECATED_ADMISSION_BUDGET = "admission_budget_tokens"
+ADMISSION_BUDGET_REPLACEMENT = "fairbatching:prefill_admission_budget_tokens"
+DEPRECATED_ADMISSION_BUDGET_HELP = (
+    f"DEPRECATED, use {ADMISSION_BUDGET_REPLACEMENT} (same budget, SGLang's rank labels, "
+    "always exported); removed in a later release. Admission budget per SLO class, prompt "
+    "tokens (only while the rank publishes budgets)")
 
 
 class FairBatchingMetrics:
@@ -43,8 +57,8 @@ class FairBatchingMetrics:
         self.handled_errors = Counter("fairbatching:handled_errors",
                                       "Errors FairBatching's scheduler hooks caught instead of raising",
                                       [*names, "site"])
-        self.admission_budget = gauge("admission_budget_tokens",
-                                      "Admission budget per SLO class, prompt tokens", ("slo_class",))
+        self.admission_budget = gauge(DEPRECATED_ADMISSION_BUDGET, DEPRECATED_ADMISSION_BUDGET_HELP,
+                                      ("slo_class",))
         self.late_prefills = Counter("fairbatching:late_prefills",
                                      "Prefills the admission forecast called hopeless, per decision",
                                      names)
