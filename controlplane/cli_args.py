@@ -1,6 +1,7 @@
 """Command-line options shared by the project's CLIs: value types that refuse what is not a
 positive number with one line (:func:`positive_float`, :func:`positive_int`,
-:func:`non_negative_float`), and single-valued options that refuse a repeat.
+:func:`non_negative_float`), the rank agent's coalescing window (:func:`coalesce_ms`, also
+read from the SGLang server's environment), and single-valued options that refuse a repeat.
 
 A single-valued command-line option given twice is an error, not a silent override.
 
@@ -13,7 +14,8 @@ to be repeated use ``action="append"`` and are left alone, as are flags
 (``store_true``) and positional arguments.
 
 Used by ``fairbatching-controlplane``, ``python -m sglang_ext.sim`` and
-``python -m sglang_ext.sim.rank``.
+``python -m sglang_ext.sim.rank``; :func:`parse_coalesce_ms` also by the SGLang ingress
+(``sglang_ext.adapter.controlplane_agent``), so both refuse the same values.
 """
 
 from __future__ import annotations
@@ -46,6 +48,36 @@ def positive_int(text: str, maximum: int | None = None) -> int:
         bound = ">= 1" if maximum is None else f"from 1 to {maximum}"
         raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {text!r}")
     return value
+
+
+#: The longest an operator may let a rank agent hold output to share a message
+#: (``--coalesce-ms``, ``FAIRBATCHING_CONTROLPLANE_COALESCE_MS``). Every streamed token may
+#: wait that long, so a longer window would eat a 50 ms TPOT SLO on its own.
+MAX_COALESCE_MS = 50.0
+
+
+def parse_coalesce_ms(text: str) -> float:
+    """The rank agent's coalescing window in milliseconds: a number from 0 to
+    :data:`MAX_COALESCE_MS`; ValueError with one line stating the bound otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_COALESCE_MS:  # NaN fails too
+        raise ValueError(
+            f"expected milliseconds from 0 to {MAX_COALESCE_MS:g}, got {text!r} (every streamed "
+            f"token may wait that long; above {MAX_COALESCE_MS:g} ms the wait alone would eat a "
+            f"{MAX_COALESCE_MS:g} ms TPOT SLO)"
+        )
+    return value
+
+
+def coalesce_ms(text: str) -> float:
+    """``--coalesce-ms``: :func:`parse_coalesce_ms` as an argparse type."""
+    try:
+        return parse_coalesce_ms(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _number(text: str, kind: type, what: str):

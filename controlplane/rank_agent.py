@@ -199,9 +199,11 @@ class RankAgent:
     ) -> None:
         """``outbox_size``: output messages that may wait for the socket before the engines
         wait for room; ``coalesce_s``: how long output waits to share a message (0: until
-        the end of the current event-loop pass)."""
-        if outbox_size < 1 or coalesce_s < 0:
-            raise ValueError("outbox_size must be >= 1 and coalesce_s >= 0")
+        the end of the current event-loop pass). Operators set it in milliseconds, at most
+        ``controlplane.cli_args.MAX_COALESCE_MS`` (``--coalesce-ms`` of a simulated rank,
+        ``FAIRBATCHING_CONTROLPLANE_COALESCE_MS`` of an SGLang server)."""
+        if outbox_size < 1 or not (math.isfinite(coalesce_s) and coalesce_s >= 0):
+            raise ValueError("outbox_size must be >= 1 and coalesce_s a finite number >= 0")
         if not ranks or len(set(ranks)) != len(ranks):
             raise ValueError(f"an agent needs distinct rank names, got {list(ranks)!r}")
         self.epoch = time.time_ns() if epoch is None else epoch
@@ -242,6 +244,11 @@ class RankAgent:
         self._wake = asyncio.Event()
         self._finished = asyncio.Event()
         self._started = False
+
+    @property
+    def coalesce_s(self) -> float:
+        """How long output waits to share a message (0: until the end of the pass)."""
+        return self._coalesce_s
 
     @property
     def serving(self) -> frozenset[str]:

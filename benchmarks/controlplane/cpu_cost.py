@@ -2,6 +2,7 @@
 the idle floor, and the one-core ceiling.
 
     python -m benchmarks.controlplane.cpu_cost [--quick] [--json PATH] [--only PART,...]
+        [--coalesce-ms MS]
 
 One machine, loopback: the daemon (`python -m controlplane serve`), one process of
 simulated ranks (`python -m sglang_ext.sim.rank`) and the load generator, this process
@@ -17,6 +18,10 @@ the machine slows the run but hardly changes the CPU-seconds.
   closed loop with 64 requests outstanding; 1-token requests (requests/s) and 200-token
   streams (tokens/s). Besides what was reached, the rate the daemon's core would carry
   (reached / the daemon's share of its core).
+
+``--coalesce-ms MS`` (0 to 50, default 0) starts the simulated ranks with ``--coalesce-ms
+MS``: their agent holds output up to MS ms so that the steps within it share one message
+(fewer messages per streamed token, up to MS ms added per token). The JSON records it.
 
 ``--json`` writes the figures; ``docs/bench/controlplane_cpu.md`` records runs.
 """
@@ -38,6 +43,7 @@ from pathlib import Path
 from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
 from benchmarks.controlplane.processes import start_sim_ranks, wait_for_ranks
 from benchmarks.support.processes import stop_group
+from controlplane.cli_args import coalesce_ms
 from controlplane.client import AsyncClient
 from controlplane.protocol import SamplingParams
 
@@ -140,7 +146,8 @@ async def closed_loop(address: str, concurrency: int, duration_s: float, tokens:
 class Stack:
     """A daemon and one process of simulated ranks."""
 
-    def __init__(self, scratch: Path, ranks: int, time_scale: float, pin_daemon: bool = False):
+    def __init__(self, scratch: Path, ranks: int, time_scale: float, pin_daemon: bool = False,
+                 coalesce_ms: float = 0.0):
         scratch.mkdir(parents=True, exist_ok=True)
         self.config = loopback_config(stale_after_s=2.0, log_level="warning", max_in_flight=100_000)
         self.daemon = start_process_daemon(scratch, self.config)
@@ -148,7 +155,8 @@ class Stack:
             subprocess.run(["taskset", "-a", "-p", "-c", "0", str(self.daemon.process.pid)],
                            check=True, stdout=subprocess.DEVNULL)
         self.ranks = start_sim_ranks(self.config, scratch / "ranks.log", ranks=ranks, agent_id="cpu",
-                                     time_scale=time_scale)
+                                     time_scale=time_scale,
+                                     extra=["--coalesce-ms", f"{coalesce_ms:g}"])
         wait_for_ranks(self.config.client_address, ranks)
 
     def window(self) -> CpuWindow:
@@ -171,8 +179,8 @@ def per_request(window: CpuWindow, done: dict) -> dict:
     }
 
 
-def run_idle(scratch: Path, seconds: float) -> dict:
-    stack = Stack(scratch, ranks=2, time_scale=1.0)
+def run_idle(scratch: Path, seconds: float, coalesce_ms: float = 0.0) -> dict:
+    stack = Stack(scratch, ranks=2, time_scale=1.0, coalesce_ms=coalesce_ms)
     try:
         time.sleep(1.0)
         window = stack.window()
@@ -186,8 +194,8 @@ def run_idle(scratch: Path, seconds: float) -> dict:
         stack.close()
 
 
-def run_load(scratch: Path, seconds: float, stream: bool) -> dict:
-    stack = Stack(scratch, ranks=2, time_scale=1.0)
+def run_load(scratch: Path, seconds: float, stream: bool, coalesce_ms: float = 0.0) -> dict:
+    stack = Stack(scratch, ranks=2, time_scale=1.0, coalesce_ms=coalesce_ms)
     try:
         window = stack.window()
         window.start()
@@ -198,8 +206,8 @@ def run_load(scratch: Path, seconds: float, stream: bool) -> dict:
         stack.close()
 
 
-def run_ceiling(scratch: Path, seconds: float, tokens: int) -> dict:
-    stack = Stack(scratch, ranks=8, time_scale=0.01, pin_daemon=True)
+def run_ceiling(scratch: Path, seconds: float, tokens: int, coalesce_ms: float = 0.0) -> dict:
+    stack = Stack(scratch, ranks=8, time_scale=0.01, pin_daemon=True, coalesce_ms=coalesce_ms)
     try:
         window = stack.window()
         window.start()
@@ -217,29 +225,40 @@ def run_ceiling(scratch: Path, seconds: float, tokens: int) -> dict:
         stack.close()
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter windows")
     parser.add_argument("--only", default="idle,streamed,unstreamed,ceiling",
                         help="comma-separated parts to run")
     parser.add_argument("--json", type=Path, help="write the figures here")
-    args = parser.parse_args()
+    parser.add_argument("--coalesce-ms", type=coalesce_ms, default=0.0, metavar="MS",
+                        help="the simulated ranks' --coalesce-ms: hold output up to MS ms to "
+                             "share a message (0 to 50; default 0)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     seconds = 8.0 if args.quick else 20.0
     parts = set(args.only.split(","))
-    results: dict = {"load_before": machine_load(), "cpus": os.cpu_count()}
+    coalesce = args.coalesce_ms
+    results: dict = {"load_before": machine_load(), "cpus": os.cpu_count(), "coalesce_ms": coalesce}
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         if "idle" in parts:
-            results["idle"] = run_idle(scratch / "idle", IDLE_S / 2 if args.quick else IDLE_S)
+            results["idle"] = run_idle(scratch / "idle", IDLE_S / 2 if args.quick else IDLE_S,
+                                       coalesce_ms=coalesce)
             print(json.dumps({"idle": results["idle"]}), flush=True)
         for name, stream in (("streamed", True), ("unstreamed", False)):
             if name in parts:
-                results[name] = run_load(scratch / name, seconds, stream)
+                results[name] = run_load(scratch / name, seconds, stream, coalesce_ms=coalesce)
                 print(json.dumps({name: results[name]}), flush=True)
         if "ceiling" in parts:
-            results["ceiling_requests"] = run_ceiling(scratch / "c1", seconds / 2, 1)
+            results["ceiling_requests"] = run_ceiling(scratch / "c1", seconds / 2, 1,
+                                                      coalesce_ms=coalesce)
             print(json.dumps({"ceiling_requests": results["ceiling_requests"]}), flush=True)
-            results["ceiling_tokens"] = run_ceiling(scratch / "c200", seconds / 2, 200)
+            results["ceiling_tokens"] = run_ceiling(scratch / "c200", seconds / 2, 200,
+                                                    coalesce_ms=coalesce)
             print(json.dumps({"ceiling_tokens": results["ceiling_tokens"]}), flush=True)
     results["load_after"] = machine_load()
     if args.json:

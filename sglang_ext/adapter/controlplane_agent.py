@@ -7,9 +7,17 @@ Switched on by environment variables read in every SGLang process::
     FAIRBATCHING_RANK_NAME=<prefix>                         # optional; default <host>:<port>
     FAIRBATCHING_CONTROLPLANE_CURVE_SERVER_KEY=<daemon.key>  # optional, both or neither:
     FAIRBATCHING_CONTROLPLANE_CURVE_SECRET_KEY=<own.key_secret>  # a daemon serving CURVE
+    FAIRBATCHING_CONTROLPLANE_COALESCE_MS=<0..50>           # optional; default 0
 
 FairBatching must be on (``FAIRBATCHING_CONFIG``): reports carry the PAB its policy
 computes, and without one the daemon's ``pab`` policy could never route here.
+
+``FAIRBATCHING_CONTROLPLANE_COALESCE_MS`` lets the agent hold an engine step's output up to
+that long so that the steps within it share one message (``RankAgent(coalesce_s=...)``):
+fewer messages per streamed token when steps are shorter than the window, at the cost of
+up to that much added latency per token. 0 (the default) sends each event-loop pass's
+output at once. Negative, non-numeric or above 50 ms is refused at start-up (a longer
+window would eat a 50 ms TPOT SLO on its own).
 
 - **Ingress** (the HTTP / TokenizerManager process): a :class:`controlplane.rank_agent.RankAgent`
   with agent id ``<prefix>`` serves ranks ``<prefix>/0 .. <prefix>/<dp_size-1>``. It runs
@@ -50,6 +58,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from controlplane.cli_args import parse_coalesce_ms  # stdlib only
 from sglang_ext.adapter.dp_pab import (
     DISPATCH_SEQ_KEY,  # what the scheduler side echoes (stdlib only)
 )
@@ -62,6 +71,7 @@ RANK_NAME_ENV = "FAIRBATCHING_RANK_NAME"
 EPOCH_ENV = "FAIRBATCHING_RANK_EPOCH"
 CURVE_SERVER_KEY_ENV = "FAIRBATCHING_CONTROLPLANE_CURVE_SERVER_KEY"
 CURVE_SECRET_KEY_ENV = "FAIRBATCHING_CONTROLPLANE_CURVE_SECRET_KEY"
+COALESCE_ENV = "FAIRBATCHING_CONTROLPLANE_COALESCE_MS"
 
 INGRESS_ATTR = "fairbatching_controlplane"  # on the TokenizerManager
 RID_REUSE_WAIT_S = 2.0  # a re-dispatched id waits this long for its aborted predecessor
@@ -86,6 +96,7 @@ class ControlPlaneSettings:
     epoch: int
     curve_server_key: str | None = None  # the daemon's .key, when it serves CURVE
     curve_secret_key: str | None = None  # this server's .key_secret
+    coalesce_s: float = 0.0  # how long the agent holds output to share a message
 
     def curve_peer(self) -> Any:
         """The :class:`controlplane.curve.CurvePeer` for this server's sockets, or None."""
@@ -103,11 +114,17 @@ def settings_from_environment(
     env = os.environ if environ is None else environ
     rank_address = env.get(CONTROLPLANE_ENV, "").strip()
     report_address = env.get(REPORTS_ENV, "").strip()
+    coalesce_text = env.get(COALESCE_ENV, "").strip()
     if not rank_address:
         if report_address:
             raise ControlPlaneConfigError(
                 f"{REPORTS_ENV} is set but {CONTROLPLANE_ENV} is not; set both to join a "
                 "control plane, or neither"
+            )
+        if coalesce_text:
+            raise ControlPlaneConfigError(
+                f"{COALESCE_ENV} is set but {CONTROLPLANE_ENV} is not; it only applies to a "
+                "server that joins a control plane"
             )
         return None
     if not report_address:
@@ -128,10 +145,14 @@ def settings_from_environment(
     prefix = env.get(RANK_NAME_ENV, "").strip() or None
     if prefix is not None:
         check_rank_prefix(prefix, dp_size=1, source=RANK_NAME_ENV)
+    try:
+        coalesce_ms = parse_coalesce_ms(coalesce_text) if coalesce_text else 0.0
+    except ValueError as error:
+        raise ControlPlaneConfigError(f"{COALESCE_ENV}: {error}") from None
     server_key = env.get(CURVE_SERVER_KEY_ENV, "").strip() or None
     secret_key = env.get(CURVE_SECRET_KEY_ENV, "").strip() or None
     settings = ControlPlaneSettings(rank_address, report_address, prefix, ensure_epoch(env),
-                                    server_key, secret_key)
+                                    server_key, secret_key, coalesce_s=coalesce_ms / 1e3)
     try:
         settings.curve_peer()
     except ValueError as error:  # controlplane.curve.CurveError
@@ -458,13 +479,15 @@ class ControlPlaneIngress:
         engine = SGLangRankEngine(self.tokenizer_manager, {r: i for i, r in enumerate(self.ranks)},
                                   self.dp_size, self.settings.report_address)
         self.agent = RankAgent(self.settings.rank_address, self.prefix, self.ranks, engine,
-                               epoch=self.settings.epoch, curve=self.settings.curve_peer())
+                               epoch=self.settings.epoch, curve=self.settings.curve_peer(),
+                               coalesce_s=self.settings.coalesce_s)
         if self._stopping or self._draining:  # nothing ran here yet: nothing to drain
             self.agent.stop()
         self.task = asyncio.get_running_loop().create_task(self._run(), name="fairbatching-controlplane")
         self.tokenizer_manager.asyncio_tasks.add(self.task)
-        logger.info("control plane: agent %s serving ranks %s (epoch %d) at %s", self.prefix,
-                    ", ".join(self.ranks), self.settings.epoch, self.settings.rank_address)
+        logger.info("control plane: agent %s serving ranks %s (epoch %d) at %s (coalescing "
+                    "window %g ms)", self.prefix, ", ".join(self.ranks), self.settings.epoch,
+                    self.settings.rank_address, self.settings.coalesce_s * 1e3)
 
     def stop(self) -> None:
         """Leave the control plane (``Goodbye`` for every rank); requests still running

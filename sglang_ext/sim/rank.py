@@ -5,6 +5,10 @@
 SIGTERM drains (``Draining``, the running requests finish, ``Goodbye``, exit 0; at most
 ``--drain-timeout`` seconds); SIGINT or a second SIGTERM leaves at once.
 
+``--coalesce-ms MS`` (0 to 50, default 0) lets the agent hold output up to MS ms so that
+the steps within it share one message (``RankAgent(coalesce_s=...)``): fewer messages per
+streamed token, up to MS ms added per token.
+
 Each rank is one :class:`SimEngine` whose virtual clock follows the wall clock
 (``virtual = (monotonic - start) / time_scale``): the stepping loop runs one step,
 sleeps until the step's virtual end is reached in real time and only then emits its
@@ -38,7 +42,13 @@ from pathlib import Path
 
 import zmq
 
-from controlplane.cli_args import positive_float, positive_int, refuse_repeats
+from controlplane.cli_args import (
+    MAX_COALESCE_MS,
+    coalesce_ms,
+    positive_float,
+    positive_int,
+    refuse_repeats,
+)
 from controlplane.curve import CurvePeer
 from controlplane.protocol import Dispatch, FinishReason, Prompt, Welcome, pack_class_budgets
 from controlplane.rank_agent import InvalidRequest, NoBudget, OutputSink, RankAgent
@@ -391,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="GPU noise seed (rank i uses seed+i)")
     parser.add_argument("--report-interval-ms", type=positive_float, default=HEARTBEAT_S * 1e3,
                         help="report at least this often (and after a step that changed the load)")
+    parser.add_argument("--coalesce-ms", type=coalesce_ms, default=0.0, metavar="MS",
+                        help="hold output up to MS ms so that the engine steps within it share "
+                             "one message: fewer messages per streamed token when steps are "
+                             "shorter than MS, up to MS ms added per token (0, the default: "
+                             f"each step's output at once; at most {MAX_COALESCE_MS:g})")
     parser.add_argument("--curve-server-key", metavar="FILE",
                         help="the daemon's public key (.key), when it serves CURVE")
     parser.add_argument("--curve-secret-key", metavar="FILE",
@@ -454,7 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for address in (args.daemon, args.report_address):
             check_address(address)
-        agent = RankAgent(args.daemon, args.agent_id, names, sims, curve=curve)
+        agent = RankAgent(args.daemon, args.agent_id, names, sims, curve=curve,
+                          coalesce_s=args.coalesce_ms / 1e3)
     except (ProfileError, SloError, PolicySpecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -181,6 +181,48 @@ def test_curve_settings_go_together_and_their_key_files_are_checked_at_start_up(
                                       fairbatching_on=True)
 
 
+@pytest.mark.parametrize(("text", "seconds"), [("", 0.0), ("0", 0.0), ("5", 0.005), (" 12.5 ", 0.0125),
+                                             ("50", 0.05)])
+def test_the_coalescing_window_is_read_in_milliseconds(text: str, seconds: float) -> None:
+    env = {cpa.CONTROLPLANE_ENV: "tcp://127.0.0.1:5561", cpa.REPORTS_ENV: "tcp://127.0.0.1:5562"}
+    assert cpa.settings_from_environment(dict(env), fairbatching_on=True).coalesce_s == 0.0  # unset
+    settings = cpa.settings_from_environment({**env, cpa.COALESCE_ENV: text}, fairbatching_on=True)
+    assert settings.coalesce_s == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["-1", "-0.5", "abc", "5ms", "50.01", "1000", "nan", "inf"])
+def test_a_bad_coalescing_window_is_refused_in_one_line_stating_the_bound(text: str) -> None:
+    env = {cpa.CONTROLPLANE_ENV: "tcp://127.0.0.1:5561", cpa.REPORTS_ENV: "tcp://127.0.0.1:5562",
+           cpa.COALESCE_ENV: text}
+    with pytest.raises(cpa.ControlPlaneConfigError) as refused:
+        cpa.settings_from_environment(env, fairbatching_on=True)
+    message = str(refused.value)
+    assert message.startswith(f"{cpa.COALESCE_ENV}: expected milliseconds from 0 to 50, got {text!r}")
+    assert "50 ms TPOT SLO" in message and "\n" not in message
+    assert cpa.EPOCH_ENV not in env  # refused before anything else happened
+
+
+def test_a_coalescing_window_without_a_control_plane_is_refused() -> None:
+    with pytest.raises(cpa.ControlPlaneConfigError,
+                       match=f"{cpa.COALESCE_ENV} is set but {cpa.CONTROLPLANE_ENV} is not"):
+        cpa.settings_from_environment({cpa.COALESCE_ENV: "5"}, fairbatching_on=True)
+
+
+def test_the_server_refuses_to_start_with_a_bad_coalescing_window(monkeypatch) -> None:
+    from sglang_ext.adapter import plugin
+
+    monkeypatch.delenv(plugin.EMULATED_GPU_ENV, raising=False)
+    monkeypatch.setenv("FAIRBATCHING_CONFIG", str(REPO / "configs" / "fairbatching.toml"))
+    monkeypatch.setenv(cpa.CONTROLPLANE_ENV, "tcp://127.0.0.1:5561")
+    monkeypatch.setenv(cpa.REPORTS_ENV, "tcp://127.0.0.1:5562")
+    monkeypatch.setenv(cpa.COALESCE_ENV, "80")
+    monkeypatch.delenv(cpa.EPOCH_ENV, raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        plugin.register()
+    assert str(stopped.value.code).startswith(
+        f"FairBatching: {cpa.COALESCE_ENV}: expected milliseconds from 0 to 50, got '80'")
+
+
 def test_rank_names_and_server_checks() -> None:
     from types import SimpleNamespace
 
@@ -312,6 +354,33 @@ async def _run_engine_scenario() -> dict[str, Any]:
         await asyncio.wait_for(task, 5)
         daemon.close()
     return {"done": done, "outputs": outputs, "tm": tm}
+
+
+def test_the_ingress_hands_the_coalescing_window_to_its_rank_agent() -> None:
+    from types import SimpleNamespace
+
+    async def scenario() -> None:
+        daemon = ScriptedDaemon()
+        env = {cpa.CONTROLPLANE_ENV: daemon.address, cpa.REPORTS_ENV: "tcp://127.0.0.1:1",
+               cpa.RANK_NAME_ENV: "srv", cpa.COALESCE_ENV: "7"}
+        settings = cpa.settings_from_environment(env, fairbatching_on=True)
+        tm = FakeTokenizerManager()
+        tm.server_args = SimpleNamespace(host="127.0.0.1", port=30000, dp_size=1, tokenizer_worker_num=1,
+                                         enable_dp_attention=False, load_balance_method="round_robin")
+        tm.asyncio_tasks = set()
+        ingress = cpa.ControlPlaneIngress(tm, settings)
+        try:
+            ingress.start()
+            assert ingress.agent.coalesce_s == pytest.approx(0.007)
+            hello = await daemon.recv()  # the agent runs with it
+            assert isinstance(hello, p.Hello) and hello.rank == "srv/0"
+        finally:
+            ingress.stop()
+            if ingress.task is not None:
+                await asyncio.wait_for(ingress.task, 5)
+            daemon.close()
+
+    asyncio.run(scenario())
 
 
 @pytest.fixture(scope="module")

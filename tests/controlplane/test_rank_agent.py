@@ -462,6 +462,13 @@ def test_invalid_names_are_refused_before_anything_is_sent():
     assert RankAgent("tcp://127.0.0.1:1", "a", ["r0"], ScriptedEngine()).epoch >= time.time_ns() - 10**9
 
 
+@pytest.mark.parametrize("coalesce_s", [-0.001, math.nan, math.inf])
+def test_a_negative_or_infinite_coalescing_window_is_refused(coalesce_s):
+    with pytest.raises(ValueError, match="coalesce_s"):
+        RankAgent("tcp://127.0.0.1:1", "a", ["r0"], ScriptedEngine(), coalesce_s=coalesce_s)
+    assert RankAgent("tcp://127.0.0.1:1", "a", ["r0"], ScriptedEngine()).coalesce_s == 0.0
+
+
 # ------------------------------------------------------------------ the simulated rank
 CATALOG = SloCatalog.from_toml(REPO / "configs" / "slo.toml")
 
@@ -663,6 +670,33 @@ def test_the_sim_rank_process_refuses_bad_arguments_with_exit_2(argv, capsys):
     assert error.startswith("error: ") and "\n" not in error
 
 
+def test_the_sim_rank_process_hands_its_coalescing_window_to_the_agent(monkeypatch):
+    import sglang_ext.sim.rank as sim_rank_module
+
+    served = []
+
+    async def serve_nothing(agent, sims, drain_timeout_s=30.0):
+        served.append(agent)
+        return 0
+
+    monkeypatch.setattr(sim_rank_module, "serve", serve_nothing)
+    daemon = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    assert sim_rank_main(["--daemon", daemon, "--coalesce-ms", "5"]) == 0
+    assert sim_rank_main(["--daemon", daemon]) == 0
+    assert [agent.coalesce_s for agent in served] == [pytest.approx(0.005), 0.0]
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "50.5", "nan"])
+def test_the_sim_rank_process_refuses_a_bad_coalescing_window_with_exit_2(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sim_rank_main(["--coalesce-ms", value])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith(f"argument --coalesce-ms: expected milliseconds from 0 to 50, got {value!r} "
+                          "(every streamed token may wait that long; above 50 ms the wait alone "
+                          "would eat a 50 ms TPOT SLO)")
+
+
 # ------------------------------------------------------------------ against the real daemon
 def submit_and_collect(client: zmq.Socket, request_id: str, max_new_tokens: int, timeout_s: float = 10.0):
     client.send(p.encode(p.Submit(request_id, p.Prompt(token_ids=[1] * 32),
@@ -783,6 +817,40 @@ def test_the_output_of_one_engine_step_crosses_as_one_message_in_order_per_reque
                 mine = [m for _, m in daemon.received if getattr(m, "request_id", None) == request_id]
                 assert [t for m in mine[:-1] for t in m.token_ids] == list(range(5))
                 assert isinstance(mine[-1], p.Done) and mine[-1].completion_tokens == 5
+    run(scenario())
+
+
+def test_a_coalescing_window_holds_the_steps_within_it_then_sends_them_as_one_message():
+    window_s = 1.0  # long beside a step here; only the first frame waits it out
+
+    async def scenario():
+        engine = SteppedEngine(steps=3)
+        async with scripted() as daemon, agent_on(daemon, engine, coalesce_s=window_s) as agent:
+            identity = await daemon.join(agent)
+            ids = [f"held-{i}" for i in range(3)]
+            for seq, request_id in enumerate(ids, 1):
+                await daemon.send(identity, dispatch(request_id, seq=seq))
+            await until(lambda: engine.waiting == len(ids))
+            first_step = time.monotonic()
+            for step in range(1, engine.steps + 1):
+                engine.step()
+                held = step * len(ids) + (len(ids) if step == engine.steps else 0)  # + the Dones
+                await until(lambda held=held: len(agent._batch) == held)  # held, not sent
+                if step < engine.steps:
+                    await until(lambda: engine.waiting == len(ids))
+            assert agent.counters["output_batches"] == 0
+            assert isinstance(agent._flush_handle, asyncio.TimerHandle)
+            for _ in ids:
+                await daemon.receive(p.Done, timeout_s=window_s + 5.0)
+            batches = [m for m in daemon.frames if isinstance(m, p.RankOutputs)]
+            assert len(batches) == 1 and len(batches[0].items) == engine.steps * len(ids) + len(ids)
+            arrived = next(at for at, m in daemon.received if isinstance(m, p.Output))
+            assert arrived - first_step >= window_s - 0.005  # the whole window, not at once
+            for request_id in ids:
+                mine = [m for m in batches[0].items if m.request_id == request_id]
+                assert [t for m in mine[:-1] for t in m.token_ids] == [0, 1, 2]
+                assert isinstance(mine[-1], p.Done) and mine[-1].completion_tokens == 3
+            assert agent.counters["output_batches"] == 1
     run(scenario())
 
 
