@@ -821,7 +821,7 @@ def test_the_output_of_one_engine_step_crosses_as_one_message_in_order_per_reque
 
 
 def test_a_coalescing_window_holds_the_steps_within_it_then_sends_them_as_one_message():
-    window_s = 1.0  # long beside a step here; only the first frame waits it out
+    window_s = 3.0  # long beside a step even on a starved machine; only the first frame waits it out
 
     async def scenario():
         engine = SteppedEngine(steps=3)
