@@ -1,9 +1,11 @@
 """The daemon's configuration: one TOML file (see ``configs/controlplane.toml``).
 
 Every field has a default, so an empty file (or none) is a loopback daemon with the
-``pab_least_loaded`` policy (PAB admits, load chooses: plain ``pab`` herds, see
-docs/bench/cluster_sim.md). A wrong key, type or range raises :class:`ConfigError` naming the file
-and the field.
+``pab_cache_aware`` policy (prefix-cache affinity within each rank's PAB: a request goes
+where its prefix is cached unless that rank's budget cannot take it; no cached match: as
+``pab_least_loaded``, PAB admits and load chooses, since plain ``pab`` herds). Why it is
+the default: docs/controlplane.md (*A request's life*, 2), docs/bench/routers.md. A wrong key, type
+or range raises :class:`ConfigError` naming the file and the field.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     curve_secret_key_file: str | None = None  # the daemon's .key_secret: CURVE on every socket
     curve_authorized_keys_dir: str | None = None  # the .key files of every peer let in
 
-    policy: PolicyName = "pab_least_loaded"
+    policy: PolicyName = "pab_cache_aware"  # pab_least_loaded: the default before issue 29
     on_no_budget: Literal["reject", "queue"] = "reject"
     retry_after_s: PositiveFloat = 0.25
     queue_ttl_s: PositiveFloat = 5.0  # the longest wait; a request with a TTFT target waits at most that

@@ -63,7 +63,8 @@ def router_commands(points: Sequence[dict], commands: Sequence[str]) -> list[str
 def daemon_routers_text(chars_per_token: object) -> str:
     """The header's line on the daemon's routers, from :data:`DAEMON_POLICY`."""
     names = " / ".join(f"`{n}`" for n in DAEMON_POLICY)
-    policies = " / ".join(f"`{p or DAEMON_DEFAULT_POLICY}`" for p in DAEMON_POLICY.values())
+    policies = " / ".join(f"`{p}`" if p else f"its default, `{DAEMON_DEFAULT_POLICY}`"
+                          for p in DAEMON_POLICY.values())
     return (f"{names} = the daemon ({policies}, other keys default but `chars_per_token = "
             f"{chars_per_token}`, this text's; the cache-aware policies' prefix tree has smg "
             "`cache_aware`'s default knobs) behind its gateway.")

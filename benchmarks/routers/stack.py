@@ -26,6 +26,7 @@ from benchmarks.server.stock_server import launch
 from benchmarks.support.paths import pythonpath_with_checkout
 from benchmarks.support.ports import free_ports
 from benchmarks.support.processes import spawn, stop_group
+from controlplane.config import DaemonConfig
 
 KV_TOKENS = 65_536  # per server: holds half of the shared prefixes with room to run, not all
 MAX_PREFILL_TOKENS = 16_384
@@ -42,14 +43,18 @@ SERVER_ARGS = ("--max-total-tokens", str(KV_TOKENS), "--max-prefill-tokens", str
 SMG_CA_EXTRA = ("--disable-worker-overload-protection", "--worker-warmup-secs", "0")
 SMG_QUEUE_TIMEOUT_S = 2  # = the TTFT target (whole seconds: smg's flag is an integer)
 
-ROUTERS = ("smg-rr", "smg-ca", "cp-default", "cp-pab", "cp-cache")
+ROUTERS = ("smg-rr", "smg-ca", "cp-default", "cp-pab", "cp-least")
 #: The daemon's routers: name -> its ``policy`` key (None: not set, the daemon's default).
-DAEMON_POLICY = {"cp-default": None, "cp-pab": "pab", "cp-cache": "pab_cache_aware"}
-DAEMON_DEFAULT_POLICY = "pab_least_loaded"  # controlplane.config.DaemonConfig's default
+DAEMON_POLICY = {"cp-default": None, "cp-pab": "pab", "cp-least": "pab_least_loaded"}
+#: What ``cp-default`` runs: the daemon's own default (``pab_cache_aware`` since issue 29).
+DAEMON_DEFAULT_POLICY: str = DaemonConfig().policy
 
 
 def daemon_router_name(policy: str | None) -> str:
-    """The router name of the daemon with ``policy`` (:data:`DAEMON_POLICY` inverted)."""
+    """The router name of the daemon with ``policy`` (:data:`DAEMON_POLICY` inverted; the
+    default's own name is ``cp-default`` too)."""
+    if policy == DAEMON_DEFAULT_POLICY:
+        policy = None
     for name, value in DAEMON_POLICY.items():
         if value == policy:
             return name
@@ -59,8 +64,6 @@ def daemon_router_name(policy: str | None) -> str:
 def check_daemon_config(text: str, source: object = "<bench daemon config>") -> None:
     """Parse ``text`` as the daemon will (keys, types, ranges; every key not set takes its
     default): a bad config fails here, before any process starts."""
-    from controlplane.config import DaemonConfig
-
     DaemonConfig.from_mapping(tomllib.loads(text).get("daemon", {}), source=str(source))
 
 
@@ -191,7 +194,7 @@ class Stack:
 
     def spawn_daemon(self, policy: str | None) -> None:
         self.stop_daemon()
-        tag = policy or "default"
+        tag = policy or f"default-{DAEMON_DEFAULT_POLICY}"  # the raw logs name what ran
         config = self.raw / f"daemon-{tag}.toml"
         text = self.daemon_config_text(policy)
         check_daemon_config(text, config)

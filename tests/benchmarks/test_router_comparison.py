@@ -310,8 +310,8 @@ def synthetic_points() -> list[dict]:
             point("prefix", 16.0, "cp-default", 12.0, added=3.0, cpu=30.0, server_died={"server-a.log": "boom"}),
             point("prefix", 8.0, "cp-pab", 7.9, added=3.5, cpu=31.0),
             point("prefix", 16.0, "cp-pab", 11.0, added=3.5, cpu=31.0),
-            point("prefix", 8.0, "cp-cache", 8.0, added=3.2, cpu=33.0),
-            point("prefix", 16.0, "cp-cache", 13.0, added=3.2, cpu=33.0),
+            point("prefix", 8.0, "cp-least", 8.0, added=3.2, cpu=33.0),
+            point("prefix", 16.0, "cp-least", 13.0, added=3.2, cpu=33.0),
             point("azure", 6.0, "smg-rr", 5.0, added=2.0, cpu=9.0),
             point("azure", 6.0, "cp-default", 6.0, added=3.0, cpu=60.0),
             {"workload": "azure", "rate": 9.0, "router": "cp-pab", "error": "RuntimeError: x"}]
@@ -336,15 +336,15 @@ def test_main_points_keep_only_the_tuned_cache_aware_limits_and_skip_errors() ->
         {(8.0, 32, 16), (16.0, 32, 16)}
     assert not any("error" in p for p in rows)
     assert [p["router"] for p in rows if p["workload"] == "prefix" and p["rate"] == 16.0] == \
-        ["smg-rr", "smg-ca", "cp-default", "cp-pab", "cp-cache"]
+        ["smg-rr", "smg-ca", "cp-default", "cp-pab", "cp-least"]
     assert tuned_limits(synthetic_points()) == {"prefix": (32, 16)}
 
 
 def test_smg_wins_names_goodput_latency_and_cpu_wins_only() -> None:
     found = smg_wins(synthetic_points())
     text = "\n".join(found)
-    # the daemon's best at 16 req/s is cp-cache (13.00), above cp-default's 12.00
-    assert "goodput, prefix at 16 req/s: 14.00 (smg-ca) against 13.00 (cp-cache), 1.08x" in text
+    # the daemon's best at 16 req/s is cp-least (13.00), above cp-default's 12.00
+    assert "goodput, prefix at 16 req/s: 14.00 (smg-ca) against 13.00 (cp-least), 1.08x" in text
     assert "prefix at 8 req/s" not in text  # a tie is no win
     assert "azure at 6" not in text  # the daemon wins there
     assert any(w.startswith("added latency") for w in found)
@@ -366,11 +366,11 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     assert "| 16 | smg-ca (C=32, Q=16) | **14.00** |" in text
     assert "| 16 | cp-default † |" in text and "† a server died" in text
     assert "router CPU s / 1000 req | router CPU s / 1000 tokens |" in text
-    assert "| 16 | cp-cache | 13.00 | 0.810 | 0 | 100 / 200 / 300 | 20.0 / 30.0 / 40.0 | 50% | 33.0 | 0.165 |" \
+    assert "| 16 | cp-least | 13.00 | 0.810 | 0 | 100 / 200 / 300 | 20.0 / 30.0 / 40.0 | 50% | 33.0 | 0.165 |" \
         in text
-    assert "`cp-default` / `cp-pab` / `cp-cache` = the daemon (`pab_least_loaded` / `pab` / " \
-           "`pab_cache_aware`" in text
-    assert "| cp-cache | 6 |" in text and "CPU s / 1000 tokens (prefix): router, servers" in text
+    assert "`cp-default` / `cp-pab` / `cp-least` = the daemon (its default, `pab_cache_aware` / " \
+           "`pab` / `pab_least_loaded`" in text
+    assert "| cp-least | 6 |" in text and "CPU s / 1000 tokens (prefix): router, servers" in text
     assert "| 33.0, 100 | 0.165, 0.50 |" in text  # prefix: per request, then per token
     assert "best C=32, Q=16; concurrency interior, queue size interior" in text
     assert "| **32** | **16** | 14.00 |" in text
@@ -380,8 +380,8 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     assert data["sweeps"]["prefix"]["best"] == [32, 16] and data["sweeps"]["azure"] is None
     assert data["added_latency"]["cp-pab"]["added_ms"] == pytest.approx(3.5)
     assert data["cpu"]["prefix"]["cp-default"]["router_s_per_1000"] == pytest.approx(30.0)
-    assert data["cpu"]["prefix"]["cp-cache"]["router_s_per_1000_tokens"] == pytest.approx(0.165)
-    assert any(c["router"] == "cp-cache" for c in data["comparison"])
+    assert data["cpu"]["prefix"]["cp-least"]["router_s_per_1000_tokens"] == pytest.approx(0.165)
+    assert any(c["router"] == "cp-least" for c in data["comparison"])
     json.dumps(data)
 
 
@@ -401,9 +401,12 @@ def test_cpu_per_token_is_unknown_where_a_run_did_not_record_its_tokens() -> Non
 def test_every_daemon_router_is_named_from_its_policy_and_its_config_parses(tmp_path: Path) -> None:
     from controlplane.config import ConfigError, DaemonConfig
 
-    assert DaemonConfig().policy == DAEMON_DEFAULT_POLICY
-    assert set(DAEMON_POLICY) <= set(ROUTERS) and "cp-cache" in ROUTERS
-    assert DAEMON_POLICY["cp-cache"] == "pab_cache_aware"
+    assert DaemonConfig().policy == DAEMON_DEFAULT_POLICY == "pab_cache_aware"
+    assert set(DAEMON_POLICY) <= set(ROUTERS) and "cp-least" in ROUTERS and "cp-cache" not in ROUTERS
+    assert DAEMON_POLICY["cp-least"] == "pab_least_loaded" and DAEMON_POLICY["cp-default"] is None
+    # no two routers run the same policy: the default's own name is cp-default
+    assert DAEMON_DEFAULT_POLICY not in DAEMON_POLICY.values()
+    assert daemon_router_name(DAEMON_DEFAULT_POLICY) == "cp-default"
     stack = Stack(tmp_path, "smg", WORDS)
     for name, policy in DAEMON_POLICY.items():
         assert daemon_router_name(policy) == name
@@ -435,11 +438,11 @@ def test_the_daemon_restarts_for_every_run_and_names_its_router(tmp_path: Path) 
         stack.daemon, stack.gateway, stack.daemon_policy = Alive(), Alive(), policy
 
     stack.spawn_daemon, stack.wait_daemon = fake_spawn, lambda: None
-    routers = [stack.start_daemon(p) for p in ("pab", "pab", "pab_cache_aware", "pab_cache_aware", None)]
-    assert spawned == ["pab", "pab", "pab_cache_aware", "pab_cache_aware", None]  # its trees start empty
-    assert [r.name for r in routers] == ["cp-pab", "cp-pab", "cp-cache", "cp-cache", "cp-default"]
-    assert "policy = pab_cache_aware;" in routers[2].command
-    assert "policy = default (pab_least_loaded);" in routers[4].command
+    routers = [stack.start_daemon(p) for p in ("pab", "pab", "pab_least_loaded", "pab_least_loaded", None)]
+    assert spawned == ["pab", "pab", "pab_least_loaded", "pab_least_loaded", None]  # its trees start empty
+    assert [r.name for r in routers] == ["cp-pab", "cp-pab", "cp-least", "cp-least", "cp-default"]
+    assert "policy = pab_least_loaded;" in routers[2].command
+    assert "policy = default (pab_cache_aware);" in routers[4].command
 
 
 def test_plans_and_the_cli_refuse_unknown_names(tmp_path: Path) -> None:
