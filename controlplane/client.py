@@ -102,7 +102,7 @@ class _Stop:
 class _Inbox:
     """One request's replies, bounded. A marker always fits; a stop discards what waits."""
 
-    __slots__ = ("items", "limit", "waiter", "incarnation", "stopped")
+    __slots__ = ("items", "limit", "waiter", "incarnation", "stopped", "due", "timer", "timer_at")
 
     def __init__(self, limit: int) -> None:
         self.items: deque[object] = deque()
@@ -110,6 +110,9 @@ class _Inbox:
         self.waiter: asyncio.Future[None] | None = None  # the reader's, while it waits
         self.incarnation: int | None = None  # the connection the outstanding attempt went to
         self.stopped = False  # a stop waits: later replies are dropped
+        self.due = 0.0  # loop time at which the current wait times out
+        self.timer: asyncio.TimerHandle | None = None  # at most one, kept across waits
+        self.timer_at = 0.0  # the loop time ``timer`` was set for
 
     def put(self, message: object) -> bool:
         if self.stopped:
@@ -134,25 +137,44 @@ class _Inbox:
             waiter.set_result(None)
 
     async def get(self, timeout: float) -> object | None:
-        """The next item, or None after ``timeout`` seconds without one (a future and a
-        timer while it waits; no task)."""
+        """The next item, or None after ``timeout`` seconds without one (a future while it
+        waits; no task). One timer serves many waits: a wait that ends before the timer
+        leaves it set, and a later wait due after it sets it again when it fires, so a
+        stream's steps cost no timer each."""
         if not self.items:
             loop = asyncio.get_running_loop()
             waiter = self.waiter = loop.create_future()
-            timer = loop.call_later(max(timeout, 0.0), _resolve, waiter)
+            due = self.due = loop.time() + max(timeout, 0.0)
+            timer = self.timer
+            if timer is None or self.timer_at > due:
+                if timer is not None:
+                    timer.cancel()
+                self.timer_at = due
+                self.timer = loop.call_at(due, self._expire)
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self.waiter = None
             if not self.items:
                 return None
         return self.items.popleft()
 
+    def _expire(self) -> None:
+        self.timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # no wait now: the next one sets a timer
+        if self.timer_at >= self.due:
+            waiter.set_result(None)  # the current wait's own timeout
+        else:  # set for an earlier wait, which ended in time: on to this one's
+            self.timer_at = self.due
+            self.timer = waiter.get_loop().call_at(self.due, self._expire)
 
-def _resolve(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
+    def close(self) -> None:
+        """The request is over: its timer goes."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 class AsyncClient:
@@ -453,6 +475,7 @@ class AsyncClient:
                     raise error
                 await asyncio.sleep(delay)
         finally:
+            inbox.close()
             if self._inboxes.get(request_id) is inbox:
                 del self._inboxes[request_id]
             if outstanding:

@@ -63,6 +63,7 @@ LOG_INTERVAL_S = 10.0
 #: how long closing waits for the last answers of a drain (ShuttingDown, aborts) to leave
 FINAL_SEND_LINGER_MS = 1000
 BATCHED_REPLIES = (Dispatched, Chunk, Finish, Reject)
+SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
 class LoopBusy:
@@ -278,8 +279,11 @@ class Daemon:
 
     def _send(self, socket: zmq.Socket, identity: bytes, message: object) -> bool:
         """Whether the message was queued; a peer gone or at its high-water mark is False."""
+        payload = encode(message)  # before the first part: a failure leaves no part sent
         try:
-            socket.send_multipart([identity, encode(message)], zmq.NOBLOCK, copy=False)
+            # two sends, as send_multipart makes them, without its per-part checks
+            socket.send(identity, SEND_MORE)
+            socket.send(payload, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as error:
             if error.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise

@@ -64,6 +64,7 @@ from msgspec import Meta, Struct
 MAGIC: Final = b"\xfb"
 SCHEMA_VERSION: Final = 1
 HEADER: Final = MAGIC + bytes([SCHEMA_VERSION])
+MAGIC_BYTE: Final = MAGIC[0]
 PROTOCOL_VERSION: Final = 5
 CHAT_PROTOCOL_VERSION: Final = 4  # the first version with ``Prompt.messages``
 BATCH_PROTOCOL_VERSION: Final = 5  # the first version with RankOutputs and Replies
@@ -546,13 +547,13 @@ class Channel(Generic[T]):
             raise FrameError("oversized", f"{size} bytes > {self.max_frame_bytes}")
         if size < len(HEADER) + 1:
             raise FrameError("truncated", f"{size} bytes")
-        head = bytes(frame[: len(HEADER)])
-        if head[:1] != MAGIC:
-            raise FrameError("bad_magic", f"first byte {head[0]:#04x}")
-        if head[1] != SCHEMA_VERSION:
-            raise FrameError("wrong_version", f"schema {head[1]}, expected {SCHEMA_VERSION}")
+        view = memoryview(frame)  # read in place: no copy of the header, one view
+        if view[0] != MAGIC_BYTE:
+            raise FrameError("bad_magic", f"first byte {view[0]:#04x}")
+        if view[1] != SCHEMA_VERSION:
+            raise FrameError("wrong_version", f"schema {view[1]}, expected {SCHEMA_VERSION}")
         try:
-            message = self._decoder.decode(memoryview(frame)[len(HEADER):])
+            message = self._decoder.decode(view[len(HEADER):])
         except msgspec.ValidationError as error:
             raise FrameError("invalid", str(error)) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as error:

@@ -7,9 +7,13 @@ hands each to ``on_message`` and calls ``on_pass_end`` once per pass (where a ca
 flushes what the pass produced).
 
 ZMQ's ``FD`` is edge-triggered: it signals a change of the socket's state, and any send
-or receive may consume that signal. Hence the loop reads until ``EAGAIN``, and a caller
-that sends on the socket outside a pass calls :meth:`SocketPump.poke` afterwards, which
-schedules a pass when ``ZMQ_EVENTS`` says messages wait.
+or receive may consume that signal. Hence a pass reads until ``ZMQ_EVENTS`` says nothing
+waits (read after each message: cheaper than the ``zmq.Again`` a read past the last one
+raises), and a caller that sends on the socket outside a pass calls
+:meth:`SocketPump.poke` afterwards, which schedules a pass when ``ZMQ_EVENTS`` says
+messages wait. Messages are read frame by frame (``Frame.more``), not with
+``recv_multipart``, which asks for ``ZMQ_RCVMORE`` through a Python-level enum lookup
+per frame.
 """
 
 from __future__ import annotations
@@ -22,19 +26,24 @@ import zmq
 MAX_PER_PASS = 512
 
 
+def _nothing() -> None:
+    pass
+
+
 class SocketPump:
     def __init__(
         self,
         socket: zmq.Socket,
         on_message: Callable[[list[zmq.Frame]], None],
-        on_pass_end: Callable[[], None] = lambda: None,
+        on_pass_end: Callable[[], None] | None = None,
         *,
         max_per_pass: int = MAX_PER_PASS,
         on_writable: Callable[[], None] | None = None,
     ) -> None:
         self.socket = socket
         self._on_message = on_message
-        self._on_pass_end = on_pass_end
+        self._on_pass_end = on_pass_end if on_pass_end is not None else _nothing
+        self._pass_end_sends = on_pass_end is not None  # without one, a drained pass needs no poke
         self._on_writable = on_writable
         self._max_per_pass = max_per_pass
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -84,22 +93,35 @@ class SocketPump:
         self._scheduled = False
         if self._fd is None:
             return
-        receive = self.socket.recv_multipart
+        socket = self.socket
+        receive = socket.recv
+        events = socket.getsockopt
         handle = self._on_message
         count = 0
+        drained = False  # ZMQ_EVENTS, read after the last handle, said nothing waits
         try:
             while count < self._max_per_pass:
                 try:
-                    frames = receive(zmq.NOBLOCK, copy=False)
+                    frame = receive(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
+                    drained = True
                     break
+                frames = [frame]
+                while frame.more:  # the rest of a multipart message is there with its first part
+                    frame = receive(zmq.NOBLOCK, copy=False)
+                    frames.append(frame)
                 count += 1
                 handle(frames)
+                # stop on the events flag rather than on an EAGAIN (an exception per pass);
+                # reading it also rearms the edge-triggered FD, as an EAGAIN would
+                if not events(zmq.EVENTS) & zmq.POLLIN:
+                    drained = True
+                    break
             self._on_pass_end()
         except BaseException:
             self._schedule()  # what still waits is read on the next pass
             raise
-        if count >= self._max_per_pass:
+        if not drained:
             self._schedule()
-        else:
+        elif self._pass_end_sends:
             self.poke()  # on_pass_end may have sent on the socket

@@ -902,3 +902,29 @@ async def test_malformed_conversations_are_refused_locally(address: str, message
         assert not daemon.submits
     finally:
         await daemon.stop()
+
+
+# ---------------------------------------------------------------------- the inbox's timer
+@run_in_loop
+async def test_an_inbox_keeps_one_timer_across_waits_and_still_times_out_on_time() -> None:
+    from controlplane.client import _Inbox
+
+    loop = asyncio.get_running_loop()
+    inbox = _Inbox(8)
+    loop.call_later(0.01, inbox.put, 0)
+    assert await inbox.get(0.2) == 0
+    timer = inbox.timer
+    for item in range(1, 5):  # waits that end before the timer leave it as it is
+        loop.call_later(0.01, inbox.put, item)
+        assert await inbox.get(0.2) == item
+        assert inbox.timer is timer
+    started = loop.time()  # the timer, set for an earlier wait, fires and is set again
+    assert await inbox.get(0.3) is None
+    assert 0.29 <= loop.time() - started < 1.0
+    loop.call_later(0.01, inbox.put, 5)
+    assert await inbox.get(5.0) == 5
+    started = loop.time()  # a shorter wait than the timer left: set earlier
+    assert await inbox.get(0.05) is None
+    assert 0.04 <= loop.time() - started < 1.0
+    inbox.close()
+    assert inbox.timer is None
