@@ -839,7 +839,7 @@ def test_a_coalescing_window_holds_the_steps_within_it_then_sends_them_as_one_me
                 if step < engine.steps:
                     await until(lambda: engine.waiting == len(ids))
             assert agent.counters["output_batches"] == 0
-            assert isinstance(agent._flush_handle, asyncio.TimerHandle)
+            assert agent._flush_handle is not None and not agent._flush_handle.cancelled()  # armed (asyncio or uvloop)
             for _ in ids:
                 await daemon.receive(p.Done, timeout_s=window_s + 5.0)
             batches = [m for m in daemon.frames if isinstance(m, p.RankOutputs)]
