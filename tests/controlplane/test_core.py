@@ -753,14 +753,19 @@ def test_chat_conversations_sharing_their_first_turns_share_a_rank():
     assert len(ranks) == 1
 
 
-def test_pab_cache_aware_leaves_the_holder_when_its_budget_cannot_cover_the_rest():
-    core = make_core(policy="pab_cache_aware")
+def two_ranks_after_a_shared_prefix(policy: str):
+    """A core with two ranks of 100,000 tokens of budget, after one request of a 1,000-token
+    prefix plus 100 of its own: (core, the prefix, that dispatch, its rank, the other rank)."""
+    core = make_core(policy=policy)
     join(core, "r0", pab=100_000)
     join(core, "r1", pab=100_000)
     shared = "s" * 4_000  # 1,000 tokens
     (first,) = dispatches(text_submit(core, "first", shared + "q" * 400))
-    holder = first.rank
-    other = "r1" if holder == "r0" else "r0"
+    return core, shared, first, first.rank, "r1" if first.rank == "r0" else "r0"
+
+
+def test_pab_cache_aware_leaves_the_holder_when_its_budget_cannot_cover_the_rest():
+    core, shared, first, holder, other = two_ranks_after_a_shared_prefix("pab_cache_aware")
     report(core, holder, 50, seq=2, echo=first.dispatch_seq)  # less than the uncached 100 tokens
     (second,) = dispatches(text_submit(core, "second", shared + "r" * 400))
     assert second.rank == other
@@ -769,15 +774,9 @@ def test_pab_cache_aware_leaves_the_holder_when_its_budget_cannot_cover_the_rest
 
 
 def test_pab_least_loaded_admits_and_debits_the_part_of_a_shared_prefix_a_rank_lacks():
-    """The default policy judges and debits a prompt less what the rank holds of it, and still
+    """pab_least_loaded judges and debits a prompt less what the rank holds of it, and still
     chooses by load among the ranks that can take it (issue 29: it collapsed on shared prefixes)."""
-    core = make_core(policy="pab_least_loaded")
-    join(core, "r0", pab=100_000)
-    join(core, "r1", pab=100_000)
-    shared = "s" * 4_000  # 1,000 tokens
-    (first,) = dispatches(text_submit(core, "first", shared + "q" * 400))
-    holder = first.rank
-    other = "r1" if holder == "r0" else "r0"
+    core, shared, first, holder, other = two_ranks_after_a_shared_prefix("pab_least_loaded")
     assert 100_000 - core.ledger.effective_budget(holder) == 1_100  # nothing cached yet: all of it
     (second,) = dispatches(text_submit(core, "second", shared + "r" * 400))
     assert second.rank == other  # both can take it: the less loaded, not the holder
