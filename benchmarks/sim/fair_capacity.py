@@ -174,11 +174,8 @@ def tune_for_capacity(scenario: Scenario, family: str, budgets, *, start_budget:
 TUNING_RULE = "settings tuned first at plain sarathi's tuned budget where the budget is searched"
 
 
-def _earlier_run(saved: Path | None) -> tuple[dict, dict]:
-    """An earlier run's tuning scores and capacity results, by label (empty: none)."""
-    if saved is None or not saved.is_file():
-        return {}, {}
-    entry = json.loads(saved.read_text())
+def _earlier_run(entry: dict) -> tuple[dict, dict]:
+    """A saved scenario's tuning scores and capacity results, by label."""
     scores = {label: score for record in entry["tuning"].values()
               for label, score in record["tried"].items()}
     return scores, entry["capacity"]
@@ -192,7 +189,7 @@ def run_scenario(job: tuple) -> dict:
     if saved is not None and saved.is_file():
         entry = json.loads(saved.read_text())
         if budgets is None and entry.get("tuning_rule") != TUNING_RULE:  # tuned before the rule
-            known_scores, known_capacity = _earlier_run(saved)
+            known_scores, known_capacity = _earlier_run(entry)
         else:
             if entry.get("steady_rule") != STEADY_RULE:  # saved before the rule: that point again
                 steady_points(build_scenario(key, trace), entry)
