@@ -34,6 +34,13 @@ EXIT_CODES = """exit codes:
 RANK_COLUMNS = ("rank", "agent", "epoch", "PAB", "reported PAB", "running", "waiting", "in flight",
                 "report age", "stale", "draining", "seq gaps", "class PAB")
 DRAIN_POLL_S = 0.2
+#: the gateway's HTTP options: (flag, argparse dest, default)
+DEFAULT_MODEL = "fairbatching"
+HTTP_OPTIONS = (("--model", "model", DEFAULT_MODEL),
+                ("--chat-max-tokens", "chat_max_tokens", DEFAULT_CHAT_MAX_TOKENS),
+                ("--max-in-flight", "max_in_flight", GATEWAY_MAX_IN_FLIGHT),
+                ("--api-key-file", "api_key_file", None),
+                ("--allow-non-loopback", "allow_non_loopback", False))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", metavar="PATH",
                        help="TOML file with a [daemon] table (e.g. configs/controlplane.toml); "
                             "every key is optional. Default: all defaults, loopback addresses")
+    serve.add_argument("--http", metavar="HOST:PORT",
+                       help="also serve the OpenAI-compatible HTTP API (as `gateway` does) from this "
+                            "process: one process instead of two, and one hop fewer per engine step "
+                            "(less CPU per streamed token); the options below apply with it")
+    _http_arguments(serve)
     serve.set_defaults(run=_serve)
 
     status = _command(commands, "status", "summarise a running daemon",
@@ -106,27 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the daemon's client address (default: %(default)s)")
     gateway.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
                          help="where to serve HTTP (default: %(default)s)")
-    gateway.add_argument("--model", default="fairbatching",
-                         help="the served model name, which /v1/models lists and answers carry when a "
-                              "request names none; a request may name any model (default: %(default)s)")
-    gateway.add_argument("--chat-max-tokens", type=_max_tokens, default=DEFAULT_CHAT_MAX_TOKENS, metavar="N",
-                         help="output limit of a chat request that sets neither max_completion_tokens nor "
-                              "max_tokens (default: %(default)s; vLLM and SGLang run such a request to the "
-                              "end of the context, which the gateway does not know, and SGLang refuses a "
-                              "limit past it; the default is twice the longest reply of the Azure "
-                              "conversation trace, so a reply that ends on its own is practically never "
-                              "cut)")
-    gateway.add_argument("--max-in-flight", type=positive_int, default=GATEWAY_MAX_IN_FLIGHT, metavar="N",
-                         help="completion requests the gateway holds at once, waiting for the daemon or "
-                              "streaming; one more is answered 429 with Retry-After at once instead of "
-                              "waiting (default: %(default)s). Behind it the daemon answers 429 (with "
-                              "Retry-After) for a request no rank's budget can take within its TTFT "
-                              "target, or when its own queue or in-flight limit is full; the SDK inside "
-                              "retries those up to 3 times before the 429 reaches the client")
-    gateway.add_argument("--api-key-file", metavar="FILE",
-                         help="require 'Authorization: Bearer <the file's first line>' (not on /health)")
-    gateway.add_argument("--allow-non-loopback", action="store_true",
-                         help="allow --listen on a non-loopback address (plain HTTP)")
+    _http_arguments(gateway)
     _curve_arguments(gateway)
     gateway.set_defaults(run=_gateway)
 
@@ -138,8 +130,34 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("directory", metavar="DIR")
     keygen.add_argument("name", metavar="NAME", help="e.g. daemon, gpu-a, cli")
     keygen.set_defaults(run=_keygen)
-    refuse_repeats(parser, {"--listen": "the gateway serves one address; start one per address"})
+    refuse_repeats(parser, {"--listen": "the gateway serves one address; start one per address",
+                            "--http": "the gateway serves one address; start one per address"})
     return parser
+
+
+def _http_arguments(command: argparse.ArgumentParser) -> None:
+    """The gateway's HTTP options (``gateway``, and ``serve --http``)."""
+    command.add_argument("--model", default=DEFAULT_MODEL,
+                         help="the served model name, which /v1/models lists and answers carry when a "
+                              "request names none; a request may name any model (default: %(default)s)")
+    command.add_argument("--chat-max-tokens", type=_max_tokens, default=DEFAULT_CHAT_MAX_TOKENS, metavar="N",
+                         help="output limit of a chat request that sets neither max_completion_tokens nor "
+                              "max_tokens (default: %(default)s; vLLM and SGLang run such a request to the "
+                              "end of the context, which the gateway does not know, and SGLang refuses a "
+                              "limit past it; the default is twice the longest reply of the Azure "
+                              "conversation trace, so a reply that ends on its own is practically never "
+                              "cut)")
+    command.add_argument("--max-in-flight", type=positive_int, default=GATEWAY_MAX_IN_FLIGHT, metavar="N",
+                         help="completion requests the gateway holds at once, waiting for the daemon or "
+                              "streaming; one more is answered 429 with Retry-After at once instead of "
+                              "waiting (default: %(default)s). Behind it the daemon answers 429 (with "
+                              "Retry-After) for a request no rank's budget can take within its TTFT "
+                              "target, or when its own queue or in-flight limit is full; the SDK inside "
+                              "retries those up to 3 times before the 429 reaches the client")
+    command.add_argument("--api-key-file", metavar="FILE",
+                         help="require 'Authorization: Bearer <the file's first line>' (not on /health)")
+    command.add_argument("--allow-non-loopback", action="store_true",
+                         help="allow --listen on a non-loopback address (plain HTTP)")
 
 
 def _daemon_arguments(command: argparse.ArgumentParser) -> None:
@@ -165,19 +183,11 @@ def _client(args: argparse.Namespace) -> AsyncClient:
 
 def _gateway(args: argparse.Namespace) -> int:
     try:
-        from controlplane import gateway
-    except ImportError as error:  # aiohttp
-        print(f"error: the gateway needs aiohttp ({error})", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        host, port = gateway.parse_listen(args.listen, args.allow_non_loopback)
+        gateway, settings, host, port = _http_settings(args, args.listen)
         curve = CurvePeer.from_optional_files(args.curve_server_key, args.curve_secret_key)
-        api_key = _read_api_key(args.api_key_file) if args.api_key_file else None
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    settings = gateway.GatewaySettings(model=args.model, api_key=api_key, chat_max_tokens=args.chat_max_tokens,
-                                       max_in_flight=args.max_in_flight)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -195,6 +205,20 @@ def _gateway(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {args.listen}: {error}", file=sys.stderr)
         return EXIT_UNEXPECTED
     return EXIT_OK
+
+
+def _http_settings(args: argparse.Namespace, listen: str, flag: str = "--listen"):
+    """The gateway module, its settings and where to listen; ImportError without aiohttp,
+    ValueError or OSError for a bad address or API key file."""
+    try:
+        from controlplane import gateway
+    except ImportError as error:
+        raise ImportError(f"the gateway needs aiohttp ({error})") from None
+    host, port = gateway.parse_listen(listen, args.allow_non_loopback, flag)
+    api_key = _read_api_key(args.api_key_file) if args.api_key_file else None
+    settings = gateway.GatewaySettings(model=args.model, api_key=api_key, chat_max_tokens=args.chat_max_tokens,
+                                       max_in_flight=args.max_in_flight)
+    return gateway, settings, host, port
 
 
 def _to_stderr(line: str) -> None:
@@ -235,9 +259,22 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    from controlplane import daemon
+    if args.http is None:
+        given = [flag for flag, dest, default in HTTP_OPTIONS if getattr(args, dest) != default]
+        if given:
+            print(f"error: {', '.join(given)} only apply with --http", file=sys.stderr)
+            return EXIT_USAGE
+        from controlplane import daemon
 
-    return daemon.run(config)
+        return daemon.run(config)
+    try:
+        _, settings, host, port = _http_settings(args, args.http, "--http")
+    except (ValueError, OSError, ImportError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    from controlplane import embedded
+
+    return embedded.run(config, settings, host, port, announce=_to_stderr)
 
 
 def _ask(args: argparse.Namespace) -> int:

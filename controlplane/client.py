@@ -584,13 +584,13 @@ class AsyncClient:
             raise DaemonUnavailable(f"no reply from the daemon at {self.address} "
                                     f"within {timeout_s:.3g} s") from None
 
-    def _guarded(self, handle: Callable[[list[zmq.Frame]], None]) -> Callable[[list[zmq.Frame]], None]:
+    def _guarded(self, handle: Callable[[T], None]) -> Callable[[T], None]:
         """``handle`` for a pump: a bug in it fails the client, as a dead receiver would."""
-        def guarded(frames: list[zmq.Frame]) -> None:
+        def guarded(received: T) -> None:
             if self._failure is not None:
                 return
             try:
-                handle(frames)
+                handle(received)
             except Exception as error:
                 log.exception("controlplane client receiver failed")
                 self._failure = ControlPlaneError(f"the client's receiver failed: {error!r}")
@@ -614,6 +614,9 @@ class AsyncClient:
             self._rare_log.warning(f"frame_dropped:{error.kind}", "dropped a frame from the daemon",
                                    daemon=self.address, error=str(error)[:200])
             return
+        self._on_message(message)
+
+    def _on_message(self, message: object) -> None:
         if isinstance(message, Replies):
             for item in message.items:
                 self._to_request(item)

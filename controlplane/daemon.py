@@ -64,6 +64,9 @@ LOG_INTERVAL_S = 10.0
 FINAL_SEND_LINGER_MS = 1000
 BATCHED_REPLIES = (Dispatched, Chunk, Finish, Reject)
 SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
+#: the identity of the client in this process (:meth:`Daemon.attach_local`); ZMQ reserves
+#: identities that start with a zero byte and makes its own 5 bytes long, so no peer has it
+LOCAL_CLIENT = b"\x00local"
 
 
 class LoopBusy:
@@ -120,6 +123,7 @@ class Daemon:
             self._authenticator.configure_curve(domain="*", location=str(config.curve_authorized_keys_dir))
         self._sync_context = zmq.Context.shadow(self._context.underlying)
         self._client_batches: dict[bytes, list[ToClient]] = {}
+        self._local_reply: Callable[[object], None] | None = None
         self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pumps: list[SocketPump] = []
@@ -195,6 +199,29 @@ class Daemon:
             self.log.info("daemon stopped", counters=dict(self.core.counters),
                           log_lines_suppressed=self.rare_log.suppressed())
 
+    def attach_local(self, on_reply: Callable[[object], None]) -> Callable[[object], None]:
+        """Serve a client in this process without a socket (the embedded gateway's SDK):
+        the daemon hands ``on_reply`` each message it would send that client, at the end of
+        the loop pass as on the socket, and the returned function takes the client's
+        messages. They are checked as frames from a
+        socket are (a message the channel refuses is dropped and counted). Call it once
+        :attr:`ready` is set."""
+        if self._loop is None:
+            raise RuntimeError("attach_local before the daemon serves")
+        if self._local_reply is not None:
+            raise RuntimeError("a local client is already attached")
+        self._local_reply = on_reply
+        channel = client_request_channel(self.config.max_frame_bytes)
+
+        def receive(message: object) -> None:
+            try:
+                checked = channel.decode(encode(message))
+            except FrameError as error:
+                self._drop("client", LOCAL_CLIENT, error)
+                return
+            self._deliver(self._handled("client", self.core.on_client, LOCAL_CLIENT, checked))
+        return receive
+
     # ------------------------------------------------------------------ plumbing
     def _deliver(self, sends: list[Send]) -> None:
         """Send what the core returned: to agents at once, to clients at the end of the pass."""
@@ -205,7 +232,7 @@ class Daemon:
                 if not self._send(self.rank_socket, send.identity, send.message):
                     pending.extend(self._handled("send_failed", self.core.on_send_failed, send))
                 continue
-            if isinstance(send.message, BATCHED_REPLIES):
+            if isinstance(send.message, BATCHED_REPLIES) or send.identity == LOCAL_CLIENT:
                 batch = self._client_batches.setdefault(send.identity, [])
                 batch.append(send)
                 if len(batch) >= MAX_BATCH_ITEMS:
@@ -235,6 +262,10 @@ class Daemon:
         """Send ``identity``'s waiting replies; what the core answers to their failure."""
         batch = self._client_batches.pop(identity, None)
         if not batch:
+            return []
+        if identity == LOCAL_CLIENT and self._local_reply is not None:
+            for send in batch:
+                self._local_reply(send.message)
             return []
         message = batch[0].message if len(batch) == 1 else Replies([send.message for send in batch])
         if self._send(self.client_socket, identity, message):

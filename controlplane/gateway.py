@@ -663,13 +663,14 @@ def listening_line(settings: GatewaySettings, host: str, port: int, daemon: str)
     return f"gateway listening on {url} (model {settings.model}, daemon {daemon}{auth})"
 
 
-def parse_listen(text: str, allow_non_loopback: bool) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 in brackets); loopback unless ``allow_non_loopback``."""
+def parse_listen(text: str, allow_non_loopback: bool, flag: str = "--listen") -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 in brackets); loopback unless ``allow_non_loopback``. ``flag``
+    names the option in the errors."""
     host, _, port_text = text.rpartition(":")
     host = host.strip("[]")
     if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"--listen {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+        raise ValueError(f"{flag} {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
     if host not in ("127.0.0.1", "localhost", "::1") and not allow_non_loopback:
-        raise ValueError(f"--listen {text!r} is not loopback; the gateway speaks plain HTTP, so say "
+        raise ValueError(f"{flag} {text!r} is not loopback; the gateway speaks plain HTTP, so say "
                          "--allow-non-loopback (and set --api-key-file) to expose it")
     return host, int(port_text)

@@ -23,6 +23,7 @@ from benchmarks.routers.metrics import SLO
 from benchmarks.routers.stack import (
     DAEMON_DEFAULT_POLICY,
     DAEMON_POLICY,
+    EMBEDDED_ROUTERS,
     ROUTERS,
     SERVER_ARGS,
     SMG_CA_EXTRA,
@@ -67,7 +68,9 @@ def daemon_routers_text(chars_per_token: object) -> str:
                           for p in DAEMON_POLICY.values())
     return (f"{names} = the daemon ({policies}, other keys default but `chars_per_token = "
             f"{chars_per_token}`, this text's; the cache-aware policies' prefix tree has smg "
-            "`cache_aware`'s default knobs) behind its gateway.")
+            "`cache_aware`'s default knobs) behind its gateway, a second process (" +
+            " / ".join(f"`{n}`" for n in sorted(EMBEDDED_ROUTERS)) + ": the gateway in the daemon's "
+            "process, `serve --http`).")
 
 
 def render_markdown(points: Sequence[dict], meta: dict) -> str:

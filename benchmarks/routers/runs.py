@@ -14,7 +14,14 @@ from pathlib import Path
 from benchmarks.routers.client import probe, run_requests
 from benchmarks.routers.metrics import cpu_per_1000, prefill_summary, summarize
 from benchmarks.routers.processes import crash_summary
-from benchmarks.routers.stack import DAEMON_POLICY, ROUTERS, SMG_QUEUE_TIMEOUT_S, Router, Stack
+from benchmarks.routers.stack import (
+    DAEMON_POLICY,
+    EMBEDDED_ROUTERS,
+    ROUTERS,
+    SMG_QUEUE_TIMEOUT_S,
+    Router,
+    Stack,
+)
 from benchmarks.routers.sweep import edge_extension, pick_best, sweep_verdict
 from benchmarks.routers.workloads import SEED, bundled_azure_lengths, prompt_text, workload_requests
 from benchmarks.support.points import append_point, load_points
@@ -63,7 +70,7 @@ class Bench:
         if name == "smg-ca":
             return self.stack.start_smg(name, "cache_aware", limits, tag)
         self.stack.stop_smg()
-        return self.stack.start_daemon(DAEMON_POLICY[name])
+        return self.stack.start_daemon(DAEMON_POLICY[name], embedded=name in EMBEDDED_ROUTERS)
 
     def run(self, workload: str, rate: float, name: str, limits: dict | None = None, phase: str = "main",
             tuned: dict | None = None) -> dict:

@@ -43,22 +43,26 @@ SERVER_ARGS = ("--max-total-tokens", str(KV_TOKENS), "--max-prefill-tokens", str
 SMG_CA_EXTRA = ("--disable-worker-overload-protection", "--worker-warmup-secs", "0")
 SMG_QUEUE_TIMEOUT_S = 2  # = the TTFT target (whole seconds: smg's flag is an integer)
 
-ROUTERS = ("smg-rr", "smg-ca", "cp-default", "cp-pab", "cp-least")
+ROUTERS = ("smg-rr", "smg-ca", "cp-default", "cp-one", "cp-pab", "cp-least")
 #: The daemon's routers: name -> its ``policy`` key (None: not set, the daemon's default).
-DAEMON_POLICY = {"cp-default": None, "cp-pab": "pab", "cp-least": "pab_least_loaded"}
+DAEMON_POLICY = {"cp-default": None, "cp-one": None, "cp-pab": "pab", "cp-least": "pab_least_loaded"}
+#: The daemon's routers whose gateway runs in the daemon's process (``serve --http``);
+#: the others run ``gateway`` as a second process.
+EMBEDDED_ROUTERS = frozenset({"cp-one"})
 #: What ``cp-default`` runs: the daemon's own default (``pab_cache_aware`` since issue 29).
 DAEMON_DEFAULT_POLICY: str = DaemonConfig().policy
 
 
-def daemon_router_name(policy: str | None) -> str:
+def daemon_router_name(policy: str | None, embedded: bool = False) -> str:
     """The router name of the daemon with ``policy`` (:data:`DAEMON_POLICY` inverted; the
-    default's own name is ``cp-default`` too)."""
+    default's own name is ``cp-default`` too), its gateway ``embedded`` or not."""
     if policy == DAEMON_DEFAULT_POLICY:
         policy = None
     for name, value in DAEMON_POLICY.items():
-        if value == policy:
+        if value == policy and (name in EMBEDDED_ROUTERS) == embedded:
             return name
-    raise KeyError(f"no router runs the daemon with policy {policy!r}; known: {DAEMON_POLICY}")
+    raise KeyError(f"no router runs the daemon with policy {policy!r} (embedded gateway: {embedded}); "
+                   f"known: {DAEMON_POLICY}, embedded: {sorted(EMBEDDED_ROUTERS)}")
 
 
 def check_daemon_config(text: str, source: object = "<bench daemon config>") -> None:
@@ -117,6 +121,7 @@ class Stack:
         self.daemon: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
         self.daemon_policy: str | None = "unset"
+        self.daemon_embedded = False
         self.smg_process: subprocess.Popen | None = None
         client, rank, report, self.gateway_port = free_ports(4)
         self.addresses = {"client": f"tcp://127.0.0.1:{client}", "rank": f"tcp://127.0.0.1:{rank}",
@@ -184,41 +189,50 @@ class Stack:
         lines.append('log_level = "warning"')
         return "\n".join(lines) + "\n"
 
-    def start_daemon(self, policy: str | None) -> Router:
-        """The daemon with ``policy`` (None: its default) and its gateway, the two servers
-        joined as ranks: started afresh for every run, as smg is (a prefix-tree balancer's
-        tree, like its ledger, must start empty like the servers' flushed caches)."""
-        self.spawn_daemon(policy)
+    def start_daemon(self, policy: str | None, embedded: bool = False) -> Router:
+        """The daemon with ``policy`` (None: its default) and its gateway (``embedded``: in
+        the daemon's process), the two servers joined as ranks: started afresh for every
+        run, as smg is (a prefix-tree balancer's tree, like its ledger, must start empty
+        like the servers' flushed caches)."""
+        self.spawn_daemon(policy, embedded)
         self.wait_daemon()
         return self._daemon_router(policy)
 
-    def spawn_daemon(self, policy: str | None) -> None:
+    def spawn_daemon(self, policy: str | None, embedded: bool = False) -> None:
         self.stop_daemon()
-        tag = policy or f"default-{DAEMON_DEFAULT_POLICY}"  # the raw logs name what ran
+        tag = (policy or f"default-{DAEMON_DEFAULT_POLICY}") + ("-embedded" if embedded else "")  # the raw logs name what ran
         config = self.raw / f"daemon-{tag}.toml"
         text = self.daemon_config_text(policy)
         check_daemon_config(text, config)
         config.write_text(text)
-        self.daemon = spawn([self.python, "-m", "controlplane", "serve", "--config", str(config)],
+        http = ("--http", f"127.0.0.1:{self.gateway_port}", "--model", self.served_model) if embedded else ()
+        self.daemon = spawn([self.python, "-m", "controlplane", "serve", "--config", str(config), *http],
                             self.raw / f"daemon-{tag}.log")
-        self.gateway = start_gateway(self.addresses["client"], self.gateway_port,
-                                     self.raw / f"gateway-{tag}.log", ("--model", self.served_model))
-        self.daemon_policy = policy
+        self.gateway = None if embedded else start_gateway(
+            self.addresses["client"], self.gateway_port, self.raw / f"gateway-{tag}.log",
+            ("--model", self.served_model))
+        self.daemon_policy, self.daemon_embedded = policy, embedded
 
     def wait_daemon(self) -> None:
         asyncio.run(self._wait_ranks(90.0))
         deadline = time.monotonic() + 30
         while http_json(f"http://127.0.0.1:{self.gateway_port}/health", timeout=5)[0] != 200:
-            if time.monotonic() > deadline or self.gateway.poll() is not None:
+            if time.monotonic() > deadline or (self.gateway or self.daemon).poll() is not None:
                 raise RuntimeError(f"the gateway did not become healthy; see {self.raw}")
             time.sleep(0.5)
 
     def _daemon_router(self, policy: str | None) -> Router:
-        assert self.daemon is not None and self.gateway is not None
-        return Router(daemon_router_name(policy), f"http://127.0.0.1:{self.gateway_port}",
-                      self.served_model, (self.daemon.pid, self.gateway.pid),
-                      f"fairbatching-controlplane serve --config daemon.toml  # policy = "
-                      f"{policy or f'default ({DAEMON_DEFAULT_POLICY})'}; + gateway --listen 127.0.0.1:PORT")
+        assert self.daemon is not None and (self.daemon_embedded or self.gateway is not None)
+        described = f"policy = {policy or f'default ({DAEMON_DEFAULT_POLICY})'}"
+        if self.daemon_embedded:
+            pids, command = (self.daemon.pid,), (f"fairbatching-controlplane serve --config daemon.toml "
+                                                 f"--http 127.0.0.1:PORT  # {described}")
+        else:
+            pids, command = (self.daemon.pid, self.gateway.pid), (
+                f"fairbatching-controlplane serve --config daemon.toml  # {described}; "
+                "+ gateway --listen 127.0.0.1:PORT")
+        return Router(daemon_router_name(policy, self.daemon_embedded), f"http://127.0.0.1:{self.gateway_port}",
+                      self.served_model, pids, command)
 
     async def _wait_ranks(self, timeout: float) -> None:
         from controlplane.client import AsyncClient
@@ -280,6 +294,7 @@ class Stack:
 
     def restart(self) -> None:
         policy = None if self.daemon_policy == "unset" else self.daemon_policy
+        embedded = self.daemon_embedded
         self.stop_smg()
         self.stop_daemon()
         for server in self.servers:
@@ -289,7 +304,7 @@ class Stack:
         for i, path in enumerate(self.step_logs):
             self.step_logs[i] = path.with_name(f"{path.stem.split('.')[0]}.{self.restarts}.jsonl")
         self.tails = [StepLogTail(p) for p in self.step_logs]
-        self.spawn_daemon(policy)
+        self.spawn_daemon(policy, embedded)
         self.start_servers(suffix=f".{self.restarts}")
         self.wait_daemon()
 

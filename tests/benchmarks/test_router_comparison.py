@@ -41,6 +41,7 @@ from benchmarks.routers.runs import QUICK_SECONDS, Bench, Plan
 from benchmarks.routers.stack import (
     DAEMON_DEFAULT_POLICY,
     DAEMON_POLICY,
+    EMBEDDED_ROUTERS,
     ROUTERS,
     Stack,
     check_daemon_config,
@@ -368,8 +369,9 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     assert "router CPU s / 1000 req | router CPU s / 1000 tokens |" in text
     assert "| 16 | cp-least | 13.00 | 0.810 | 0 | 100 / 200 / 300 | 20.0 / 30.0 / 40.0 | 50% | 33.0 | 0.165 |" \
         in text
-    assert "`cp-default` / `cp-pab` / `cp-least` = the daemon (its default, `pab_cache_aware` / " \
-           "`pab` / `pab_least_loaded`" in text
+    assert "`cp-default` / `cp-one` / `cp-pab` / `cp-least` = the daemon (its default, `pab_cache_aware` / " \
+           "its default, `pab_cache_aware` / `pab` / `pab_least_loaded`" in text
+    assert "(`cp-one`: the gateway in the daemon's process, `serve --http`)" in text
     assert "| cp-least | 6 |" in text and "CPU s / 1000 tokens (prefix): router, servers" in text
     assert "| 33.0, 100 | 0.165, 0.50 |" in text  # prefix: per request, then per token
     assert "best C=32, Q=16; concurrency interior, queue size interior" in text
@@ -404,12 +406,14 @@ def test_every_daemon_router_is_named_from_its_policy_and_its_config_parses(tmp_
     assert DaemonConfig().policy == DAEMON_DEFAULT_POLICY == "pab_cache_aware"
     assert set(DAEMON_POLICY) <= set(ROUTERS) and "cp-least" in ROUTERS and "cp-cache" not in ROUTERS
     assert DAEMON_POLICY["cp-least"] == "pab_least_loaded" and DAEMON_POLICY["cp-default"] is None
-    # no two routers run the same policy: the default's own name is cp-default
+    # no two routers run the same policy the same way: the default's own name is cp-default
     assert DAEMON_DEFAULT_POLICY not in DAEMON_POLICY.values()
     assert daemon_router_name(DAEMON_DEFAULT_POLICY) == "cp-default"
+    assert daemon_router_name(DAEMON_DEFAULT_POLICY, embedded=True) == "cp-one"
+    assert EMBEDDED_ROUTERS <= set(DAEMON_POLICY)
     stack = Stack(tmp_path, "smg", WORDS)
     for name, policy in DAEMON_POLICY.items():
-        assert daemon_router_name(policy) == name
+        assert daemon_router_name(policy, embedded=name in EMBEDDED_ROUTERS) == name
         text = stack.daemon_config_text(policy)
         check_daemon_config(text)
         config = DaemonConfig.from_mapping(tomllib.loads(text)["daemon"])
@@ -433,16 +437,20 @@ def test_the_daemon_restarts_for_every_run_and_names_its_router(tmp_path: Path) 
     stack = Stack(tmp_path, "smg", WORDS)
     spawned = []
 
-    def fake_spawn(policy):
+    def fake_spawn(policy, embedded=False):
         spawned.append(policy)
-        stack.daemon, stack.gateway, stack.daemon_policy = Alive(), Alive(), policy
+        stack.daemon, stack.daemon_policy, stack.daemon_embedded = Alive(), policy, embedded
+        stack.gateway = None if embedded else Alive()
 
     stack.spawn_daemon, stack.wait_daemon = fake_spawn, lambda: None
     routers = [stack.start_daemon(p) for p in ("pab", "pab", "pab_least_loaded", "pab_least_loaded", None)]
-    assert spawned == ["pab", "pab", "pab_least_loaded", "pab_least_loaded", None]  # its trees start empty
-    assert [r.name for r in routers] == ["cp-pab", "cp-pab", "cp-least", "cp-least", "cp-default"]
+    routers.append(stack.start_daemon(None, embedded=True))
+    assert spawned == ["pab", "pab", "pab_least_loaded", "pab_least_loaded", None, None]  # its trees start empty
+    assert [r.name for r in routers] == ["cp-pab", "cp-pab", "cp-least", "cp-least", "cp-default", "cp-one"]
     assert "policy = pab_least_loaded;" in routers[2].command
     assert "policy = default (pab_cache_aware);" in routers[4].command
+    assert "--http" in routers[5].command and "gateway --listen" not in routers[5].command
+    assert len(routers[5].pids) == 1 and len(routers[4].pids) == 2  # its CPU: the one process
 
 
 def test_plans_and_the_cli_refuse_unknown_names(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from benchmarks.support.paths import REPO
 from benchmarks.support.ports import free_ports
 from controlplane import protocol as p
 from controlplane.cli import main
+from controlplane.client import Client
 
 
 def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
@@ -227,3 +228,65 @@ def test_gateway_says_where_it_listens_and_serves_until_sigterm(tmp_path) -> Non
             gateway.kill()
             gateway.wait(10)
         daemon.kill()
+
+
+def test_serve_http_usage_errors_exit_2(capsys: pytest.CaptureFixture) -> None:
+    for argv, message in ((["--model", "m"], "--model only apply with --http"),
+                          (["--max-in-flight", "3", "--allow-non-loopback"],
+                           "--max-in-flight, --allow-non-loopback only apply with --http"),
+                          (["--http", "0.0.0.0:8000"], "--http '0.0.0.0:8000' is not loopback"),
+                          (["--http", "nowhere"], "--http 'nowhere': expected HOST:PORT")):
+        assert main(["serve", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_serve_http_is_the_daemon_and_its_gateway_in_one_process_and_drains_on_sigterm(tmp_path) -> None:
+    """One process serves HTTP and the daemon's sockets; SIGTERM lets a stream in flight
+    finish, then it exits 0."""
+    import http.client
+    import signal
+
+    from benchmarks.controlplane.live_daemon import write_config
+
+    config = loopback_config()
+    (port,) = free_ports(1)
+    served = subprocess.Popen([sys.executable, "-m", "controlplane", "serve", "--config",
+                               str(write_config(tmp_path / "daemon.toml", config)), "--http", f"127.0.0.1:{port}",
+                               "--model", "m"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    rank = subprocess.Popen([sys.executable, "-m", "sglang_ext.sim.rank", "--daemon", config.rank_address,
+                             "--agent-id", "one", "--log-level", "warning"], cwd=REPO, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        with Client(config.client_address) as client:  # the daemon's socket, served beside HTTP
+            while not [rank for rank in client.status().ranks if not rank.stale]:
+                assert time.monotonic() < deadline and served.poll() is None, "the rank never joined"
+                time.sleep(0.2)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("POST", "/v1/completions", json.dumps(
+            {"prompt": [7] * 16, "max_tokens": 150, "ignore_eos": True, "stream": True}))
+        response = connection.getresponse()
+        assert response.status == 200
+        first = response.readline()
+        assert first.startswith(b"data: ")
+        served.send_signal(signal.SIGTERM)
+        rest = response.read().decode()
+        assert served.wait(30) == 0
+        said = served.stderr.read()
+    finally:
+        for process in (rank, served):
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in (first.decode() + rest).split("\n\n")
+              if line.startswith("data: {")]
+    assert rest.rstrip().endswith("data: [DONE]")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(chunk["choices"][0]["text"] == " tok" for chunk in chunks) == 150
+    listening = [line for line in said.splitlines() if "listening" in line]
+    expected = (f"gateway listening on http://127.0.0.1:{port} (model m, daemon in-process "
+                f"(clients at {config.client_address}))")
+    assert listening == [expected]
+    (draining,) = [json.loads(line) for line in said.splitlines() if '"draining"' in line]
+    assert draining["in_flight"] == 1  # the stream was still running when SIGTERM came
+    assert '"daemon stopped"' in said
+

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
@@ -17,6 +18,9 @@ from benchmarks.controlplane.live_daemon import loopback_config, start_process_d
 from benchmarks.support.paths import REPO
 from benchmarks.support.ports import free_ports
 from controlplane.client import AsyncClient
+from controlplane.config import DaemonConfig
+from controlplane.daemon import Daemon
+from controlplane.embedded import serve_daemon_and_gateway
 from controlplane.gateway import GatewaySettings, parse_listen, serve
 from controlplane.openai_api import DEFAULT_CHAT_MAX_TOKENS
 
@@ -24,35 +28,58 @@ MODEL = "test-model"
 API_KEY = "sk-test"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@dataclass(frozen=True)
+class Cluster:
+    """One simulated rank, and the daemon it reports to: a process with the gateway in
+    front as a second SDK client (``embedded`` false), or, per test, a daemon on this loop
+    that serves the gateway itself (``serve --http``)."""
+
+    config: DaemonConfig
+    embedded: bool = False
+
+
+@pytest.fixture(scope="module", params=["gateway", "embedded"])
+def cluster(request, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("gateway")
     config = loopback_config(stale_after_s=2.0)
-    daemon = start_process_daemon(tmp_path, config)
+    embedded = request.param == "embedded"
+    daemon = None if embedded else start_process_daemon(tmp_path, config)
     rank = subprocess.Popen(
         [sys.executable, "-m", "sglang_ext.sim.rank", "--daemon", config.rank_address, "--report-address",
          config.report_address, "--agent-id", "gw", "--time-scale", "0.05", "--log-level", "warning"],
         cwd=REPO, stderr=subprocess.DEVNULL)
     try:
-        yield config
+        yield Cluster(config, embedded)
     finally:
         rank.kill()
         rank.wait(10)
-        daemon.kill()
+        if daemon is not None:
+            daemon.kill()
 
 
-def with_gateway(config, scenario, *, api_key: str | None = None, wait_for_rank: bool = True):
-    """Run ``scenario(session, base_url, client)`` against a gateway served on a free port."""
+def with_gateway(cluster: Cluster | DaemonConfig, scenario, *, api_key: str | None = None,
+                 wait_for_rank: bool = True):
+    """Run ``scenario(session, base_url, client)`` against a gateway served on a free port;
+    ``client`` is an SDK client of the daemon over its socket."""
+    cluster = cluster if isinstance(cluster, Cluster) else Cluster(cluster)
+    config = cluster.config
     (port,) = free_ports(1)
+    settings = GatewaySettings(MODEL, api_key)
 
     async def main():
         stop = asyncio.Event()
+        finish = stop.set
+        if cluster.embedded:
+            daemon = Daemon(config)
+            server = asyncio.create_task(serve_daemon_and_gateway(daemon, settings, "127.0.0.1", port))
+            finish = daemon.request_drain
         async with AsyncClient(config.client_address) as client:
             deadline = time.monotonic() + 30
             while wait_for_rank and not [r for r in (await client.status()).ranks if not r.stale]:
                 assert time.monotonic() < deadline, "the simulated rank never reported"
                 await asyncio.sleep(0.1)
-            server = asyncio.create_task(serve(client, GatewaySettings(MODEL, api_key), "127.0.0.1", port, stop))
+            if not cluster.embedded:
+                server = asyncio.create_task(serve(client, settings, "127.0.0.1", port, stop))
             try:
                 async with aiohttp.ClientSession() as session:
                     for _ in range(100):
@@ -63,7 +90,7 @@ def with_gateway(config, scenario, *, api_key: str | None = None, wait_for_rank:
                             await asyncio.sleep(0.05)
                     return await scenario(session, f"http://127.0.0.1:{port}", client)
             finally:
-                stop.set()
+                finish()
                 await server
 
     return asyncio.run(main())
