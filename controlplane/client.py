@@ -28,6 +28,7 @@ Promises:
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import random
@@ -102,7 +103,7 @@ class _Stop:
 class _Inbox:
     """One request's replies, bounded. A marker always fits; a stop discards what waits."""
 
-    __slots__ = ("items", "limit", "waiter", "incarnation", "stopped", "due", "timer", "timer_at")
+    __slots__ = ("items", "limit", "waiter", "incarnation", "stopped", "due", "timer", "timer_at", "take")
 
     def __init__(self, limit: int) -> None:
         self.items: deque[object] = deque()
@@ -113,9 +114,12 @@ class _Inbox:
         self.due = 0.0  # loop time at which the current wait times out
         self.timer: asyncio.TimerHandle | None = None  # at most one, kept across waits
         self.timer_at = 0.0  # the loop time ``timer`` was set for
+        self.take: Callable[[Chunk], bool] | None = None  # takes a chunk at once (True) or not
 
     def put(self, message: object) -> bool:
         if self.stopped:
+            return True
+        if not self.items and self.take is not None and type(message) is Chunk and self.take(message):
             return True
         if len(self.items) >= self.limit:
             return False
@@ -175,6 +179,56 @@ class _Inbox:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+
+class _Output:
+    """A request's output so far, as the chunks it received said."""
+
+    __slots__ = ("texts", "token_ids", "completion_tokens", "rank", "streamed")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.completion_tokens = 0
+        self.rank: str | None = None
+        self.streamed = False  # a chunk reached the consumer: no retry from here on
+
+    def chunk(self, message: Chunk) -> StreamChunk:
+        return StreamChunk(tuple(message.token_ids), message.text, message.completion_tokens, self.rank)
+
+    def add(self, message: Chunk, chunk: StreamChunk | None = None) -> StreamChunk:
+        self.streamed = True
+        self.texts.append(message.text)
+        self.token_ids.extend(message.token_ids)
+        self.completion_tokens = message.completion_tokens
+        return chunk if chunk is not None else self.chunk(message)
+
+
+class _Push:
+    """Where a stream's chunks go as they arrive, if anywhere (:meth:`Stream.push_chunks`)."""
+
+    __slots__ = ("sink",)
+
+    def __init__(self) -> None:
+        self.sink: Callable[[StreamChunk], bool] | None = None
+
+
+def _push_chunk(push: _Push, output: _Output, message: Chunk) -> bool:
+    """Hand ``message`` to the consumer's sink at once; False (it waits in the inbox) when
+    there is none or it does not take the chunk now. A sink that raises is dropped."""
+    sink = push.sink
+    if sink is None:
+        return False
+    chunk = output.chunk(message)
+    try:
+        taken = sink(chunk)
+    except Exception:
+        log.exception("a stream's chunk sink failed; its chunks are queued from now on")
+        push.sink = None
+        return False
+    if taken:
+        output.add(message, chunk)
+    return taken
 
 
 class AsyncClient:
@@ -319,7 +373,8 @@ class AsyncClient:
         stream is garbage-collected. Errors are raised by the iteration, as in :meth:`generate`."""
         submit = self._submit(lambda: _text_or_ids(prompt), sampling, max_new_tokens, slo, request_id,
                               stream=True)
-        return Stream(submit.request_id, self._exchange(submit, deadline_s))
+        push = _Push()
+        return Stream(submit.request_id, self._exchange(submit, deadline_s, push), push)
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request of this client; its call raises :class:`Cancelled`."""
@@ -402,9 +457,11 @@ class AsyncClient:
             raise rejected(RejectReason.INVALID, str(error), request_id=request_id) from None
         return submit
 
-    async def _exchange(self, submit: Submit, deadline_s: float | None) -> AsyncIterator[StreamChunk | Result]:
+    async def _exchange(self, submit: Submit, deadline_s: float | None,
+                        push: _Push | None = None) -> AsyncIterator[StreamChunk | Result]:
         """Yields the chunks, then the Result; raises on failure. Its ``finally`` cancels
-        an attempt still outstanding at the daemon."""
+        an attempt still outstanding at the daemon. A chunk that ``push.sink`` takes as it
+        arrives is not yielded."""
         request_id = submit.request_id
         if deadline_s is not None and not deadline_s > 0:
             raise rejected(RejectReason.INVALID, f"deadline_s must be > 0, got {deadline_s}", request_id=request_id)
@@ -419,11 +476,10 @@ class AsyncClient:
         # deadline's timers, too coarse for a latency (a fast answer read 0.0 s)
         started_perf = time.perf_counter()
         inbox = self._inboxes[request_id] = _Inbox(self.stream_buffer)
-        attempts, outstanding, recovering, streamed = 0, False, False, False
-        rank: str | None = None
-        texts: list[str] = []
-        token_ids: list[int] = []
-        completion_tokens = 0
+        attempts, outstanding, recovering = 0, False, False
+        output = _Output()
+        if push is not None:
+            inbox.take = functools.partial(_push_chunk, push, output)
         try:
             while True:
                 attempts += 1
@@ -435,26 +491,21 @@ class AsyncClient:
                 while True:
                     message = await self._next(inbox, deadline_at, request_id)
                     if isinstance(message, Dispatched):
-                        rank = message.rank
+                        output.rank = message.rank
                     elif isinstance(message, Chunk):
-                        streamed = True
-                        texts.append(message.text)
-                        token_ids.extend(message.token_ids)
-                        completion_tokens = message.completion_tokens
-                        yield StreamChunk(tuple(message.token_ids), message.text, message.completion_tokens, rank)
+                        yield output.add(message)
                     else:
                         break
                 outstanding = False
                 inbox.incarnation = None
                 if isinstance(message, Finish):
-                    yield self._result(message, texts, token_ids, completion_tokens, rank, attempts,
-                                       time.perf_counter() - started_perf)
+                    yield self._result(message, output, attempts, time.perf_counter() - started_perf)
                     return
                 if isinstance(message, _Stop):
                     outstanding = not message.cancel_sent
                     raise message.error
                 if isinstance(message, _Lost):
-                    if streamed:
+                    if output.streamed:
                         raise DaemonUnavailable(f"{message.why} after output was received; the "
                                                 "request's fate is unknown", request_id=request_id)
                     error: ControlPlaneError = DaemonUnavailable(message.why, request_id=request_id)
@@ -464,7 +515,7 @@ class AsyncClient:
                     reason = message.reason
                     # a duplicate after a lost connection: the old attempt is still known there
                     may_retry = retryable(reason) or (recovering and reason is RejectReason.DUPLICATE)
-                    if not may_retry or streamed:  # the consumer has seen part of the output
+                    if not may_retry or output.streamed:  # the consumer has seen part of the output
                         raise error
                     retry_after, recovering = message.retry_after_s, reason is RejectReason.DUPLICATE
                 if attempts > self.max_retries:
@@ -482,19 +533,18 @@ class AsyncClient:
                 self._try_send(Cancel(request_id))
 
     @staticmethod
-    def _result(finish: Finish, texts: list[str], token_ids: list[int], completion_tokens: int,
-                rank: str | None, attempts: int, latency_s: float) -> Result:
+    def _result(finish: Finish, output: _Output, attempts: int, latency_s: float) -> Result:
         request_id = finish.request_id
         if finish.reason is FinishReason.CANCELLED:
             raise Cancelled("the request was cancelled", request_id=request_id)
         if finish.reason is FinishReason.ERROR:
             raise RequestFailed(finish.error or "the rank failed the request", request_id=request_id)
         return Result(
-            request_id=request_id, text=finish.text or "".join(texts),
-            token_ids=tuple(finish.token_ids or token_ids), finish_reason=finish.reason,
+            request_id=request_id, text=finish.text or "".join(output.texts),
+            token_ids=tuple(finish.token_ids or output.token_ids), finish_reason=finish.reason,
             prompt_tokens=finish.prompt_tokens,
-            completion_tokens=finish.completion_tokens or completion_tokens, ttft_s=finish.ttft_s,
-            latency_s=latency_s, rank_latency_s=finish.latency_s, rank=rank, attempts=attempts,
+            completion_tokens=finish.completion_tokens or output.completion_tokens, ttft_s=finish.ttft_s,
+            latency_s=latency_s, rank_latency_s=finish.latency_s, rank=output.rank, attempts=attempts,
         )
 
     async def _next(self, inbox: _Inbox, deadline_at: float | None, request_id: str) -> object:
@@ -704,10 +754,22 @@ class Stream:
     """An async iterator of :class:`StreamChunk`; ``result`` is the :class:`Result` once the
     iteration has ended normally (None before)."""
 
-    def __init__(self, request_id: str, exchange: AsyncIterator[StreamChunk | Result]) -> None:
+    def __init__(self, request_id: str, exchange: AsyncIterator[StreamChunk | Result],
+                 push: _Push | None = None) -> None:
         self.request_id = request_id
         self.result: Result | None = None
         self._exchange = exchange
+        self._push = push
+
+    def push_chunks(self, sink: Callable[[StreamChunk], bool] | None) -> None:
+        """From now on, a chunk that arrives while none waits to be read goes to ``sink``
+        at once, on the event loop's receiving callback, instead of waiting for
+        ``__anext__``; ``sink`` returns False to leave it (and the chunks after it, until
+        they have been read) to ``__anext__`` as usual. Errors and the end still come
+        through the iteration, so keep iterating. ``sink`` must not block; None stops."""
+        if self._push is None:
+            raise ValueError("this stream does not push chunks")
+        self._push.sink = sink
 
     def __aiter__(self) -> Stream:
         return self

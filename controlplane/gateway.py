@@ -58,6 +58,7 @@ it, and simulated and emulated-GPU ranks run every request to its limit.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import math
 import time
@@ -72,7 +73,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from controlplane.client import AsyncClient, Result, Stream
+from controlplane.client import AsyncClient, Result, Stream, StreamChunk
 from controlplane.errors import (
     Cancelled, ControlPlaneError, DaemonUnavailable, DeadlineExceeded, DuplicateRequest,
     InternalError, InvalidRequest, NoBudget, NoRanks, Overloaded, QueueTimeout, RankLost,
@@ -200,11 +201,15 @@ async def _relay(request: web.Request, stream: Stream, events: _Events) -> web.S
     error status); after it, it is the last event before ``[DONE]``. Events are held while
     the next chunk is ready, so that chunks ready together go out in one HTTP write."""
     writer = _EventWriter(request, stream.request_id)
+    pushing = False
     try:
         while True:
             piece = _run_until_wait(anext(stream))
             if isinstance(piece, _Waiting):
                 await writer.flush_before(piece)
+                if not pushing and writer.started:  # the headers are out: later chunks go straight
+                    stream.push_chunks(functools.partial(writer.push, events.piece))
+                    pushing = True
                 piece = await _resume(piece)
             writer.add(events.piece(piece.text))
     except StopAsyncIteration:
@@ -220,13 +225,18 @@ async def _relay(request: web.Request, stream: Stream, events: _Events) -> web.S
 
 class _EventWriter:
     """Holds a streamed answer's events until they are written; the answer's headers go
-    with the first write."""
+    with the first write. Once they are out, :meth:`push` writes a chunk's event as it
+    arrives, from the SDK's receiving callback, without waking the handler: one write per
+    chunk and no task switch, while nothing is held or being written and the connection
+    takes data without waiting."""
 
     def __init__(self, request: web.Request, request_id: str) -> None:
         self._request = request
         self._request_id = request_id
         self._held: list[bytes] = []
         self._response: web.StreamResponse | None = None
+        self._writing = False  # the handler awaits a write
+        self._draining: _Waiting | None = None  # a pushed write that waits for the connection
 
     @property
     def started(self) -> bool:
@@ -236,22 +246,49 @@ class _EventWriter:
     def add(self, event: bytes) -> None:
         self._held.append(event)
 
+    def push(self, render: Callable[[str], bytes], chunk: StreamChunk) -> bool:
+        """Write ``chunk``'s event now if that keeps the events in order and needs no wait;
+        False leaves it to the handler."""
+        response, transport = self._response, self._request.transport
+        if (response is None or self._held or self._writing or self._draining is not None
+                or transport is None or transport.is_closing()):
+            return False
+        try:
+            step = _run_until_wait(response.write(render(chunk.text)))
+        except ConnectionError:  # the client went: the handler finds out
+            return False
+        if isinstance(step, _Waiting):  # written; the connection's buffer is full
+            self._draining = step
+        return True
+
     async def flush_before(self, waiting: _Waiting) -> None:
         """Write what is held, as the stream's next chunk (``waiting``) is not ready; a
         failed write unwinds ``waiting``."""
         if not self._held:
             return
+        self._writing = True
         try:
+            await self._drained()
             response = self._response or await self._start()
             await response.write(self._take())
         except BaseException:
             await _unwind(waiting)
             raise
+        finally:
+            self._writing = False
 
     async def finish(self) -> web.StreamResponse:
+        self._writing = True
+        await self._drained()
         response = self._response or await self._start()
         await response.write_eof(self._take())
         return response
+
+    async def _drained(self) -> None:
+        """Wait for the connection to take what a push wrote past its buffer."""
+        draining, self._draining = self._draining, None
+        if draining is not None:
+            await _resume(draining)
 
     def _take(self) -> bytes:
         data = b"".join(self._held)

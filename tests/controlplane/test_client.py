@@ -222,6 +222,78 @@ async def test_stream_yields_chunks_then_exposes_the_result(address: str) -> Non
 
 
 @run_in_loop
+async def test_a_pushed_stream_hands_chunks_to_its_sink_until_it_refuses_one(address: str) -> None:
+    sink_ready = asyncio.Event()
+
+    async def script(daemon: FakeDaemon, identity: bytes, submit: Submit) -> None:
+        daemon.send(identity, Dispatched(submit.request_id, "rank-0", 1))
+        daemon.send(identity, Chunk(submit.request_id, [7], "hel", 1))
+        await sink_ready.wait()
+        for token, text, total in (([8], "lo", 2), ([9], " wor", 3), ([10], "ld", 4)):
+            daemon.send(identity, Chunk(submit.request_id, token, text, total))
+            await asyncio.sleep(0.02)  # one message each
+        daemon.send(identity, Finish(submit.request_id, FinishReason.STOP, 3, 4, 0.01, 0.02))
+
+    pushed: list[StreamChunk] = []
+
+    def sink(chunk: StreamChunk) -> bool:
+        if chunk.text == " wor":
+            return False
+        pushed.append(chunk)
+        return True
+
+    daemon = await FakeDaemon(address, script).start()
+    try:
+        async with AsyncClient(address, **FAST) as client:
+            async with client.stream("Hi") as stream:
+                read = [await anext(stream)]
+                stream.push_chunks(sink)
+                sink_ready.set()
+                read += [chunk async for chunk in stream]
+        # the refused chunk is read; the next one, arriving after, is pushed again
+        assert read == [StreamChunk((7,), "hel", 1, "rank-0"), StreamChunk((9,), " wor", 3, "rank-0")]
+        assert pushed == [StreamChunk((8,), "lo", 2, "rank-0"), StreamChunk((10,), "ld", 4, "rank-0")]
+        assert stream.result.text == "hello world" and stream.result.token_ids == (7, 8, 9, 10)
+        assert stream.result.completion_tokens == 4
+    finally:
+        await daemon.stop()
+
+
+@run_in_loop
+async def test_a_pushed_chunk_is_output_seen_so_a_lost_rank_is_not_retried(address: str) -> None:
+    sink_ready = asyncio.Event()
+
+    async def script(daemon: FakeDaemon, identity: bytes, submit: Submit) -> None:
+        daemon.send(identity, Dispatched(submit.request_id, "rank-0", 1))
+        await sink_ready.wait()
+        daemon.send(identity, Chunk(submit.request_id, [7], "hel", 1))
+        await asyncio.sleep(0.02)
+        daemon.send(identity, Reject(submit.request_id, RejectReason.RANK_LOST, "gone"))
+
+    pushed: list[StreamChunk] = []
+
+    async def consume(stream) -> None:
+        async for _ in stream:
+            raise AssertionError("every chunk was pushed")
+
+    daemon = await FakeDaemon(address, script).start()
+    try:
+        async with AsyncClient(address, **FAST) as client:
+            with pytest.raises(errors.RankLost):
+                async with client.stream("Hi", request_id="pushed-1") as stream:
+                    stream.push_chunks(lambda chunk: pushed.append(chunk) is None)
+                    reading = asyncio.create_task(consume(stream))
+                    # the Dispatched is read and the stream waits: the chunk will find it idle
+                    await eventually(lambda: (inbox := client._inboxes.get("pushed-1")) is not None
+                                     and inbox.waiter is not None and not inbox.items)
+                    sink_ready.set()
+                    await reading
+        assert [chunk.text for chunk in pushed] == ["hel"] and len(daemon.submits) == 1
+    finally:
+        await daemon.stop()
+
+
+@run_in_loop
 async def test_status_and_ping(address: str) -> None:
     daemon = await FakeDaemon(address).start()
     try:
