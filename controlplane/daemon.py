@@ -124,6 +124,7 @@ class Daemon:
         self._sync_context = zmq.Context.shadow(self._context.underlying)
         self._client_batches: dict[bytes, list[ToClient]] = {}
         self._local_reply: Callable[[object], None] | None = None
+        self._sent_on: set[zmq.Socket] = set()  # sockets sent on since the last flush
         self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pumps: list[SocketPump] = []
@@ -241,13 +242,13 @@ class Daemon:
             pending.extend(self._flush_client(send.identity))  # what was said before goes first
             if not self._send(self.client_socket, send.identity, send.message):
                 pending.extend(self._handled("send_failed", self.core.on_send_failed, send))
-        if not self._flush_scheduled and self._loop is not None:
+        if (self._client_batches or self._sent_on) and not self._flush_scheduled and self._loop is not None:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         """Each client's replies of this pass as one message; then read what the sends may
-        have left unsignalled."""
+        have left unsignalled on the sockets sent on."""
         self._flush_scheduled = False
         while self._client_batches:
             failed: list[Send] = []
@@ -256,7 +257,9 @@ class Daemon:
             if failed:
                 self._deliver(failed)
         for pump in self._pumps[:2]:
-            pump.poke()
+            if pump.socket in self._sent_on:
+                pump.poke()
+        self._sent_on.clear()
 
     def _flush_client(self, identity: bytes) -> list[Send]:
         """Send ``identity``'s waiting replies; what the core answers to their failure."""
@@ -311,6 +314,7 @@ class Daemon:
     def _send(self, socket: zmq.Socket, identity: bytes, message: object) -> bool:
         """Whether the message was queued; a peer gone or at its high-water mark is False."""
         payload = encode(message)  # before the first part: a failure leaves no part sent
+        self._sent_on.add(socket)
         try:
             # two sends, as send_multipart makes them, without its per-part checks
             socket.send(identity, SEND_MORE)

@@ -82,6 +82,12 @@ MAX_CHAT_MESSAGES: Final = 1024
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 RankId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[\x21-\x7e]+$")]
+#: The ids a rank echoes in every step's output and every report: only ever looked up among
+#: the ids the daemon checked as they came in (a Submit's, a Hello's), so an id that fails
+#: the pattern matches nothing and is dropped as unknown; only their length is checked (the
+#: pattern, once per item, was two thirds of the cost of decoding a step's output).
+EchoedRequestId = Annotated[str, Meta(min_length=1, max_length=128)]
+EchoedRankId = Annotated[str, Meta(min_length=1, max_length=64)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
 SloClassName = Annotated[str, Meta(min_length=1, max_length=MAX_SLO_CLASS_NAME)]
@@ -386,9 +392,9 @@ class Heartbeat(Struct, frozen=True, tag="heartbeat", forbid_unknown_fields=True
 class Output(Struct, frozen=True, tag="output", forbid_unknown_fields=True, omit_defaults=True):
     """Rank -> daemon: new output of a dispatched request (same meaning as :class:`Chunk`)."""
 
-    rank: RankId
+    rank: EchoedRankId
     epoch: Epoch
-    request_id: RequestId
+    request_id: EchoedRequestId
     token_ids: list[int] = []
     text: str = ""
     completion_tokens: NonNegInt = 0
@@ -398,9 +404,9 @@ class Output(Struct, frozen=True, tag="output", forbid_unknown_fields=True, omit
 class Done(Struct, frozen=True, tag="done", forbid_unknown_fields=True, omit_defaults=True):
     """Rank -> daemon: the request is over at the rank (finished, cancelled or failed)."""
 
-    rank: RankId
+    rank: EchoedRankId
     epoch: Epoch
-    request_id: RequestId
+    request_id: EchoedRequestId
     reason: FinishReason
     prompt_tokens: NonNegInt = 0
     completion_tokens: NonNegInt = 0
@@ -477,7 +483,7 @@ class Report(Struct, frozen=True, tag="report", forbid_unknown_fields=True):
     ``pab_tokens`` is the default SLO class's budget; ``class_budgets`` (protocol
     version 2) each class's, by class name."""
 
-    rank: RankId
+    rank: EchoedRankId
     epoch: Epoch
     seq: Annotated[int, Meta(ge=1)]
     pab_tokens: float

@@ -169,6 +169,22 @@ def test_epoch_and_seq_bounds():
             p.agent_message_channel().decode(frame)
 
 
+def test_ids_a_rank_echoes_are_length_checked_only_and_client_ids_keep_their_pattern():
+    odd = "a b\x01"  # fails the id pattern: no client or rank can have it
+    output = p.Output(rank=odd, epoch=1, request_id=odd)
+    report = p.Report(rank=odd, epoch=1, seq=1, pab_tokens=0.0, running=0, waiting=0, total_tokens=0,
+                      free_kv_tokens=0, echoed_dispatch_seq=0, step_time_s=0.0, sent_at=0.0)
+    assert p.agent_message_channel().decode(p.encode(p.RankOutputs([output]))).items == [output]
+    assert p.report_channel().decode(p.encode(report)) == report
+    for bad in ("", "x" * 129):
+        with pytest.raises(p.FrameError, match="invalid"):
+            p.agent_message_channel().decode(p.encode(p.Output(rank="r", epoch=1, request_id=bad)))
+    with pytest.raises(p.FrameError, match="invalid"):
+        p.client_request_channel().decode(p.encode(p.Submit(odd, p.Prompt(text="hi"))))
+    with pytest.raises(p.FrameError, match="invalid"):
+        p.agent_message_channel().decode(p.encode(p.Hello(agent=odd, rank="r", epoch=1)))
+
+
 CHANNELS = list(SAMPLES_BY_CHANNEL)
 ENCODED = [p.encode(m) for _, m in ALL_SAMPLES]
 
