@@ -3,8 +3,9 @@
 ``OpenAI`` and ``AsyncOpenAI`` get only ``base_url``, ``api_key`` and a ``timeout`` (so a
 broken gateway fails the test instead of hanging it); no custom HTTP client, no patched
 parsing. The gateway is the real one (``python -m controlplane gateway``, a process, with
-``--api-key-file``) in front of a daemon process and one simulated rank process (the
-``cluster`` fixture of ``test_gateway.py``; the simulated rank answers every request with
+``--api-key-file``) in front of a daemon process, or the daemon serving it itself
+(``serve --http``), and one simulated rank process (the ``cluster`` fixture of
+``test_gateway.py``; the simulated rank answers every request with
 one ``" tok"`` per output token). Each route is checked against the response shapes
 OpenAI documents, as the package's typed models parse them:
 
@@ -38,6 +39,7 @@ import urllib.request
 import pytest
 from test_gateway import MODEL, cluster  # noqa: F401  (the fixture: a daemon and one simulated rank)
 
+from benchmarks.controlplane.live_daemon import write_config
 from benchmarks.support.paths import REPO
 from benchmarks.support.ports import free_ports
 from controlplane.client import Client
@@ -51,17 +53,25 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def gateway(cluster, tmp_path_factory):  # noqa: F811  (pytest injects the imported fixture)
-    """``python -m controlplane gateway --model test-model --api-key-file F`` on a free port,
-    once the simulated rank reports; yields the ``base_url`` for the clients."""
-    key_file = tmp_path_factory.mktemp("openai-client") / "api.key"
+    """``python -m controlplane gateway --model test-model --api-key-file F`` on a free port
+    in front of the cluster's daemon, or (the embedded cluster) the daemon itself serving
+    it, ``serve --config C --http ...``; once the simulated rank reports, yields the
+    ``base_url`` for the clients."""
+    scratch = tmp_path_factory.mktemp("openai-client")
+    key_file = scratch / "api.key"
     key_file.write_text(API_KEY + "\n")
     (port,) = free_ports(1)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "controlplane", "gateway", "--daemon", cluster.client_address,
-         "--listen", f"127.0.0.1:{port}", "--model", MODEL, "--api-key-file", str(key_file)],
-        cwd=REPO, stderr=subprocess.PIPE)
+    http = ["--model", MODEL, "--api-key-file", str(key_file)]
+    config = cluster.config
+    if cluster.embedded:
+        command = ["serve", "--config", str(write_config(scratch / "daemon.toml", config)),
+                   "--http", f"127.0.0.1:{port}", *http]
+    else:
+        command = ["gateway", "--daemon", config.client_address, "--listen", f"127.0.0.1:{port}", *http]
+    process = subprocess.Popen([sys.executable, "-m", "controlplane", *command], cwd=REPO,
+                               stderr=subprocess.PIPE)
     try:
-        with Client(cluster.client_address) as client:
+        with Client(config.client_address) as client:
             deadline = time.monotonic() + 30
             while not [rank for rank in client.status().ranks if not rank.stale]:
                 assert time.monotonic() < deadline, "the simulated rank never reported"
