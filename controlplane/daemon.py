@@ -140,6 +140,7 @@ class Daemon:
             raise
 
     def _close(self, linger_ms: int = 0) -> None:
+        self._local_reply = None  # the local client's sends raise ConnectionError from now on
         for socket in self._sockets:
             socket.close(linger=linger_ms)
         if self._authenticator is not None:
@@ -205,8 +206,8 @@ class Daemon:
         the daemon hands ``on_reply`` each message it would send that client, at the end of
         the loop pass as on the socket, and the returned function takes the client's
         messages. They are checked as frames from a
-        socket are (a message the channel refuses is dropped and counted). Call it once
-        :attr:`ready` is set."""
+        socket are (a message the channel refuses is dropped and counted); once the daemon
+        has stopped it raises ``ConnectionError``. Call it once :attr:`ready` is set."""
         if self._loop is None:
             raise RuntimeError("attach_local before the daemon serves")
         if self._local_reply is not None:
@@ -215,6 +216,8 @@ class Daemon:
         channel = client_request_channel(self.config.max_frame_bytes)
 
         def receive(message: object) -> None:
+            if self._local_reply is None:
+                raise ConnectionError("the daemon has stopped")
             try:
                 checked = channel.decode(encode(message))
             except FrameError as error:
@@ -266,9 +269,10 @@ class Daemon:
         batch = self._client_batches.pop(identity, None)
         if not batch:
             return []
-        if identity == LOCAL_CLIENT and self._local_reply is not None:
-            for send in batch:
-                self._local_reply(send.message)
+        if identity == LOCAL_CLIENT:
+            if self._local_reply is not None:  # else the daemon stopped: nobody to tell
+                for send in batch:
+                    self._local_reply(send.message)
             return []
         message = batch[0].message if len(batch) == 1 else Replies([send.message for send in batch])
         if self._send(self.client_socket, identity, message):

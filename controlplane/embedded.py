@@ -23,7 +23,7 @@ import structlog
 from controlplane.client import AsyncClient
 from controlplane.config import DaemonConfig
 from controlplane.daemon import Daemon, configure_logging
-from controlplane.errors import ControlPlaneError
+from controlplane.errors import ControlPlaneError, DaemonUnavailable
 from controlplane.gateway import GatewaySettings, serve
 
 
@@ -46,7 +46,10 @@ class LocalClient(AsyncClient):
     def _send(self, message: msgspec.Struct) -> None:
         if self._closed or self._to_daemon is None:
             raise ControlPlaneError("the client is closed")
-        self._to_daemon(message)
+        try:
+            self._to_daemon(message)
+        except ConnectionError as error:
+            raise DaemonUnavailable(str(error)) from None
 
 
 async def serve_with_gateway(config: DaemonConfig, settings: GatewaySettings, host: str, port: int,
