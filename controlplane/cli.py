@@ -34,8 +34,8 @@ EXIT_CODES = """exit codes:
 RANK_COLUMNS = ("rank", "agent", "epoch", "PAB", "reported PAB", "running", "waiting", "in flight",
                 "report age", "stale", "draining", "seq gaps", "class PAB")
 DRAIN_POLL_S = 0.2
-#: the gateway's HTTP options: (flag, argparse dest, default)
 DEFAULT_MODEL = "fairbatching"
+#: the gateway's HTTP options: (flag, argparse dest, default)
 HTTP_OPTIONS = (("--model", "model", DEFAULT_MODEL),
                 ("--chat-max-tokens", "chat_max_tokens", DEFAULT_CHAT_MAX_TOKENS),
                 ("--max-in-flight", "max_in_flight", GATEWAY_MAX_IN_FLIGHT),
@@ -157,7 +157,7 @@ def _http_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument("--api-key-file", metavar="FILE",
                          help="require 'Authorization: Bearer <the file's first line>' (not on /health)")
     command.add_argument("--allow-non-loopback", action="store_true",
-                         help="allow --listen on a non-loopback address (plain HTTP)")
+                         help="allow a non-loopback address to listen on (plain HTTP)")
 
 
 def _daemon_arguments(command: argparse.ArgumentParser) -> None:

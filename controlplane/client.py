@@ -586,6 +586,10 @@ class AsyncClient:
             raise ControlPlaneError("the client is closed")
         if self._failure is not None:
             raise self._failure
+        self._connect()
+
+    def _connect(self) -> None:
+        """The socket to the daemon, connected once."""
         if self._socket is not None:
             return
         socket = zmq.Context.instance().socket(zmq.DEALER)

@@ -205,9 +205,9 @@ class Daemon:
         """Serve a client in this process without a socket (the embedded gateway's SDK):
         the daemon hands ``on_reply`` each message it would send that client, at the end of
         the loop pass as on the socket, and the returned function takes the client's
-        messages. They are checked as frames from a
-        socket are (a message the channel refuses is dropped and counted); once the daemon
-        has stopped it raises ``ConnectionError``. Call it once :attr:`ready` is set."""
+        messages. They are checked as frames from a socket are (a message the channel
+        refuses is dropped and counted); once the daemon has stopped the function raises
+        ``ConnectionError``. Call it once :attr:`ready` is set."""
         if self._loop is None:
             raise RuntimeError("attach_local before the daemon serves")
         if self._local_reply is not None:

@@ -35,11 +35,7 @@ class LocalClient(AsyncClient):
         self._daemon = daemon
         self._to_daemon: Callable[[object], None] | None = None
 
-    def _start(self) -> None:
-        if self._closed:
-            raise ControlPlaneError("the client is closed")
-        if self._failure is not None:
-            raise self._failure
+    def _connect(self) -> None:
         if self._to_daemon is None:
             self._to_daemon = self._daemon.attach_local(self._guarded(self._on_message))
 

@@ -28,6 +28,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         if mode not in MODES:
             parser.error(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    import tempfile
-
     with tempfile.TemporaryDirectory() as scratch:
         for mode in modes:
             row = {"label": args.label, "source": str(args.source), "load_before": machine_load(),

@@ -200,7 +200,8 @@ class Stack:
 
     def spawn_daemon(self, policy: str | None, embedded: bool = False) -> None:
         self.stop_daemon()
-        tag = (policy or f"default-{DAEMON_DEFAULT_POLICY}") + ("-embedded" if embedded else "")  # the raw logs name what ran
+        # the raw logs name what ran
+        tag = (policy or f"default-{DAEMON_DEFAULT_POLICY}") + ("-embedded" if embedded else "")
         config = self.raw / f"daemon-{tag}.toml"
         text = self.daemon_config_text(policy)
         check_daemon_config(text, config)
