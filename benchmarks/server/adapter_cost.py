@@ -9,10 +9,12 @@ decodes: what FairBatching adds before SGLang's own prefill admission). ``stock`
 SGLang's default (prefill-first, chunk 8192); ``stock-mixed`` adds
 ``--enable-mixed-chunk`` with a 512-token chunk, which builds mixed batches as
 FairBatching does. FairBatching runs the shipped config's policy and admission
-(``configs/fairbatching.toml``) unless ``--policy`` names another (then admission off). Only busy steps count
-(at least 128 decoding or parked requests). The three run in ``--rounds`` interleaved
-rounds (each in a fresh interpreter) and the samples of all rounds are pooled, so a slow
-stretch of a shared machine hits all three alike. The issue's check: FairBatching's
+(``configs/fairbatching.toml``) unless ``--policy`` names another (then admission off),
+once as a single rank and once publishing its class budgets at every decision
+(``fairbatching-publishing``: behind the control plane, or with DP's pab method). Only
+busy steps count (at least 128 decoding or parked requests). The four run in ``--rounds``
+interleaved rounds (each in a fresh interpreter) and the samples of all rounds are
+pooled, so a slow stretch of a shared machine hits all alike. The issue's check: FairBatching's
 adapter plus policy no slower than stock's own ``get_next_batch_to_run`` at the same load.
 Writes ``docs/bench/adapter.json``. Run pinned to one core with the test environment's
 Python (``FB_EXTRAS=dev,sglang source scripts/_env.sh``)::
@@ -39,14 +41,15 @@ BUSY = RUNNING // 2  # a step counts when at least this many requests decode or 
 SHIPPED_CONFIG = REPO / "configs" / "fairbatching.toml"
 
 
-def scenario(config: Path | None, mixed: bool = False) -> dict:
+def scenario(config: Path | None, mixed: bool = False, publish: bool = False) -> dict:
     requests = [{"rid": f"run-{i}", "prompt_tokens": 128 + (i % 7) * 16, "max_new_tokens": 400,
                  "slo": {"class": ("interactive", "standard", "relaxed")[i % 3]}} for i in range(RUNNING)]
     requests += [{"rid": f"wait-{i}", "prompt_tokens": 2048, "max_new_tokens": 8, "at_step": 40,
                   "slo": {"class": "standard"}} for i in range(WAITING)]
     result = {"requests": requests, "overlap": False, "max_total_tokens": 400_000,
               "timeout_s": 900, "max_steps": 400, "enable_mixed_chunk": mixed,
-              "chunked_prefill_size": 512 if mixed else 8192, "record_triage": False}
+              "chunked_prefill_size": 512 if mixed else 8192, "record_triage": False,
+              "publish_budgets": publish}
     if config is not None:
         result["config"] = str(config)
     return result
@@ -63,11 +66,12 @@ def summary(values: list[float]) -> dict:
             "steps": len(values)}
 
 
-def run(name: str, config: Path | None, workdir: Path, mixed: bool = False) -> dict[str, list[float]]:
+def run(name: str, config: Path | None, workdir: Path, mixed: bool = False,
+        publish: bool = False) -> dict[str, list[float]]:
     """One run; the busy steps' ``get_next_batch_to_run`` times and, with FairBatching,
     the adapter's decision times of the same steps (microseconds)."""
     try:
-        report = run_scenario(scenario(config, mixed), workdir, name, timeout_s=1800)
+        report = run_scenario(scenario(config, mixed, publish), workdir, name, timeout_s=1800)
     except HarnessFailed as error:
         raise SystemExit(f"{name} failed: {error}") from None
     busy = [s for s in report["steps"]
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"FairBatching's policy (default: the shipped config's, {shipped_policy()}, "
                         "with its [admission] table)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="interleaved rounds of the three runs, samples pooled (default 2)")
+                        help="interleaved rounds of the four runs, samples pooled (default 2)")
     parser.add_argument("--out", type=Path, default=DOCS_BENCH / "adapter.json", help="JSON written")
     args = parser.parse_args(argv)
     policy = args.policy or shipped_policy()
@@ -105,18 +109,20 @@ def main(argv: list[str] | None = None) -> None:
     config.write_text(f'policy = "{policy}"\nslo_file = "{REPO}/configs/slo.toml"\n'
                       f'step_model = "{REPO}/configs/step_models/llama3.1-8b-h100.toml"\n'
                       + (shipped_admission_table() if args.policy is None else ""))
-    runs = {"stock": (None, False), "stock-mixed": (None, True), "fairbatching": (config, False)}
+    runs = {"stock": (None, False, False), "stock-mixed": (None, True, False),
+            "fairbatching": (config, False, False),
+            "fairbatching-publishing": (config, False, True)}
     samples: dict[str, dict[str, list[float]]] = {
         name: {"get_next_batch_us": [], "decision_us": []} for name in runs}
     per_round: dict[str, list[dict]] = {name: [] for name in runs}
     before = cpu_times()
     for round_ in range(args.rounds):
-        for name, (cfg, mixed) in runs.items():
-            got = run(name, cfg, workdir, mixed)
+        for name, (cfg, mixed, publish) in runs.items():
+            got = run(name, cfg, workdir, mixed, publish)
             for key, values in got.items():
                 samples[name][key] += values
             per_round[name].append({key: summary(values) for key, values in got.items() if values})
-            print(f"round {round_ + 1}/{args.rounds} {name:13s} get_next_batch_to_run p50 "
+            print(f"round {round_ + 1}/{args.rounds} {name:23s} get_next_batch_to_run p50 "
                   f"{percentile(got['get_next_batch_us'], 0.5):7.0f} us"
                   + (f", adapter+policy p50 {percentile(got['decision_us'], 0.5):6.0f} us"
                      if got["decision_us"] else ""), flush=True)
@@ -138,7 +144,9 @@ def main(argv: list[str] | None = None) -> None:
         "note": "get_next_batch_us: SGLang's Scheduler.get_next_batch_to_run per step (with "
                 "FairBatching: its hooks included, and SGLang's own prefill admission of the "
                 "planned chunks); decision_us: FairBatching's adapter and policy alone (request "
-                "views, PAB, form_batch, parking), the issue's 'adapter plus policy'.",
+                "views, PAB, form_batch, parking), the issue's 'adapter plus policy'; "
+                "fairbatching-publishing: the same rank publishing its class budgets at every "
+                "decision, as behind the control plane or DP's pab method.",
         "adapter_plus_policy_vs_stock_get_next_batch": {
             "p50": {"fairbatching_us": fb["p50"], "stock_us": stock["p50"],
                     "no_slower": fb["p50"] <= stock["p50"]},
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {doc['machine']}; CPU use: " + ", ".join(
         f"{cpu} busy {u['busy_pct']:.0f}%" for cpu, u in usage.items()))
     for name, cell in results.items():
-        line = (f"{name:13s} get_next_batch_to_run p50/p90/p99 {cell['get_next_batch_us']['p50']:.0f}/"
+        line = (f"{name:23s} get_next_batch_to_run p50/p90/p99 {cell['get_next_batch_us']['p50']:.0f}/"
                 f"{cell['get_next_batch_us']['p90']:.0f}/{cell['get_next_batch_us']['p99']:.0f} us "
                 f"({cell['get_next_batch_us']['steps']} busy steps)")
         if "decision_us" in cell:

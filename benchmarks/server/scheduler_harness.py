@@ -97,6 +97,8 @@ def main(scenario_path: str) -> None:
     checks = {"parked_kv_kept": 0, "parked_relay_token_ok": 0, "parked_kv_changed": 0,
               "relay_token_wrong": 0}
     state = getattr(scheduler, "fairbatching", None)
+    if state is not None and scenario.get("publish_budgets"):
+        state.publishes_budgets = True  # as behind the control plane or DP's pab method
     if state is not None and scenario.get("prefill_piece_tokens"):
         _cap_planned_prefills(state, int(scenario["prefill_piece_tokens"]))
     # the tests read each decision's triage; a benchmark of the adapter's cost does not

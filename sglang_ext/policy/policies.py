@@ -166,6 +166,15 @@ class BatchPolicy:
             self.admission.evicts_longest, self.admission.evicts_fairly,
         )
 
+    def form_batch_with_budgets(
+        self, requests: Sequence[RequestState], now: float, classes: Mapping[str, Slo]
+    ) -> tuple[BatchDecision, dict[str, float]]:
+        """``(form_batch(requests, now), admission_budgets(requests, now, classes))``, for a
+        rank that publishes its budgets at every decision; a policy whose decision runs the
+        same forecast computes it once."""
+        budgets = self.admission_budgets(requests, now, classes)
+        return self.form_batch(requests, now), budgets
+
 
 POLICIES: Registry[Callable[[PolicyContext], BatchPolicy]] = Registry("policy")
 
@@ -205,17 +214,20 @@ class _LatenessGuarded(BatchPolicy):
             return None
         return unserviceable_slo_reason(slo, self.initial_step_model)
 
-    def _triage(self, requests: Sequence[RequestState], now: float, anchored: bool = False):
+    def _triage(self, requests: Sequence[RequestState], now: float, anchored: bool = False,
+                hopeless: frozenset | None = None):
+        """``hopeless``: the forecast's, when the caller has it (under ``defer``)."""
         floor = None
         if self.context.lateness_guard:
             floor = self._service_floor()
-        hopeless: frozenset = frozenset()
-        if self.admission.mode is AdmissionMode.DEFER and _any_prefill_queued(requests):
-            hopeless = hopeless_prefills(
-                requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
-                self.admission.headroom, self.kv_outlook, self.admission.evicts_longest,
-                self.admission.evicts_fairly,
-            )
+        if hopeless is None:
+            hopeless = frozenset()
+            if self.admission.mode is AdmissionMode.DEFER and _any_prefill_queued(requests):
+                hopeless = hopeless_prefills(
+                    requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
+                    self.admission.headroom, self.kv_outlook, self.admission.evicts_longest,
+                    self.admission.evicts_fairly,
+                )
         return triage(
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,
             deadline_guard_s=self._deadline_guard_s(),
@@ -251,7 +263,27 @@ class _LatenessGuarded(BatchPolicy):
         decision = self._form_batch([r for r in requests if r.req_id not in gone], now)
         return dataclasses.replace(decision, abort_ids=expired)
 
-    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
+    def form_batch_with_budgets(
+        self, requests: Sequence[RequestState], now: float, classes: Mapping[str, Slo]
+    ) -> tuple[BatchDecision, dict[str, float]]:
+        """Under admission ``defer`` with the ``edf`` rule, one forecast gives both the
+        budgets and the decision's hopeless prefills (``forecast(...).hopeless`` is what
+        ``hopeless_prefills`` finds); otherwise, or when a request expires (the decision
+        is then formed without it), the two calls."""
+        admission = self.admission
+        if (admission.mode is not AdmissionMode.DEFER or admission.rule is not AdmissionRule.EDF
+                or self._expired(requests, now)):
+            return super().form_batch_with_budgets(requests, now, classes)
+        queue = forecast(
+            requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
+            admission.headroom, self.kv_outlook, admission.evicts_longest, admission.evicts_fairly,
+        )
+        budgets = {name: queue.budget(slo.ttft_s) for name, slo in classes.items()}
+        return self._form_batch(requests, now, queue.hopeless), budgets
+
+    def _form_batch(self, requests: Sequence[RequestState], now: float,
+                    hopeless: frozenset | None = None) -> BatchDecision:
+        """The decision over ``requests`` (none expired); ``hopeless`` as in :meth:`_triage`."""
         raise NotImplementedError
 
 
@@ -293,8 +325,9 @@ class FairBatching(_LatenessGuarded):
     anchored = False
     keeps_linear_model = True  # the paper's; variants take the step-model file's form
 
-    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
-        groups = self._triage(requests, now, self.anchored)
+    def _form_batch(self, requests: Sequence[RequestState], now: float,
+                    hopeless: frozenset | None = None) -> BatchDecision:
+        groups = self._triage(requests, now, self.anchored, hopeless)
         if groups is None:
             return BatchDecision.make_empty()
         return pack(
@@ -330,8 +363,9 @@ class FairBatchingFixedBudget(_LatenessGuarded):
         super().__init__(context)
         self.token_budget = context.token_budget or 2048
 
-    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
-        groups = self._triage(requests, now)
+    def _form_batch(self, requests: Sequence[RequestState], now: float,
+                    hopeless: frozenset | None = None) -> BatchDecision:
+        groups = self._triage(requests, now, hopeless=hopeless)
         if groups is None:
             return BatchDecision.make_empty()
         return pack(
@@ -355,8 +389,9 @@ class FairBatchingDerivedTokenBudget(_LatenessGuarded):
         super().observe_step(shape, measured_s)
         self.tokens_only_model.observe(shape, measured_s)
 
-    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
-        groups = self._triage(requests, now)
+    def _form_batch(self, requests: Sequence[RequestState], now: float,
+                    hopeless: frozenset | None = None) -> BatchDecision:
+        groups = self._triage(requests, now, hopeless=hopeless)
         if groups is None:
             return BatchDecision.make_empty()
         tokens_only = self.tokens_only_model.coefficients

@@ -186,8 +186,9 @@ class FairBatchingSmooth(FairBatchingAnchoredWithMargin):
 
     name = "fb-smooth"
 
-    def _form_batch(self, requests: Sequence[RequestState], now: float) -> BatchDecision:
-        groups = self._triage(requests, now, self.anchored)
+    def _form_batch(self, requests: Sequence[RequestState], now: float,
+                    hopeless: frozenset | None = None) -> BatchDecision:
+        groups = self._triage(requests, now, self.anchored, hopeless)
         if groups is None:
             return BatchDecision.make_empty()
         coefficients = self.step_model.coefficients

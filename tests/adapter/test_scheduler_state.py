@@ -79,6 +79,25 @@ def test_views_refreshed_in_one_loop_equal_one_by_one():
             twins[id(req)].output_ids.append(7)
 
 
+@pytest.mark.parametrize("publishes", [False, True])
+def test_a_decision_publishing_budgets_is_the_two_calls(state, publishes):
+    from sglang_ext.adapter.scheduler.requests import RequestRecords
+    from sglang_ext.adapter.scheduler.state import whole_budget_tokens
+
+    rng = random.Random(6)
+    records = RequestRecords(state.config.catalog)
+    views = records.decode_views([fake_req(f"d{i}", rng, decoding=True) for i in range(60)], set(), 0.0)
+    views += records.prefill_views([fake_req(f"w{i}", rng, decoding=False) for i in range(12)])
+    now = 100.9
+    state.publishes_budgets = publishes  # as behind a control plane or the DP pab method
+    classes = state.config.catalog.classes
+    expected = {name: whole_budget_tokens(tokens)
+                for name, tokens in state.policy.admission_budgets(views, now, classes).items()}
+    assert state.decide(views, now) == state.policy.form_batch(views, now)
+    assert state.admission_budgets == (expected if publishes else {})
+    assert state.decision_inputs == (views, now)
+
+
 def test_pab_read_later_is_the_decisions_pab(state):
     from sglang_ext.adapter.scheduler.requests import RequestRecords
     from sglang_ext.policy.step_shape import StepShape

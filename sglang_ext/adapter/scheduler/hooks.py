@@ -177,8 +177,7 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     now = state.decision_time(time.perf_counter())
     if state.forecasts_kv:
         state.policy.observe_kv(_kv_outlook(self, running_batch, parked_reqs, views))
-    state.update_pab(views, now)
-    decision = state.policy.form_batch(views, now)
+    decision = state.decide(views, now)
     state.last_decision = decision
     state.observe_prefills(views[len(views) - len(self.waiting_queue) - (chunked is not None):],
                            now, decision.abort_ids)

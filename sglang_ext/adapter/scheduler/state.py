@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,17 +156,31 @@ class FairBatchingState:
         return self.admission.rule is AdmissionRule.EDF and (
             self.publishes_budgets or self.admission.mode is not AdmissionMode.OFF)
 
-    def update_pab(self, views: Sequence[RequestState], now: float) -> None:
-        """The rank's budgets at this decision. The PAB is computed when first read (a
-        metrics publish, a load snapshot, a control-plane report; a single rank without
-        metrics never reads it), from what it would have been computed from now: these
-        views (refreshed in place only by the next decision, which calls this again before
-        anything reads it), this clock and this step model (a new object after every
-        observed step)."""
+    def decide(self, views: Sequence[RequestState], now: float) -> BatchDecision:
+        """The policy's decision over ``views`` at ``now``, and the rank's budgets at it
+        (:meth:`update_pab`); a rank that publishes its budgets takes both from one
+        forecast (``BatchPolicy.form_batch_with_budgets``)."""
+        if not self.publishes_budgets:
+            self.update_pab(views, now)
+            return self.policy.form_batch(views, now)
+        decision, budgets = self.policy.form_batch_with_budgets(
+            views, now, self.config.catalog.classes)
+        self.update_pab(views, now, budgets)
+        return decision
+
+    def update_pab(self, views: Sequence[RequestState], now: float,
+                   budgets: Mapping[str, float] | None = None) -> None:
+        """The rank's budgets at this decision (``budgets``: the class budgets, when the
+        caller has them). The PAB is computed when first read (a metrics publish, a load
+        snapshot, a control-plane report; a single rank without metrics never reads it),
+        from what it would have been computed from now: these views (refreshed in place
+        only by the next decision, which calls this again before anything reads it), this
+        clock and this step model (a new object after every observed step)."""
         self._pab_inputs = (views, now, self.policy.step_model.coefficients)
         self._pab_tokens = None
         if self.publishes_budgets:
-            budgets = self.policy.admission_budgets(views, now, self.config.catalog.classes)
+            if budgets is None:
+                budgets = self.policy.admission_budgets(views, now, self.config.catalog.classes)
             self.admission_budgets = {name: whole_budget_tokens(b) for name, b in budgets.items()}
             self.admission_echo = dict(self.records.admission_echo)
 
