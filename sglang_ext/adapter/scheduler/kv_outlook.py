@@ -46,7 +46,8 @@ def kv_outlook(
     initial = []
     clip = CLIP_MAX_NEW_TOKENS
     # output_reserve and last_token_due inlined, the same operations: this loop runs over
-    # every running request at every decision under admission defer
+    # every running request at every decision under admission defer (``reference_kv_outlook``
+    # in tests/adapter/test_scheduler_state.py is the plain form)
     for req, view in decoding:
         params = req.sampling_params
         max_new = params.max_new_tokens or 0
@@ -63,8 +64,14 @@ def kv_outlook(
         later = max_new - 1
         releases.append((anchor + (later if later > 0 else 0) * slo.tpot_s, view.context + reserve))
     reserves = {}
-    for req, view in queued:
-        reserves[view.req_id] = output_reserve(req, new_token_ratio)
-        initial.append(output_reserve(req, new_token_ratio, from_start=True))
+    for req, view in queued:  # output_reserve, from now and from the start, inlined too
+        params = req.sampling_params
+        max_new = params.max_new_tokens or 0
+        ratio = 1.0 if params.ignore_eos else new_token_ratio
+        remaining = max_new - len(req.output_ids)
+        if remaining < 0:
+            remaining = 0
+        reserves[view.req_id] = (clip if clip < remaining else remaining) * ratio
+        initial.append((clip if clip < max_new else max_new if max_new > 0 else 0) * ratio)
     new_reserve = statistics.median(initial) if initial else 0.0
     return KvOutlook.of(free, releases, reserves, new_reserve)
