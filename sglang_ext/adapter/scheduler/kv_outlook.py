@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
@@ -44,11 +45,14 @@ def kv_outlook(
     free = float(free_and_evictable)
     releases = []
     initial = []
+    reserves = {}
     clip = CLIP_MAX_NEW_TOKENS
-    # output_reserve and last_token_due inlined, the same operations: this loop runs over
-    # every running request at every decision under admission defer (``reference_kv_outlook``
-    # in tests/adapter/test_scheduler_state.py is the plain form)
-    for req, view in decoding:
+    split = len(decoding)
+    # output_reserve (from now and from the start) and last_token_due inlined, the same
+    # operations, in one loop: it runs over every request at every decision under
+    # admission defer (``reference_kv_outlook`` in tests/adapter/test_scheduler_state.py
+    # is the plain form)
+    for position, (req, view) in enumerate(chain(decoding, queued)):
         params = req.sampling_params
         max_new = params.max_new_tokens or 0
         ratio = 1.0 if params.ignore_eos else new_token_ratio
@@ -56,22 +60,15 @@ def kv_outlook(
         if remaining < 0:
             remaining = 0
         reserve = (clip if clip < remaining else remaining) * ratio
-        free -= reserve
         initial.append((clip if clip < max_new else max_new if max_new > 0 else 0) * ratio)
+        if position >= split:
+            reserves[view.req_id] = reserve
+            continue
+        free -= reserve
         slo = view.slo
         first = view.first_token_time
         anchor = first if first is not None else view.arrival + slo.ttft_s
         later = max_new - 1
         releases.append((anchor + (later if later > 0 else 0) * slo.tpot_s, view.context + reserve))
-    reserves = {}
-    for req, view in queued:  # output_reserve, from now and from the start, inlined too
-        params = req.sampling_params
-        max_new = params.max_new_tokens or 0
-        ratio = 1.0 if params.ignore_eos else new_token_ratio
-        remaining = max_new - len(req.output_ids)
-        if remaining < 0:
-            remaining = 0
-        reserves[view.req_id] = (clip if clip < remaining else remaining) * ratio
-        initial.append((clip if clip < max_new else max_new if max_new > 0 else 0) * ratio)
     new_reserve = statistics.median(initial) if initial else 0.0
     return KvOutlook.of(free, releases, reserves, new_reserve)
