@@ -102,6 +102,12 @@ class ScenarioKey:
 
 
 REFERENCE = ScenarioKey("bundled", "llama3.1-8b-h100-measured", "one class")
+SCENARIOS_DIR = "fair_capacity.scenarios"  # under OUT: one file per scenario, reused by --resume
+
+
+def scenario_file(out: Path, key: ScenarioKey) -> Path:
+    """Where a run writing to ``out`` saves ``key``'s scenario."""
+    return out / SCENARIOS_DIR / f"{key.workload}--{key.profile}--{key.mix.replace(' ', '-')}.json"
 
 
 def build_scenario(key: ScenarioKey, trace: Path) -> Scenario:
@@ -366,13 +372,13 @@ def main(argv=None) -> int:
         parser.error("--saved-only needs --resume")
     if not args.quick and not args.trace.is_file():
         parser.error(f"--trace {args.trace}: not found (the shared one-hour Azure trace)")
-    done = args.out / "fair_capacity.scenarios"  # one file per scenario, reused by --resume
+    done = args.out / SCENARIOS_DIR
     if not args.resume and done.is_dir():
         for old in done.glob("*.json"):
             old.unlink()
 
     def saved(key: ScenarioKey) -> Path | None:
-        return None if args.quick else done / f"{key.workload}--{key.profile}--{key.mix.replace(' ', '-')}.json"
+        return None if args.quick else scenario_file(args.out, key)
 
     reference = run_scenario((REFERENCE, args.trace, None, args.quick, saved(REFERENCE)))
     print(f"reference scenario done in {reference['wall_s']:.0f} s", file=sys.stderr)
