@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
+    if not args.trace.is_file():
+        parser.error(f"--trace {args.trace}: not found (the shared one-hour Azure trace)")
     tasks = []
     for key in KEYS:
         try:
