@@ -30,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.sim import fair_capacity
 from benchmarks.sim.fair_capacity import (
     SECOND_WINDOW_S,
     ScenarioKey,
@@ -51,8 +52,8 @@ LONG_HEAD_S = 600.0
 TARGET = 0.9
 MEASURE = "worst_prompt_bucket"
 TOLERANCE = 0.05
-FAIRBATCHING = ("fb-smooth+defer", "fb-smooth+defer:fair")
-UNTUNED = ("sglang-default", "vllm-default")
+FAIRBATCHING = fair_capacity.FAIRBATCHING[:2]  # the shipped policy and its fair setting
+UNTUNED = fair_capacity.UNTUNED_BASELINES
 
 
 @dataclass(frozen=True)
@@ -115,13 +116,13 @@ def render(document: dict) -> str:
     lines = [
         "# Worst-bucket capacity on a window four times as long (the H20, one class)",
         "",
-        f"`python -m benchmarks.sim.bucket_sample` (commit {document['commit']}, "
-        f"{document['date']}, {document['wall_s']:.0f} s of wall). Capacity at 90% in the "
-        f"worst prompt-length bucket (groups of >= {MIN_GROUP_REQUESTS} requests), bisected "
-        f"to {TOLERANCE:.0%}, at the tuned settings of `fair_capacity`'s scenario; short: "
-        "its saved figure on the first 150 s; long: the same policy on the first 600 s "
-        "(bundled sample) or 1500-2100 s (Azure trace). Ratios: over the best baseline "
-        "of the same window.",
+        (f"`python -m benchmarks.sim.bucket_sample` (commit {document['commit']}, "
+         f"{document['date']}, {document['wall_s']:.0f} s of wall). Capacity at 90% in the "
+         f"worst prompt-length bucket (groups of >= {MIN_GROUP_REQUESTS} requests), bisected "
+         f"to {TOLERANCE:.0%}, at the tuned settings of `fair_capacity`'s scenario; short: "
+         "its saved figure on the first 150 s; long: the same policy on the first 600 s "
+         "(bundled sample) or 1500-2100 s (Azure trace). Ratios: over the best baseline "
+         "of the same window."),
         "",
     ]
     for scenario in document["scenarios"]:
@@ -131,8 +132,8 @@ def render(document: dict) -> str:
             + ", ".join(f"{label} {scenario['short_sizes'][label]} / {count}"
                         for label, count in scenario["long_sizes"].items()) + ".",
             "",
-            "| policy | short: cap90 worst bucket (bucket) | vs best | long: cap90 worst "
-            "bucket (bucket) | vs best | probes |",
+            ("| policy | short: cap90 worst bucket (bucket) | vs best | long: cap90 worst "
+             "bucket (bucket) | vs best | probes |"),
             "|---|---|---|---|---|---|",
         ]
         for row in scenario["rows"]:
