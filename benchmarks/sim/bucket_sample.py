@@ -22,9 +22,11 @@ writes ``docs/bench/bucket_sample.{md,json}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from bisect import bisect_right
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -70,16 +72,14 @@ def long_workload(key: ScenarioKey, trace: Path) -> Workload:
 
 
 def long_scenario(key: ScenarioKey, trace: Path) -> Scenario:
-    short = build_scenario(key, trace)
-    return Scenario(long_workload(key, trace), short.profile, short.catalog)
+    return dataclasses.replace(build_scenario(key, trace), workload=long_workload(key, trace))
 
 
 def bucket_sizes(workload: Workload) -> dict[str, int]:
+    """Requests per prompt-length bucket, bucketed as ``by_prompt_tokens`` is."""
     labels = prompt_bucket_labels()
-    counts: Counter[str] = Counter()
-    for request in workload.requests:
-        index = sum(request.prompt_tokens >= edge for edge in PROMPT_TOKEN_EDGES)
-        counts[labels[index]] += 1
+    counts = Counter(labels[bisect_right(PROMPT_TOKEN_EDGES, request.prompt_tokens)]
+                     for request in workload.requests)
     return {label: counts[label] for label in labels}
 
 
@@ -106,10 +106,9 @@ def short_results(key: ScenarioKey, out: Path) -> tuple[list[str], dict[str, dic
                     for label in labels}
 
 
-def best_baseline(rows: dict[str, float | None]) -> tuple[str, float]:
-    baselines = {label: value or 0.0 for label, value in rows.items() if label not in FAIRBATCHING}
-    label = max(baselines, key=baselines.__getitem__)
-    return label, baselines[label]
+def best_baseline(rows: dict[str, float | None]) -> float:
+    """The highest capacity of the baselines among ``rows`` (0 when none met the target)."""
+    return max(value or 0.0 for label, value in rows.items() if label not in FAIRBATCHING)
 
 
 def render(document: dict) -> str:
@@ -159,8 +158,8 @@ def assemble(keys, trace: Path, out: Path, results: list[dict]) -> list[dict]:
     for key in keys:
         labels, short = short_results(key, out)
         long = {r["label"]: r for r in results if r["scenario"] == key.label}
-        short_best = best_baseline({label: short[label]["capacity"] for label in labels})[1]
-        long_best = best_baseline({label: long[label]["long"]["capacity"] for label in labels})[1]
+        short_best = best_baseline({label: short[label]["capacity"] for label in labels})
+        long_best = best_baseline({label: long[label]["long"]["capacity"] for label in labels})
         rows = []
         for label in labels:
             short_value = short[label]["capacity"]
