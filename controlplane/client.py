@@ -671,7 +671,9 @@ class AsyncClient:
         self._on_message(message)
 
     def _on_message(self, message: object) -> None:
-        if isinstance(message, Replies):
+        if type(message) is Chunk:  # the most frequent by far
+            self._to_request(message)
+        elif isinstance(message, Replies):
             for item in message.items:
                 self._to_request(item)
         elif isinstance(message, Pong):

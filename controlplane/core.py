@@ -23,6 +23,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from msgspec import Struct
+
 from controlplane.balancer import (
     PREFIX_TREE_POLICIES,
     RankView,
@@ -48,14 +50,12 @@ UNKNOWN_AGENT = "unknown agent"
 UNKNOWN_RANK = "unknown rank"
 
 
-@dataclass(frozen=True, slots=True)
-class ToClient:
+class ToClient(Struct, frozen=True):
     identity: bytes
     message: ClientReply
 
 
-@dataclass(frozen=True, slots=True)
-class ToAgent:
+class ToAgent(Struct, frozen=True):
     identity: bytes
     message: DaemonToAgent
 
@@ -567,8 +567,17 @@ class DispatcherCore:
         """One message from an agent; each item of a :class:`RankOutputs` as if it came
         alone (a bug handling one item ends only the requests that item concerns)."""
         if isinstance(message, RankOutputs):
+            self.registry.seen(identity, now)
             sends: list[Send] = []
             for item in message.items:
+                if type(item) is Output:
+                    try:
+                        chunk = self._streamed_chunk(identity, item)
+                    except Exception:
+                        chunk = None  # the general path below meets the bug again and recovers
+                    if chunk is not None:
+                        sends.append(chunk)
+                        continue
                 sends += self._guarded("agent", identity, item, self._agent_message, identity, item, now)
             return sends
         return self._guarded("agent", identity, message, self._agent_message, identity, message, now)
@@ -647,9 +656,7 @@ class DispatcherCore:
             return []
         if isinstance(message, Output):
             if pending.submit.stream:
-                pending.output_sent = True
-                return [ToClient(pending.client, Chunk(request_id, message.token_ids, message.text,
-                                                        message.completion_tokens))]
+                return [self._chunk(pending, message)]
             pending.text.append(message.text)
             pending.token_ids.extend(message.token_ids)
             return []
@@ -664,6 +671,23 @@ class DispatcherCore:
         finish = Finish(request_id, message.reason, message.prompt_tokens, message.completion_tokens,
                         message.ttft_s, message.latency_s, text, token_ids, message.error)
         return self._close(request_id, finish)
+
+    def _streamed_chunk(self, identity: bytes, output: Output) -> ToClient | None:
+        """The client's chunk for ``output``, the common case of a step's outputs: a
+        streamed request that its rank's current agent serves. None leaves ``output`` to
+        :meth:`_rank_output` (fences, late messages, unstreamed requests)."""
+        pending = self._requests.get(output.request_id)
+        if (pending is None or not pending.submit.stream or pending.rank != output.rank
+                or pending.epoch != output.epoch or output.dispatch_seq not in (0, pending.dispatch_seq)
+                or not self.registry.owns(identity, output.rank, output.epoch)):
+            return None
+        return self._chunk(pending, output)
+
+    @staticmethod
+    def _chunk(pending: Pending, output: Output) -> ToClient:
+        pending.output_sent = True
+        return ToClient(pending.client, Chunk(output.request_id, output.token_ids, output.text,
+                                              output.completion_tokens))
 
     def _depart(self, departure: Departure | None, why: str, *, reset: bool = True) -> list[Send]:
         if departure is None:

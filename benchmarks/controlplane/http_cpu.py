@@ -2,13 +2,16 @@
 token and per 1,000 requests of the processes between an HTTP client and the ranks.
 
     python -m benchmarks.controlplane.http_cpu [--modes gateway,embedded] [--source DIR]
-        [--label NAME] [--seconds S] [--json PATH]
+        [--label NAME] [--seconds S] [--rate R]
+        [--workload short|prefix] [--json PATH]
 
 One machine, loopback: one process of two simulated ranks in real time
 (``python -m sglang_ext.sim.rank``), the control plane in front of them, and the load
-generator (this process, aiohttp): Poisson arrivals at ``RATE`` req/s of streamed
-completions, 100-200 output tokens each (``ignore_eos``), a 64-token prompt, the setup
-issue 29's profile used. Modes:
+generator (this process, aiohttp): Poisson arrivals at ``RATE`` req/s (``--rate``) of
+streamed completions, 100-200 output tokens each (``ignore_eos``), a 64-token prompt, the
+setup issue 29's profile used; or (``--workload prefix``) the router benchmark's shared
+prefixes (about 4,200-token text prompts, 32-128 output tokens), where a request's own
+handling weighs more against its tokens. Modes:
 
 - ``gateway``: the daemon (``serve``) and the gateway (``gateway``), two processes;
 - ``embedded``: ``serve --http``, one process.
@@ -105,14 +108,34 @@ async def wait_ready(stack: HttpStack, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.2)
 
 
-async def open_loop(url: str, rate: float, duration_s: float, seed: int = 0) -> dict:
-    """Poisson arrivals of streamed completions; tokens counted from their events."""
-    rng = random.Random(seed)
+WORKLOADS = ("short", "prefix")
+PREFIX_WORDS = tuple(f"w{i:03d}" for i in range(1000))  # one token each, roughly: 5 characters
+
+
+def bodies(workload: str, rate: float, duration_s: float, seed: int = 0) -> list[tuple[float, dict]]:
+    """The run's requests, (arrival offset, body): ``short`` is the 64-token prompt and
+    100-200 output tokens above; ``prefix`` the router benchmark's shared-prefix workload
+    (:func:`benchmarks.routers.workloads.prefix_requests`) as text of 5-character words."""
+    if workload == "short":
+        rng = random.Random(seed)
+        times, at = [], 0.0
+        while at < duration_s:
+            times.append(at)
+            at += rng.expovariate(rate)
+        return [(t, {"prompt": PROMPT, "max_tokens": rng.randint(100, 200)}) for t in times]
+    if workload == "prefix":
+        from benchmarks.routers.workloads import prefix_requests, prompt_text
+        return [(r.at_s, {"prompt": prompt_text(r, PREFIX_WORDS, seed), "max_tokens": r.output_tokens})
+                for r in prefix_requests(rate, duration_s, seed)]
+    raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
+
+
+async def open_loop(url: str, requests: list[tuple[float, dict]]) -> dict:
+    """Streamed completions sent at their offsets; tokens counted from their events."""
     done = {"finished": 0, "failed": 0, "tokens": 0}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one() -> None:
-            body = {"prompt": PROMPT, "max_tokens": rng.randint(100, 200), "ignore_eos": True,
-                    "stream": True, "slo": "relaxed"}
+        async def one(request: dict) -> None:
+            body = {**request, "ignore_eos": True, "stream": True, "slo": "relaxed"}
             try:
                 async with session.post(url, json=body) as response:
                     if response.status != 200:
@@ -126,29 +149,30 @@ async def open_loop(url: str, rate: float, duration_s: float, seed: int = 0) -> 
                 done["failed"] += 1
 
         tasks = []
-        started = next_at = time.monotonic()
-        while next_at < started + duration_s:
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            tasks.append(asyncio.create_task(one()))
-            next_at += rng.expovariate(rate)
+        started = time.monotonic()
+        for at, request in requests:
+            await asyncio.sleep(max(0.0, started + at - time.monotonic()))
+            tasks.append(asyncio.create_task(one(request)))
         await asyncio.gather(*tasks)
     return done
 
 
-def run(source: Path, scratch: Path, mode: str, seconds: float) -> dict:
+def run(source: Path, scratch: Path, mode: str, seconds: float, rate: float = RATE,
+        workload: str = "short") -> dict:
     stack = HttpStack(source, scratch, mode)
     try:
         asyncio.run(wait_ready(stack))
         window = stack.window()
         window.start()
-        done = asyncio.run(open_loop(stack.url, RATE, seconds))
+        requests = bodies(workload, rate, seconds)
+        done = asyncio.run(open_loop(stack.url, requests))
         window.stop()
     finally:
         stack.close()
     plane = sum(v for k, v in window.used.items() if k != "ranks")
     tokens, requests = max(1, done["tokens"]), max(1, done["finished"])
     return {
-        "mode": mode, "rate": RATE, **done, "seconds": round(window.seconds, 2),
+        "mode": mode, "workload": workload, "rate": rate, **done, "seconds": round(window.seconds, 2),
         "cpu_s": {k: round(v, 3) for k, v in window.used.items()},
         "control_plane_cpu_s_per_1k_requests": round(plane / requests * 1e3, 2),
         "control_plane_cpu_us_per_token": round(plane / tokens * 1e6, 1),
@@ -162,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=Path, default=REPO, help="the checkout to run (default: this one)")
     parser.add_argument("--label", default="", help="a name for this source in the output")
     parser.add_argument("--seconds", type=float, default=SECONDS, help="seconds of arrivals per mode")
+    parser.add_argument("--rate", type=float, default=RATE, help="arrivals per second (Poisson)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="short",
+                        help="short (default): 64-token prompts, 100-200 output tokens; prefix: the router "
+                             "benchmark's shared prefixes")
     parser.add_argument("--json", type=Path, help="append one JSON line per mode here")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -171,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for mode in modes:
             row = {"label": args.label, "source": str(args.source), "load_before": machine_load(),
-                   **run(args.source.resolve(), Path(scratch) / mode, mode, args.seconds),
+                   **run(args.source.resolve(), Path(scratch) / mode, mode, args.seconds, args.rate, args.workload),
                    "load_after": machine_load()}
             print(json.dumps(row), flush=True)
             if args.json:

@@ -96,6 +96,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         rates["azure"] = parse_rates(args.azure_rates)
     if args.prefix_rates:
         rates["prefix"] = parse_rates(args.prefix_rates)
+    if getattr(args, "bursty_rates", None):
+        rates["bursty"] = parse_rates(args.bursty_rates)
     workloads = tuple(w for w in args.workloads.split(",") if w)
     for w in workloads:
         if w not in WORKLOADS:
@@ -125,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--azure-rates", help="comma-separated req/s")
     parser.add_argument("--prefix-rates", help="comma-separated req/s")
+    parser.add_argument("--bursty-rates", help="comma-separated req/s")
     parser.add_argument("--seconds", type=float, help="seconds of arrivals per run")
     parser.add_argument("--sweep-concurrency", help="smg cache_aware --max-concurrent-requests grid")
     parser.add_argument("--sweep-queue", help="smg cache_aware --queue-size grid ('' = not swept)")

@@ -8,7 +8,7 @@ import random
 import time
 from collections.abc import Sequence
 
-from benchmarks.routers.metrics import SLO, Record, added_latency
+from benchmarks.routers.metrics import DEFAULT_CLASS, SLO, Record, added_latency
 from benchmarks.routers.workloads import Request, words_text
 from benchmarks.support.sse import json_events_async
 
@@ -23,7 +23,7 @@ async def run_requests(url: str, model: str | None, requests: Sequence[Request],
     """Send every request at its time (open loop), streamed; one Record each."""
     import aiohttp
 
-    records = [Record(r.index, r.at_s, r.output_tokens) for r in requests]
+    records = [Record(r.index, r.at_s, r.output_tokens, slo_class=r.slo_class or DEFAULT_CLASS) for r in requests]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         origin = time.perf_counter()
@@ -38,10 +38,14 @@ async def run_requests(url: str, model: str | None, requests: Sequence[Request],
     return records
 
 
-def completion_body(model: str | None, prompt: str, max_tokens: int) -> dict:
+def completion_body(model: str | None, prompt: str, max_tokens: int, slo_class: str | None = None) -> dict:
+    """The request's body; its SLO in ``custom_params``, as SGLang's server and the daemon's
+    gateway both read it: the standard class's targets, or the named class of
+    ``configs/slo.toml`` (which the servers and the daemon load)."""
+    slo = dict(SLO) if slo_class is None else {"class": slo_class}
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True},
-            "custom_params": {"slo": dict(SLO)}}
+            "custom_params": {"slo": slo}}
     if model is not None:
         body["model"] = model
     return body
@@ -51,7 +55,7 @@ async def _one(session, url: str, model: str | None, request: Request, text: str
                origin: float) -> None:
     import aiohttp
 
-    body = completion_body(model, text, request.output_tokens)
+    body = completion_body(model, text, request.output_tokens, request.slo_class)
     try:
         async with session.post(f"{url}/v1/completions", json=body) as response:
             record.status = response.status

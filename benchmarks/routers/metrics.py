@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 SLO = {"ttft_ms": 2000, "tpot_ms": 50}  # configs/slo.toml's "standard" class (the default)
+DEFAULT_CLASS = "standard"
+SLO_CLASSES = {"interactive": {"ttft_ms": 500, "tpot_ms": 50}, DEFAULT_CLASS: SLO,
+               "relaxed": {"ttft_ms": 5000, "tpot_ms": 200}}  # configs/slo.toml
 
 
 @dataclass
@@ -23,6 +26,7 @@ class Record:
     completion_tokens: int = 0
     events: int = 0
     error: str | None = None
+    slo_class: str = DEFAULT_CLASS
 
     @property
     def ok(self) -> bool:
@@ -51,7 +55,10 @@ class Record:
         return self.completion_tokens or self.events
 
 
-def meets_slo(record: Record, slo: dict = SLO) -> bool:
+def meets_slo(record: Record, slo: dict | None = None) -> bool:
+    """Whether ``record`` completed within ``slo``, by default its own class's targets."""
+    if slo is None:
+        slo = SLO_CLASSES[record.slo_class]
     if not record.ok:
         return False
     ttft, tpot = record.ttft_s, record.tpot_s
@@ -74,8 +81,10 @@ def _pcts_ms(values: Sequence[float]) -> dict:
             for q in (50, 90, 99)}
 
 
-def summarize(records: Sequence[Record], rate: float, slo: dict = SLO) -> dict:
-    """Goodput (rate x attainment) and the latency percentiles of one run."""
+def summarize(records: Sequence[Record], rate: float, slo: dict | None = None) -> dict:
+    """Goodput (rate x attainment) and the latency percentiles of one run; each request
+    judged by ``slo``, else by its own class (with several classes, attainment per class
+    too)."""
     n = len(records)
     good = sum(meets_slo(r, slo) for r in records)
     done = [r for r in records if r.ok]
@@ -93,8 +102,28 @@ def summarize(records: Sequence[Record], rate: float, slo: dict = SLO) -> dict:
         "ttft_ms": _pcts_ms([r.ttft_s for r in done]),
         "tpot_ms": _pcts_ms([r.tpot_s for r in done if r.tpot_s is not None]),
         "e2e_ms": _pcts_ms([r.e2e_s for r in done]),
-        "ttft_attainment": round(sum(r.ttft_s * 1000 <= slo["ttft_ms"] for r in done) / n, 4) if n else 0.0,
+        "ttft_attainment": round(sum(_ttft_met(r, slo) for r in done) / n, 4) if n else 0.0,
+        **({"by_class": by_class(records)} if slo is None and len({r.slo_class for r in records}) > 1 else {}),
     }
+
+
+def _ttft_met(record: Record, slo: dict | None) -> bool:
+    target = (slo or SLO_CLASSES[record.slo_class])["ttft_ms"]
+    return record.ttft_s is not None and record.ttft_s * 1000 <= target
+
+
+def by_class(records: Sequence[Record]) -> dict:
+    """Per SLO class: requests, those on time, attainment, TTFT p99 of those completed."""
+    classes: dict[str, list[Record]] = {}
+    for record in records:
+        classes.setdefault(record.slo_class, []).append(record)
+    out = {}
+    for name, group in sorted(classes.items()):
+        good = sum(meets_slo(r) for r in group)
+        p99 = percentile([r.ttft_s for r in group if r.ok], 99)
+        out[name] = {"requests": len(group), "good": good, "attainment": round(good / len(group), 4),
+                     "ttft_p99_ms": None if p99 is None else round(p99 * 1000, 2)}
+    return out
 
 
 def added_latency(router_ttfts: Sequence[float], direct_ttfts: Sequence[float]) -> dict | None:

@@ -30,6 +30,8 @@ from benchmarks.routers.stack import (
     SMG_QUEUE_TIMEOUT_S,
 )
 from benchmarks.routers.workloads import (
+    BURST_CV,
+    CLASS_MIX,
     PREFIX_OUTPUT_TOKENS,
     PREFIX_TOKENS,
     PREFIXES,
@@ -47,6 +49,16 @@ def _fmt(value, digits: int = 0) -> str:
     if isinstance(value, float) and digits == 0 and value >= 100:
         return f"{value:.0f}"
     return f"{value:.{digits}f}" if isinstance(value, (int, float)) else str(value)
+
+
+def _class_cells(by_class: dict, classes: Sequence[str]) -> str:
+    """The per-class attainment and TTFT p99 cells of a row (none without classes)."""
+    if not classes:
+        return ""
+    rows = [by_class.get(c, {}) for c in classes]
+    attainment = " / ".join(_fmt(c.get("attainment"), 2) for c in rows)
+    ttft = " / ".join(_fmt(c.get("ttft_p99_ms")) for c in rows)
+    return f" {attainment} | {ttft} |"
 
 
 def router_commands(points: Sequence[dict], commands: Sequence[str]) -> list[str]:
@@ -129,12 +141,16 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
         title = {"azure": "Azure conversation sample (no shared prefixes)",
                  "prefix": f"Shared prefixes ({PREFIXES} x {PREFIX_TOKENS} tokens + "
                            f"{SUFFIX_TOKENS[0]}-{SUFFIX_TOKENS[1]} unique, {PREFIX_OUTPUT_TOKENS[0]}-"
-                           f"{PREFIX_OUTPUT_TOKENS[1]} output tokens)"}[workload]
+                           f"{PREFIX_OUTPUT_TOKENS[1]} output tokens)",
+                 "bursty": f"Bursty, three SLO classes (the shared prefixes at gamma arrivals of CV "
+                           f"{BURST_CV:g}; classes {', '.join(f'{n} {w:.0%}' for n, w in CLASS_MIX)})"}[workload]
+        classes = sorted({c for p in wrows for c in p["result"].get("by_class", {})})
+        class_head = f" attainment {' / '.join(classes)} | TTFT p99 ms {' / '.join(classes)} |" if classes else ""
         lines += [f"## {title}", "",
                   "| rate | router | goodput | attainment | failed | TTFT p50 / p90 / p99 ms | "
                   "TPOT p50 / p90 / p99 ms | prefill computed | router CPU s / 1000 req | "
-                  "router CPU s / 1000 tokens |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "router CPU s / 1000 tokens |" + class_head,
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * bool(classes)]
         best = {}
         for p in wrows:
             if p["result"]["goodput"] > best.get(p["rate"], -1):
@@ -154,7 +170,8 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
                 f"| {p['rate']:g} | {router_label(p)}{crashed} | {goodput} | {r['attainment']:.3f} | {r['failed']} | "
                 f"{_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} | "
                 f"{_fmt(o['p50'], 1)} / {_fmt(o['p90'], 1)} / {_fmt(o['p99'], 1)} | "
-                f"{'-' if frac is None else f'{100 * frac:.0f}%'} | {_fmt(cpu, 1)} | {_fmt(cpu_tokens, 3)} |")
+                f"{'-' if frac is None else f'{100 * frac:.0f}%'} | {_fmt(cpu, 1)} | {_fmt(cpu_tokens, 3)} |"
+                + _class_cells(r.get("by_class", {}), classes))
         died = [p for p in wrows if p.get("server_died")]
         if died:
             first = next(iter(died[0]["server_died"].values()))

@@ -1,11 +1,12 @@
-"""The router comparison's workloads (pure): the Azure sample at Poisson times and the
-shared-prefix workload, as requests and as prompt text of single-token words."""
+"""The router comparison's workloads (pure): the Azure sample at Poisson times, the
+shared-prefix workload, and the same prefixes in bursts with three SLO classes, as requests
+and as prompt text of single-token words."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.server.emulated import MAX_PROMPT_TOKENS, TINY_MODEL_CONTEXT
@@ -17,9 +18,12 @@ PREFIX_TOKENS = 4096
 SUFFIX_TOKENS = (64, 192)  # uniform, inclusive
 PREFIX_OUTPUT_TOKENS = (32, 128)
 
-WORKLOADS = ("azure", "prefix")
-DEFAULT_RATES = {"azure": (6.0, 9.0, 12.0), "prefix": (8.0, 13.0, 18.0)}
-QUICK_RATES = {"azure": (9.0,), "prefix": (13.0,)}
+BURST_CV = 4.0  # the gamma gaps' coefficient of variation (Poisson: 1)
+CLASS_MIX = (("interactive", 0.2), ("standard", 0.5), ("relaxed", 0.3))  # configs/slo.toml's classes
+
+WORKLOADS = ("azure", "prefix", "bursty")
+DEFAULT_RATES = {"azure": (6.0, 9.0, 12.0), "prefix": (8.0, 13.0, 18.0), "bursty": (8.0, 13.0, 18.0)}
+QUICK_RATES = {"azure": (9.0,), "prefix": (13.0,), "bursty": (13.0,)}
 SEED = 0
 
 
@@ -29,8 +33,9 @@ class Request:
     at_s: float
     prompt_tokens: int
     output_tokens: int
-    prefix_id: int | None = None  # shared-prefix group (prefix workload)
+    prefix_id: int | None = None  # shared-prefix group (prefix and bursty workloads)
     prefix_tokens: int = 0
+    slo_class: str | None = None  # configs/slo.toml's class (bursty); None: the default, standard
 
 
 def poisson_times(rate: float, n: int, seed: int) -> list[float]:
@@ -42,6 +47,20 @@ def poisson_times(rate: float, n: int, seed: int) -> list[float]:
     for _ in range(n):
         times.append(now)
         now += rng.expovariate(rate)
+    return times
+
+
+def gamma_times(rate: float, cv: float, n: int, seed: int) -> list[float]:
+    """``n`` arrival times with gamma gaps of mean ``1/rate`` and coefficient of variation
+    ``cv`` (bursts: most gaps tiny, a few long), the first at 0 (seeded)."""
+    if rate <= 0 or cv <= 0 or n < 0:
+        raise ValueError("rate and cv must be > 0 and n >= 0")
+    rng = random.Random(f"gamma-{seed}")
+    shape = 1.0 / cv**2
+    times, now = [], 0.0
+    for _ in range(n):
+        times.append(now)
+        now += rng.gammavariate(shape, 1.0 / (rate * shape))
     return times
 
 
@@ -78,6 +97,18 @@ def prefix_requests(rate: float, seconds: float, seed: int, prefixes: int = PREF
         tail = rng.randint(*suffix)
         requests.append(Request(index, at, prefix_tokens + tail, rng.randint(*output), group, prefix_tokens))
     return requests
+
+
+def bursty_requests(rate: float, seconds: float, seed: int, cv: float = BURST_CV,
+                    mix: Sequence[tuple[str, float]] = CLASS_MIX) -> list[Request]:
+    """The shared-prefix workload's requests (same prefixes, suffixes and outputs) at gamma
+    times of CV ``cv`` instead of Poisson ones, each with an SLO class drawn from ``mix``
+    (seeded, independent of the lengths)."""
+    shared = prefix_requests(rate, seconds, seed)
+    times = gamma_times(rate, cv, len(shared), seed)
+    rng = random.Random(f"classes-{seed}")
+    names, weights = [name for name, _ in mix], [weight for _, weight in mix]
+    return [replace(r, at_s=at, slo_class=rng.choices(names, weights)[0]) for r, at in zip(shared, times)]
 
 
 def words_text(rng: random.Random, words: Sequence[str], n: int) -> str:
@@ -118,6 +149,8 @@ def workload_requests(workload: str, rate: float, seconds: float, seed: int,
         return azure_requests(rate, seconds, seed, azure_lengths)
     if workload == "prefix":
         return prefix_requests(rate, seconds, seed)
+    if workload == "bursty":
+        return bursty_requests(rate, seconds, seed)
     raise ValueError(f"unknown workload {workload!r}")
 
 

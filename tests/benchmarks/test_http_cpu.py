@@ -18,6 +18,18 @@ def test_an_unknown_mode_is_refused(tmp_path, capsys):
     assert exit_info.value.code == 2 and "unknown mode 'both'" in capsys.readouterr().err
 
 
+def test_the_workloads_are_seeded_and_the_prefix_one_shares_its_prompts_text():
+    short = http_cpu.bodies("short", 5.0, 20.0)
+    assert short == http_cpu.bodies("short", 5.0, 20.0) and short[0][0] == 0.0
+    assert all(body["prompt"] == http_cpu.PROMPT and 100 <= body["max_tokens"] <= 200 for _, body in short)
+    prefix = http_cpu.bodies("prefix", 13.0, 10.0)
+    assert len(prefix) == 130 and all(32 <= body["max_tokens"] <= 128 for _, body in prefix)
+    heads = {body["prompt"][:2000] for _, body in prefix}
+    assert 1 < len(heads) <= 24 and len({body["prompt"] for _, body in prefix}) == 130
+    with pytest.raises(ValueError, match="unknown workload 'long'"):
+        http_cpu.bodies("long", 1.0, 1.0)
+
+
 @pytest.mark.slow
 def test_each_mode_streams_tokens_and_counts_its_processes_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(http_cpu, "RATE", 4.0)

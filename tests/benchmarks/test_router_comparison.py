@@ -28,6 +28,7 @@ from benchmarks.routers.analysis import (
 )
 from benchmarks.routers.cli import build_plan, main
 from benchmarks.routers.metrics import (
+    SLO,
     Record,
     added_latency,
     cpu_per_1000,
@@ -53,11 +54,15 @@ from benchmarks.routers.sweep import (
     pick_best,
     sweep_verdict,
 )
+from benchmarks.routers.client import completion_body
 from benchmarks.routers.workloads import (
+    CLASS_MIX,
     CONTEXT_MARGIN,
     Request,
     azure_requests,
+    bursty_requests,
     chars_per_token,
+    gamma_times,
     poisson_times,
     prefix_requests,
     prompt_text,
@@ -103,6 +108,36 @@ def test_prefix_requests_draw_groups_and_lengths_in_their_ranges_deterministical
     assert {r.prefix_id for r in requests} == set(range(6))
     assert all(105 <= r.prompt_tokens <= 109 and r.prefix_tokens == 100 for r in requests)
     assert {r.output_tokens for r in requests} == {3, 4}
+
+
+def test_gamma_times_are_seeded_start_at_zero_and_are_as_bursty_as_asked() -> None:
+    times = gamma_times(10.0, 4.0, 4000, seed=3)
+    assert times == gamma_times(10.0, 4.0, 4000, seed=3) and times[0] == 0.0
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    mean = sum(gaps) / len(gaps)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert mean == pytest.approx(0.1, rel=0.3) and 2.5 < cv < 6.0
+    with pytest.raises(ValueError):
+        gamma_times(10.0, 0.0, 5, seed=0)
+
+
+def test_bursty_requests_are_the_prefix_workload_at_bursty_times_with_three_classes() -> None:
+    bursty = bursty_requests(10.0, 60.0, seed=1)
+    assert bursty == bursty_requests(10.0, 60.0, seed=1)
+    plain = prefix_requests(10.0, 60.0, seed=1)
+    assert [(r.prompt_tokens, r.output_tokens, r.prefix_id) for r in bursty] == \
+        [(r.prompt_tokens, r.output_tokens, r.prefix_id) for r in plain]
+    assert [r.at_s for r in bursty] == gamma_times(10.0, 4.0, len(plain), seed=1)
+    shares = {name: sum(r.slo_class == name for r in bursty) / len(bursty) for name, _ in CLASS_MIX}
+    for name, weight in CLASS_MIX:
+        assert shares[name] == pytest.approx(weight, abs=0.07)
+    assert all(r.slo_class is None for r in plain)
+
+
+def test_the_request_body_names_its_class_or_carries_the_standard_targets() -> None:
+    assert completion_body(None, "hi", 4)["custom_params"] == {"slo": SLO}
+    body = completion_body("m", "hi", 4, "interactive")
+    assert body["custom_params"] == {"slo": {"class": "interactive"}} and body["model"] == "m" and body["stream"]
 
 
 def test_prompts_share_the_prefix_text_of_their_group_and_have_one_word_per_token() -> None:
@@ -170,6 +205,21 @@ def test_summarize_counts_goodput_as_rate_times_attainment_and_every_failure_as_
     assert s["output_tokens"] == 10 * 11  # every token streamed, a missed SLO's too
     assert s["tpot_ms"]["p99"] > 50
     assert summarize([], 3.0)["goodput"] == 0.0
+
+
+def test_each_request_is_judged_by_its_class_and_attainment_is_reported_per_class() -> None:
+    fast, slow = record(ttft=0.3), record(ttft=0.9)
+    relaxed = record(ttft=4.0, tpot=0.15)
+    fast.slo_class = slow.slo_class = "interactive"
+    relaxed.slo_class = "relaxed"
+    assert meets_slo(fast) and not meets_slo(slow) and meets_slo(relaxed)
+    assert meets_slo(slow, SLO) and not meets_slo(relaxed, SLO)  # an explicit SLO overrides the class
+    s = summarize([fast, slow, relaxed, record()], rate=4.0)
+    assert s["good"] == 3 and s["goodput"] == 3.0 and s["ttft_attainment"] == 0.75
+    assert s["by_class"]["interactive"] == {"requests": 2, "good": 1, "attainment": 0.5,
+                                            "ttft_p99_ms": pytest.approx(894.0)}
+    assert s["by_class"]["relaxed"]["attainment"] == 1.0 and s["by_class"]["standard"]["requests"] == 1
+    assert "by_class" not in summarize([record(), record()], rate=1.0)  # one class: no breakdown
 
 
 def test_added_latency_is_the_difference_of_medians_and_cpu_is_per_thousand_requests() -> None:
@@ -387,6 +437,21 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     json.dumps(data)
 
 
+def test_a_workload_with_classes_gets_per_class_columns() -> None:
+    classes = {"interactive": {"requests": 20, "good": 12, "attainment": 0.6, "ttft_p99_ms": 812.0},
+               "relaxed": {"requests": 30, "good": 30, "attainment": 1.0, "ttft_p99_ms": 2100.0},
+               "standard": {"requests": 50, "good": 45, "attainment": 0.9, "ttft_p99_ms": 1500.0}}
+    bursty = point("bursty", 13.0, "cp-default", 11.7)
+    bursty["result"]["by_class"] = classes
+    text = render_markdown([bursty, point("prefix", 13.0, "cp-default", 13.0)], {})
+    assert "## Bursty, three SLO classes (the shared prefixes at gamma arrivals of CV 4; classes " \
+           "interactive 20%, standard 50%, relaxed 30%)" in text
+    assert "attainment interactive / relaxed / standard | TTFT p99 ms interactive / relaxed / standard |" in text
+    assert "| 5.0 | 0.025 | 0.60 / 1.00 / 0.90 | 812 / 2100 / 1500 |" in text
+    prefix_table = text.split("## Shared prefixes")[1].split("##")[0]
+    assert "attainment interactive" not in prefix_table
+
+
 def test_cpu_per_token_is_unknown_where_a_run_did_not_record_its_tokens() -> None:
     old = point("azure", 6.0, "smg-rr", 5.0, cpu=9.0)
     del old["result"]["output_tokens"], old["cpu"]["output_tokens"], old["cpu"]["router_s_per_1000_tokens"]
@@ -495,7 +560,7 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         pytest.skip("smg is not installed: `FB_EXTRAS=bench-router source scripts/_env.sh` "
                     "(or scripts/bench_routers.sh) makes its environment; or set FB_SMG")
     points = tmp_path / "points.jsonl"
-    command = [sys.executable, "-m", "benchmarks.routers", "--quick", "--workloads", "prefix",
+    command = [sys.executable, "-m", "benchmarks.routers", "--quick", "--workloads", "prefix,bursty",
                "--seconds", "8", "--smg", smg, "--points", str(points), "--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -506,5 +571,8 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         assert p["result"]["completed"] > 0, p
         assert p["probe"]["router_ttft_s"] and p["cpu"]["router_s"] > 0
     assert tuned_limits(saved)["prefix"][0] in QUICK_SWEEP_CONCURRENCY
+    bursty = [p for p in saved if p["workload"] == "bursty"]
+    assert bursty and all(set(p["result"]["by_class"]) == {"interactive", "standard", "relaxed"} for p in bursty)
     text = (tmp_path / "routers.md").read_text()
     assert "## Where smg wins" in text and "Shared prefixes" in text
+    assert "Bursty, three SLO classes" in text and "attainment interactive / relaxed / standard" in text
