@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from controlplane.balancer import (
@@ -61,6 +63,33 @@ def test_the_bound_evicts_least_recently_used_leaves_first() -> None:
     tree.record("a", "pq")
     assert tree.match("ab").matched_units == {"a": 2}
     assert tree.match("xy").matched_units == {}
+
+
+def _linear_match(tree: PrefixAffinity, prompt: str) -> dict[str, int]:
+    """Each rank's matched units by the definition: the leading blocks it holds, walked one
+    by one until the first it does not."""
+    names = tree.blocks(prompt).names
+    matched = {}
+    for rank in {r for held in tree._holders.values() for r in held}:
+        depth = 0
+        while depth < len(names) and rank in tree._holders.get(names[depth], ()):
+            depth += 1
+        if depth:
+            matched[rank] = depth * tree.block_size
+    return matched
+
+
+def test_bisection_finds_what_a_walk_block_by_block_finds_under_eviction() -> None:
+    """What a rank holds stays closed under ancestors through records and evictions, so
+    bisecting each rank's depth gives the linear walk's answer."""
+    rng = random.Random(7)
+    tree = PrefixAffinity(block_size=2, max_blocks_per_rank=40)
+    stems = ["".join(rng.choices("abc", k=12)) for _ in range(6)]
+    for step in range(600):
+        prompt = rng.choice(stems)[:rng.randint(0, 12)] + "".join(rng.choices("abcd", k=rng.randint(0, 10)))
+        if step % 3:
+            tree.record(rng.choice("xyz"), prompt)
+        assert tree.match(prompt).matched_units == _linear_match(tree, prompt), (step, prompt)
 
 
 def test_memory_stays_bounded_under_many_distinct_prompts() -> None:
