@@ -29,9 +29,10 @@ smg talks HTTP to the servers' ports; the daemon reaches them through their cont
 ingress (ZeroMQ). Every request is ``POST /v1/completions``, streamed, with a text prompt
 (single-token words of the tiny model's tokenizer, so a prompt of N words is N tokens),
 ``ignore_eos`` and the SLO of ``configs/slo.toml``'s ``standard`` class in
-``custom_params`` (TTFT 2000 ms, TPOT 50 ms; also the servers' default class).
+``custom_params`` (TTFT 2000 ms, TPOT 50 ms; also the servers' default class), or in the
+``bursty`` workload its own class.
 
-Workloads (Poisson arrivals, fixed seed; the same requests through every router):
+Workloads (fixed seed; the same requests through every router):
 
 * ``azure``  -- the first ``rate x seconds`` requests of the bundled Azure conversation
   sample (``sglang_ext/data/azure_conv_sample.csv``; prompt and output lengths as recorded,
@@ -42,10 +43,20 @@ Workloads (Poisson arrivals, fixed seed; the same requests through every router)
   (``PREFIX_TOKENS`` tokens, drawn uniformly) followed by a short unique suffix; its prefix
   is in a server's radix cache only if that server served it recently. The prefixes
   (24 x 4096 tokens) do not fit one server's KV pool (``KV_TOKENS``) but half of them do:
-  a router that keeps each prefix on one server computes each prefill once.
+  a router that keeps each prefix on one server computes each prefill once. Poisson
+  arrivals, every request the ``standard`` class.
+* ``bursty`` -- the ``prefix`` workload's requests (same prefixes, suffixes and outputs) at
+  gamma arrival times of CV ``BURST_CV`` (4: a run is a few dense bursts and long lulls)
+  with three SLO classes drawn per request from ``CLASS_MIX`` (``interactive`` 20%: TTFT
+  500 ms; ``standard`` 50%; ``relaxed`` 30%: TTFT 5 s, TPOT 200 ms), named in
+  ``custom_params`` (``{"class": name}``), which the servers and the daemon resolve from
+  ``configs/slo.toml``. Where deadlines differ, a router that knows them (the daemon's
+  PAB per class) can do what one that does not (smg) cannot; attainment and TTFT p99 are
+  reported per class too.
 
-Metrics per (workload, router, rate): goodput = rate x SLO attainment (a request meets the
-SLO when it completes all its tokens with TTFT <= 2000 ms and TPOT <= 50 ms; TPOT per
+Metrics per (workload, router, rate): goodput = rate x SLO attainment (a request meets its
+class's SLO when it completes all its tokens within the class's TTFT and TPOT, for the
+``standard`` class 2000 ms and 50 ms; TPOT per
 request = (last token - first token) / (tokens - 1), a mean, as in
 ``sglang.benchmark.serving``; failures, 429s and timeouts are misses); TTFT/TPOT
 percentiles over completed requests; the prefill tokens the servers actually computed

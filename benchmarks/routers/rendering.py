@@ -19,7 +19,7 @@ from benchmarks.routers.analysis import (
     wins,
 )
 from benchmarks.routers.client import PROBE_OUTPUT_TOKENS, PROBE_PROMPT_TOKENS, REQUEST_TIMEOUT_S
-from benchmarks.routers.metrics import SLO
+from benchmarks.routers.metrics import SLO, SLO_CLASSES
 from benchmarks.routers.stack import (
     DAEMON_DEFAULT_POLICY,
     DAEMON_POLICY,
@@ -102,10 +102,13 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
         "HTTP server, tokenizer, scheduler and radix cache are real). One seed per point. "
         "Latencies include this CPU contention; compare routers with each other, not with a real GPU.",
         f"- Servers: {' '.join(SERVER_ARGS)}, FairBatching on (shipped config), both ranks of one daemon.",
-        f"- SLO: TTFT {SLO['ttft_ms']} ms, TPOT {SLO['tpot_ms']} ms (mean per request); goodput = rate x "
+        f"- SLO: TTFT {SLO['ttft_ms']} ms, TPOT {SLO['tpot_ms']} ms (mean per request; the bursty workload: each "
+        "request's class, " + ", ".join(f"{n} {c['ttft_ms']} / {c['tpot_ms']} ms" for n, c in SLO_CLASSES.items())
+        + "); goodput = rate x "
         "attainment (req/s); failures (429, 5xx, timeouts at "
         f"{REQUEST_TIMEOUT_S:g} s) are misses.",
-        f"- Runs: {meta.get('seconds', '?')} s of Poisson arrivals (seed {SEED}) per point, "
+        f"- Runs: {meta.get('seconds', '?')} s of arrivals (Poisson; bursty: gamma, CV {BURST_CV:g}; seed {SEED}) "
+        "per point, "
         "the servers' prefix caches flushed before each, every router at a rate before the next rate.",
         "- Routers: `smg-rr` = smg `--policy round_robin`, its defaults; `smg-ca` = `--policy "
         f"cache_aware {' '.join(SMG_CA_EXTRA)}` with `--max-concurrent-requests C --queue-size Q "
