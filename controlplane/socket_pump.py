@@ -24,6 +24,8 @@ from collections.abc import Callable
 import zmq
 
 MAX_PER_PASS = 512
+# plain ints: ``int & PollEvent`` would run the enum's Python-level ``__rand__`` on every check
+_EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
 def _nothing() -> None:
@@ -70,7 +72,7 @@ class SocketPump:
         """After a send outside a pass: read what waits (the send may have eaten the edge)."""
         if self._fd is None or self._scheduled:
             return
-        if self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self.socket.getsockopt(_EVENTS) & _POLLIN:
             self._schedule()
 
     def read_now(self) -> None:
@@ -85,7 +87,7 @@ class SocketPump:
             self._loop.call_soon(self._pass)
 
     def _wake(self) -> None:
-        if self._on_writable is not None and self.socket.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+        if self._on_writable is not None and self.socket.getsockopt(_EVENTS) & _POLLOUT:
             self._on_writable()
         self._pass()
 
@@ -114,7 +116,7 @@ class SocketPump:
                 handle(frames)
                 # stop on the events flag rather than on an EAGAIN (an exception per pass);
                 # reading it also rearms the edge-triggered FD, as an EAGAIN would
-                if not events(zmq.EVENTS) & zmq.POLLIN:
+                if not events(_EVENTS) & _POLLIN:
                     drained = True
                     break
             self._on_pass_end()
