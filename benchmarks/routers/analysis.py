@@ -20,11 +20,12 @@ def router_label(point: dict) -> str:
 
 
 def main_points(points: Iterable[dict]) -> list[dict]:
-    """The points of the comparison table: every router's at every rate (the tuned smg-ca
-    point per workload; the last saved point per key)."""
+    """The points of the comparison table: every router's at every rate (smg-ca's at the
+    limits tuned for that rate: a per-rate sweep's, else those of a workload sweep run at
+    that rate, else the workload's last sweep's; the last saved point per key)."""
     points = list(points)
     tuned = tuned_limits(points)
-    at_rate = rate_tuned_limits(points)
+    at_rate = {**swept_rate_limits(points), **rate_tuned_limits(points)}
     chosen: dict[tuple, dict] = {}
     for p in points:
         if "error" in p or "result" not in p:
@@ -51,6 +52,13 @@ def sweep_points(points: Iterable[dict], workload: str) -> list[dict]:
 def tuned_limits(points: Iterable[dict]) -> dict[str, tuple[int, int]]:
     """Per workload, the (concurrency, queue) the last sweep chose (saved with its points)."""
     return {w: tuple(t["limits"]) for w, t in tuned_records(points).items()}
+
+
+def swept_rate_limits(points: Iterable[dict]) -> dict[tuple[str, float], tuple[int, int]]:
+    """Per (workload, rate), the limits a workload sweep run at that rate chose (a later
+    invocation may sweep the same workload again at a higher rate)."""
+    return {(p["workload"], p["tuned"]["rate"]): tuple(p["tuned"]["limits"]) for p in points
+            if p.get("router") == "smg-ca" and p.get("tuned") is not None and "rate" in p["tuned"]}
 
 
 def rate_tuned_limits(points: Iterable[dict]) -> dict[tuple[str, float], tuple[int, int]]:

@@ -380,6 +380,18 @@ def test_main_points_take_a_per_rate_choice_over_the_workload_one() -> None:
     assert "Per-rate concurrency sweep at 8 req/s" in text and "| 8 | **64** | **16** | 7.00 |" in text
 
 
+def test_a_second_sweep_at_a_higher_rate_leaves_the_first_rates_choice_in_place() -> None:
+    lim = lambda c, q: {"max_concurrent": c, "queue_size": q, "queue_timeout_s": 2}  # noqa: E731
+    first = {"limits": [256, 16], "rate": 18.0}
+    second = {"limits": [512, 16], "rate": 30.0}
+    pts = [point("bursty", 18.0, "smg-ca", 17.7, lim(256, 16), "sweep", tuned=first),
+           point("bursty", 18.0, "smg-ca", 13.3, lim(512, 16), "sweep"),
+           point("bursty", 30.0, "smg-ca", 20.0, lim(512, 16), "sweep", tuned=second),
+           point("bursty", 30.0, "smg-ca", 18.0, lim(256, 16), "sweep")]
+    chosen = {p["rate"]: p["limits"]["max_concurrent"] for p in main_points(pts)}
+    assert chosen == {18.0: 256, 30.0: 512}
+
+
 def test_main_points_keep_only_the_tuned_cache_aware_limits_and_skip_errors() -> None:
     rows = main_points(synthetic_points())
     ca = [p for p in rows if p["router"] == "smg-ca"]
