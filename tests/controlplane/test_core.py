@@ -839,3 +839,26 @@ def test_the_memory_of_timed_out_arrivals_is_bounded():
         assert submit(core, f"r{index}", tokens=100, now=index * 0.2) == []
         assert replies(core.on_tick(index * 0.2 + 0.15), Reject)
     assert list(core._timed_out) == ["r7", "r8", "r9"]
+
+
+def test_a_step_of_outputs_answers_each_item_as_if_it_came_alone():
+    """The streamed outputs of a RankOutputs take the fast path; the unstreamed one, the
+    late one (an old epoch) and the Done take the general one, in the message's order."""
+    def step(core: DispatcherCore, batched: bool) -> list:
+        join(core, "r0")
+        submit(core, "s", stream=True)
+        submit(core, "u", stream=False)
+        items = [Output("r0", 1, "s", [5], "a", 1), Output("r0", 1, "u", [6], "b", 1),
+                 Output("r0", 0, "s", [7], "x", 2), Output("r0", 1, "s", [8], "c", 2),
+                 Done("r0", 1, "u", FinishReason.LENGTH, 100, 2, ttft_s=0.05, latency_s=0.2)]
+        if batched:
+            return core.on_agent(b"agent-r0", RankOutputs(items), 0.1)
+        return [send for item in items for send in core.on_agent(b"agent-r0", item, 0.1)]
+
+    alone, batched = make_core(), make_core()
+    expected = step(alone, batched=False)
+    assert step(batched, batched=True) == expected
+    assert [type(s.message) for s in expected] == [Chunk, Fenced, Chunk, Finish]
+    assert [s.message.text for s in expected if isinstance(s.message, Chunk)] == ["a", "c"]
+    assert expected[-1].message.text == "b"  # the unstreamed request's output, in its Finish
+    assert batched.counters == alone.counters
