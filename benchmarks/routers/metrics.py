@@ -1,5 +1,6 @@
 """What the client saw of each request, and a run's goodput, latency percentiles, added
-latency, prefill share and CPU cost (pure)."""
+latency, prefill share and CPU cost (pure, but for reading ``configs/slo.toml``'s classes
+once at import)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,21 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SLO = {"ttft_ms": 2000, "tpot_ms": 50}  # configs/slo.toml's "standard" class (the default)
-DEFAULT_CLASS = "standard"
-SLO_CLASSES = {"interactive": {"ttft_ms": 500, "tpot_ms": 50}, DEFAULT_CLASS: SLO,
-               "relaxed": {"ttft_ms": 5000, "tpot_ms": 200}}  # configs/slo.toml
+from benchmarks.support.paths import REPO
+from sglang_ext.policy.slo import SloCatalog
+
+SLO_FILE = REPO / "configs" / "slo.toml"  # the classes the servers and the daemon resolve
+
+
+def _targets_ms(catalog: SloCatalog) -> dict[str, dict[str, int]]:
+    return {name: {"ttft_ms": round(slo.ttft_s * 1000), "tpot_ms": round(slo.tpot_s * 1000)}
+            for name, slo in catalog.classes.items()}
+
+
+_CATALOG = SloCatalog.from_toml(SLO_FILE)
+SLO_CLASSES = _targets_ms(_CATALOG)  # per class, the targets a request of it is judged by
+DEFAULT_CLASS = _CATALOG.default_class  # "standard": TTFT 2000 ms, TPOT 50 ms
+SLO = SLO_CLASSES[DEFAULT_CLASS]
 
 
 @dataclass
