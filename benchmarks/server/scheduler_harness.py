@@ -64,31 +64,9 @@ def main(scenario_path: str) -> None:
 
     load_plugins()
 
-    from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.server_args import PortArgs, ServerArgs
+    from sglang.srt.managers.io_struct import AbortReq
 
-    from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
-
-    model_dir = write_tiny_model(Path(tempfile.mkdtemp(prefix="fb-harness-")))
-    server_args = ServerArgs(
-        model_path=str(model_dir),
-        device="cpu",
-        load_format="dummy",
-        attention_backend="torch_native",
-        disable_cuda_graph=True,
-        skip_tokenizer_init=True,
-        max_total_tokens=scenario.get("max_total_tokens", 65536),
-        chunked_prefill_size=scenario.get("chunked_prefill_size", 8192),
-        disable_overlap_schedule=not scenario.get("overlap", False),
-        disable_radix_cache=scenario.get("disable_radix_cache", False),
-        enable_mixed_chunk=scenario.get("enable_mixed_chunk", False),
-    )
-    port_args = PortArgs.init_new(server_args)
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-    scheduler = Scheduler(server_args, port_args)
+    scheduler = build_scheduler(scenario)
     outputs = _capture_outputs(scheduler)
 
     pending = sorted(scenario["requests"], key=lambda r: r.get("at_step", 0))
@@ -106,8 +84,6 @@ def main(scenario_path: str) -> None:
     recording = state is not None and scenario.get("record_triage", True)
     triage = _record_triage(state) if recording else None
     observations = _record_observations(state) if state is not None else None
-    overlap = scheduler.enable_overlap
-    result_queue = scheduler.result_queue if overlap else None
     last_batch = None
     aborted: dict[str, int] = {}
     retracted = 0
@@ -115,19 +91,7 @@ def main(scenario_path: str) -> None:
     deadline = time.monotonic() + scenario.get("timeout_s", 120)
     while time.monotonic() < deadline:
         while pending and pending[0].get("at_step", 0) <= step:
-            spec = pending.pop(0)
-            custom_params = {"slo": spec["slo"]} if "slo" in spec else None
-            params = SamplingParams(max_new_tokens=spec["max_new_tokens"], ignore_eos=spec.get("ignore_eos", True),
-                                    custom_params=custom_params)
-            params.normalize(None)
-            recv = TokenizedGenerateReqInput(
-                rid=spec["rid"], input_text=None,
-                input_ids=array("q", _prompt(spec)),
-                input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=params,
-                return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
-                token_ids_logprob=None, stream=True,
-            )
-            scheduler.handle_generate_request(recv)
+            submit(scheduler, pending.pop(0))
 
         if state is not None and state.parked is not None:
             _check_parked(scheduler, state.parked, kv_rows, checks, expect_relay=True)
@@ -157,25 +121,8 @@ def main(scenario_path: str) -> None:
         if state is not None and state.parked is not None:
             for req in state.parked.reqs:
                 kv_rows[req.rid] = _kv_row(scheduler, req)
-        if overlap:
-            if batch:
-                result = scheduler.run_batch(batch)
-                result_queue.append((batch.copy(), result))
-            if last_batch:
-                tmp_batch, tmp_result = result_queue.popleft()
-                scheduler.process_batch_result(tmp_batch, tmp_result)
-            elif batch is None:
-                scheduler.on_idle()
-            if batch is not None:
-                scheduler.launch_batch_sample_if_needed(result, batch)
-        else:
-            if batch:
-                result = scheduler.run_batch(batch)
-                scheduler.process_batch_result(batch, result)
-            else:
-                scheduler.on_idle()
+        run_step(scheduler, batch, last_batch)
         last_batch = batch
-        scheduler.last_batch = batch
         if batch is not None:
             steps.append(record)
         step += 1
@@ -200,6 +147,80 @@ def main(scenario_path: str) -> None:
         "observations": observations,
     }
     print(RESULT_PREFIX + json.dumps(report))
+
+
+def build_scheduler(scenario: Mapping[str, Any]) -> Any:
+    """A real SGLang ``Scheduler`` on the emulated GPU (a tiny model with dummy weights,
+    CPU), with the scenario's server flags."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
+
+    model_dir = write_tiny_model(Path(tempfile.mkdtemp(prefix="fb-harness-")))
+    server_args = ServerArgs(
+        model_path=str(model_dir),
+        device="cpu",
+        load_format="dummy",
+        attention_backend="torch_native",
+        disable_cuda_graph=True,
+        skip_tokenizer_init=True,
+        max_total_tokens=scenario.get("max_total_tokens", 65536),
+        chunked_prefill_size=scenario.get("chunked_prefill_size", 8192),
+        disable_overlap_schedule=not scenario.get("overlap", False),
+        disable_radix_cache=scenario.get("disable_radix_cache", False),
+        enable_mixed_chunk=scenario.get("enable_mixed_chunk", False),
+        enable_priority_scheduling=scenario.get("enable_priority_scheduling", False),
+        max_running_requests=scenario.get("max_running_requests"),
+    )
+    port_args = PortArgs.init_new(server_args)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    return Scheduler(server_args, port_args)
+
+
+def submit(scheduler: Any, spec: Mapping[str, Any]) -> None:
+    """Feed one request through the scheduler's real ingestion path."""
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    custom_params = {"slo": spec["slo"]} if "slo" in spec else None
+    params = SamplingParams(max_new_tokens=spec["max_new_tokens"], ignore_eos=spec.get("ignore_eos", True),
+                            custom_params=custom_params)
+    params.normalize(None)
+    recv = TokenizedGenerateReqInput(
+        rid=spec["rid"], input_text=None,
+        input_ids=array("q", _prompt(spec)),
+        input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=params,
+        return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
+        token_ids_logprob=None, stream=True, priority=spec.get("priority"),
+    )
+    scheduler.handle_generate_request(recv)
+
+
+def run_step(scheduler: Any, batch: Any, last_batch: Any) -> None:
+    """The body of SGLang's normal or overlap event loop after the batch is formed:
+    run ``batch`` (overlap: launch it, then process ``last_batch``'s result), or idle."""
+    if scheduler.enable_overlap:
+        result_queue = scheduler.result_queue
+        result = None
+        if batch:
+            result = scheduler.run_batch(batch)
+            result_queue.append((batch.copy(), result))
+        if last_batch:
+            tmp_batch, tmp_result = result_queue.popleft()
+            scheduler.process_batch_result(tmp_batch, tmp_result)
+        elif batch is None:
+            scheduler.on_idle()
+        if batch is not None:
+            scheduler.launch_batch_sample_if_needed(result, batch)
+    else:
+        if batch:
+            result = scheduler.run_batch(batch)
+            scheduler.process_batch_result(batch, result)
+        else:
+            scheduler.on_idle()
+    scheduler.last_batch = batch
 
 
 def _record_triage(state: Any) -> list[dict[str, Any]]:
@@ -266,23 +287,40 @@ def _prompt(spec: dict[str, Any]) -> list[int]:
 
 
 def _capture_outputs(scheduler: Any) -> dict[str, dict[str, Any]]:
-    """Collect what the scheduler sends to the detokenizer (no detokenizer runs here)."""
+    """Collect what the scheduler sends to the detokenizer (no detokenizer runs here) and
+    the aborts it reports to the tokenizer outside the output stream. Per request: its
+    tokens, its finish reason, how many chunks and how many final answers (``finals``:
+    chunks with a finish reason) it streamed, and how many ``AbortReq`` it was sent."""
     outputs: dict[str, dict[str, Any]] = {}
+
+    def entry(rid: str) -> dict[str, Any]:
+        return outputs.setdefault(rid, {"tokens": 0, "finished": None, "chunks": 0, "finals": 0,
+                                        "abort_reports": 0})
 
     def send_output(output: Any, recv_obj: Any = None) -> None:
         rids = getattr(output, "rids", None) or []
         completion = getattr(output, "completion_tokens", None) or []
         reasons = getattr(output, "finished_reasons", None) or []
         for i, rid in enumerate(rids):
-            entry = outputs.setdefault(rid, {"tokens": 0, "finished": None, "chunks": 0})
-            entry["chunks"] += 1
+            record = entry(rid)
+            record["chunks"] += 1
             if i < len(completion):
-                entry["tokens"] = int(completion[i])
+                record["tokens"] = int(completion[i])
             if i < len(reasons) and reasons[i] is not None:
                 reason = reasons[i]
-                entry["finished"] = reason.get("type") if isinstance(reason, dict) else str(reason)
+                record["finished"] = reason.get("type") if isinstance(reason, dict) else str(reason)
+                record["finals"] += 1
+
+    def send_to_tokenizer(output: Any, recv_obj: Any = None) -> None:
+        from sglang.srt.managers.io_struct import AbortReq
+
+        if isinstance(output, AbortReq) and output.rid is not None:
+            record = entry(output.rid)
+            record["abort_reports"] += 1
+            record["finished"] = record["finished"] or "abort"
 
     scheduler.ipc_channels.send_to_detokenizer.send_output = send_output
+    scheduler.ipc_channels.send_to_tokenizer.send_output = send_to_tokenizer
     return outputs
 
 
