@@ -62,3 +62,17 @@ def test_running_requests_give_back_what_they_hold_when_their_last_token_is_due(
     assert outlook.released_through == (1001 + 100,)
     assert outlook.reserves == {"wait": 300}
     assert outlook.new_reserve == pytest.approx((101 + 300) / 2)  # median of two
+
+
+def test_a_cut_prompts_remainder_comes_out_of_free_memory_first() -> None:
+    """SGLang continues its chunked request before any queued prefill, so what it still
+    needs (prompt tokens not in KV, and its outputs) is not free for the queue."""
+    from sglang_ext.adapter.scheduler.kv_outlook import kv_outlook
+
+    cut = _req("cut", 3000, 8)
+    cut_view = RequestView("cut", 10.0, SLO, 0, 2000, 1000, 3000, 0, None)  # 1,000 in KV
+    waiting = _req("wait", 100, 300)
+    outlook = kv_outlook(2500, 0.5, [], [(waiting, _view("wait", 100, 0, None))], (cut, cut_view))
+    assert outlook.free_tokens == 2500 - 2000 - 8
+    assert outlook.need_of(cut_view) == 0  # held already, not counted twice
+    assert outlook.need_of(_view("wait", 100, 0, None)) == 100 + 300

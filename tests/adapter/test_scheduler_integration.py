@@ -292,3 +292,39 @@ def test_plans_that_cut_several_prompts_keep_sglangs_one_chunked_request(partial
     short_at = next(i for i, step in enumerate(steps) if "short" in step["prefills"])
     long_two_at = next(i for i, step in enumerate(steps) if "long-2" in step["prefills"])
     assert short_at < long_two_at  # the whole short prompt did not wait for every cut one
+
+
+#: A 3,300-token pool; one 3,000-token prompt cut into 256-token pieces while 100-token
+#: prompts arrive one per step and are admitted whole beside it. Holding nothing for
+#: the cut prompt's remainder, the short prompts took its memory and the next chunk
+#: failed to allocate (a crash, in both loops); stock SGLang survives the same requests.
+FULL_POOL = [{"rid": "long", "prompt_tokens": 3000, "max_new_tokens": 8},
+             *({"rid": f"short-{i}", "prompt_tokens": 100, "max_new_tokens": 300, "at_step": i}
+               for i in range(20))]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["normal-loop", "overlap-loop"])
+def full_pool_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("full-pool")
+    config = tmp_path / "fb.toml"
+    config.write_text(
+        f'policy = "fb"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
+        f'step_model = "{REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"}"\n'
+    )
+    scenario = {"requests": FULL_POOL, "overlap": request.param, "prefill_piece_tokens": 256,
+                "max_total_tokens": 3300, "timeout_s": 200, "config": str(config)}
+    return run_harness(tmp_path, "full-pool", scenario)
+
+
+def test_a_cut_prompt_beside_whole_ones_survives_a_full_pool(full_pool_run: dict) -> None:
+    outputs = full_pool_run["outputs"]
+    assert {rid: (o["tokens"], o["finished"], o["finals"]) for rid, o in outputs.items()} == {
+        s["rid"]: (s["max_new_tokens"], "length", 1) for s in FULL_POOL}
+    assert full_pool_run["retracted"] == 0
+    assert full_pool_run["idle"]
+    assert full_pool_run["kv_free_plus_evictable"] == full_pool_run["kv_total"] == 3300
+    long_steps = [s for s in full_pool_run["steps"] if "long" in s["prefills"]]
+    assert sum(s["prefills"]["long"] for s in long_steps) == 3000
+    # what the cut prompt still needs stays free: no short prompt (400 tokens with its
+    # outputs) fits beside its remainder in this pool, so none is admitted beside it
+    assert all(len(s["prefills"]) == 1 for s in long_steps[:-1]), long_steps

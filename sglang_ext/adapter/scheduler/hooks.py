@@ -55,6 +55,7 @@ def install_scheduler_hooks(config: ExtensionConfig) -> None:
         "get_next_batch_to_run": (_get_next_batch_to_run, HookType.AROUND),
         "get_new_batch_prefill": (_get_new_batch_prefill, HookType.AROUND),
         "get_prefill_adder_class": (_get_prefill_adder_class, HookType.AROUND),
+        "get_num_allocatable_reqs": (_get_num_allocatable_reqs, HookType.AROUND),
         "update_running_batch": (_update_running_batch, HookType.AROUND),
         "abort_request": (_unpark_before, HookType.BEFORE),
         "pause_generation": (_unpark_before, HookType.BEFORE),
@@ -192,6 +193,11 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
                             state.parked_reqs)
     if not decision.prefill_chunks:
         return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
+    sat_out, state.sat_out = state.sat_out, False
+    if sat_out and not running_batch.is_empty():
+        # Decodes sat out the last prefill step: this one decodes them (and can retract).
+        state.counters.forced_decode_steps += 1
+        return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
 
     plan = plan_from_chunks(
         decision.prefill_chunks,
@@ -210,19 +216,26 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         # SGLang could not admit the planned prefill (KV memory): decode everyone.
         state.counters.fallbacks += 1
         return NextBatchPlan(batch_to_run=None, running_batch=unpark(self, result.running_batch))
+    if result.batch_to_run is not None and not result.running_batch.is_empty():
+        # SGLang did not mix the chosen decodes into the prefill step (no KV room for
+        # their rows, or a batch it cannot mix: logprobs, embeddings, beams). They sit
+        # this step out, counted, and the next step decodes them.
+        state.counters.decodes_sat_out += len(result.running_batch.reqs)
+        state.sat_out = True
     return result
 
 
 def _kv_outlook(scheduler: Scheduler, running_batch: Any, parked_reqs: Any, views: list[Any]) -> Any:
     decoding_reqs = (*running_batch.reqs, *parked_reqs)
-    queued_reqs = ((scheduler.chunked_req,) if scheduler.chunked_req is not None else ()) + tuple(
-        scheduler.waiting_queue)
+    chunked = scheduler.chunked_req
     split = len(decoding_reqs)
+    queued_views = views[split + (chunked is not None):]
     return kv_outlook(
         scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size(),
         scheduler.new_token_ratio_tracker.current,
         tuple(zip(decoding_reqs, views[:split])),
-        tuple(zip(queued_reqs, views[split:])),
+        tuple(zip(scheduler.waiting_queue, queued_views)),
+        (chunked, views[split]) if chunked is not None else None,
     )
 
 
@@ -268,6 +281,13 @@ def _get_prefill_adder_class(orig: Callable[..., Any], self: Scheduler) -> Any:
     base = orig(self)
     plan = _active_plan
     return base if plan is None else adder_factory(base, plan)
+
+
+def _get_num_allocatable_reqs(orig: Callable[..., Any], self: Scheduler, running_bs: int, *args: Any,
+                              **kwargs: Any) -> Any:
+    """Parked requests are running requests: they count against the batch-size limit
+    as they hold their request-pool rows."""
+    return orig(self, running_bs + len(self.fairbatching.parked_reqs), *args, **kwargs)
 
 
 def _update_running_batch(orig: Callable[..., Any], self: Scheduler, batch: Any) -> Any:

@@ -38,10 +38,13 @@ def kv_outlook(
     new_token_ratio: float,
     decoding: Sequence[tuple[Any, RequestState]],
     queued: Sequence[tuple[Any, RequestState]],
+    chunked: tuple[Any, RequestState] | None = None,
 ) -> KvOutlook:
     """``decoding``: (``Req``, view) of running and parked requests; ``queued``: the
-    chunked request and the waiting queue. An arrival is expected to reserve the median
-    of what the known requests reserved when they arrived."""
+    waiting queue; ``chunked``: the cut prompt SGLang is prefilling, whose remaining
+    prompt tokens and outputs come out of free memory before any queued prefill (it
+    continues first), so it needs nothing more in the forecast. An arrival is expected
+    to reserve the median of what the known requests reserved when they arrived."""
     free = float(free_and_evictable)
     releases = []
     initial = []
@@ -70,5 +73,13 @@ def kv_outlook(
         anchor = first if first is not None else view.arrival + slo.ttft_s
         later = max_new - 1
         releases.append((anchor + (later if later > 0 else 0) * slo.tpot_s, view.context + reserve))
+    if chunked is not None:
+        req, view = chunked
+        params = req.sampling_params
+        remaining = max(0, (params.max_new_tokens or 0) - len(req.output_ids))
+        ratio = 1.0 if params.ignore_eos else new_token_ratio
+        held = view.pending_prefill + (clip if clip < remaining else remaining) * ratio
+        free -= held
+        reserves[view.req_id] = -float(view.pending_prefill)  # need_of: already held
     new_reserve = statistics.median(initial) if initial else 0.0
     return KvOutlook.of(free, releases, reserves, new_reserve)

@@ -90,6 +90,8 @@ class Counters:
     overruns: int = 0  # steps that took longer than the time budget they were formed under
     late_prefills: int = 0  # requests past their TTFT deadline without a first token (once each)
     deferred_expired: int = 0  # admission mode defer: ended after max_defer_s without a token
+    decodes_sat_out: int = 0  # chosen decodes SGLang did not mix into a prefill step
+    forced_decode_steps: int = 0  # prefill plans dropped so that those decodes run
 
 
 class FairBatchingState:
@@ -104,6 +106,7 @@ class FairBatchingState:
         self.admission: AdmissionSettings = self.policy.admission
         self.records = RequestRecords(config.catalog)
         self.parked: Any = None  # ScheduleBatch of deferred decodes, or None
+        self.sat_out = False  # chosen decodes sat out the last prefill step: decode next
         # the PAB's inputs at the last decision (views, clock, step model), computed from
         # them when first read (pab_tokens)
         self._pab_inputs: tuple[Sequence[RequestState], float, Any] | None = None
