@@ -49,6 +49,16 @@ def run_scenario(tmp_path: Path, name: str, *, overlap: bool, fairbatching: bool
     return run_harness(tmp_path, name, scenario)
 
 
+def write_fb_config(tmp_path: Path) -> Path:
+    """The paper's policy with the shipped SLO classes and the H100 step model."""
+    config = tmp_path / "fb.toml"
+    config.write_text(
+        f'policy = "fb"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
+        f'step_model = "{REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"}"\n'
+    )
+    return config
+
+
 def run_harness(tmp_path: Path, name: str, scenario: dict[str, Any],
                 env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     return run_in_harness(scenario, tmp_path, name, timeout_s=300, env_extra=env_extra)
@@ -231,11 +241,7 @@ MEMORY_BOUND = [
 @pytest.fixture(scope="module")
 def memory_bound_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp_path = tmp_path_factory.mktemp("kv")
-    config = tmp_path / "fb.toml"
-    config.write_text(
-        f'policy = "fb"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
-        f'step_model = "{REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"}"\n'
-    )
+    config = write_fb_config(tmp_path)
     scenario = {"requests": MEMORY_BOUND, "overlap": False, "max_total_tokens": 3000,
                 "disable_radix_cache": True, "timeout_s": 200, "config": str(config)}
     return run_harness(tmp_path, "kv", scenario)
@@ -260,11 +266,7 @@ PARTIAL_PLANS = [*({"rid": f"long-{i}", "prompt_tokens": 3000, "max_new_tokens":
 @pytest.fixture(scope="module", params=[False, True], ids=["normal-loop", "overlap-loop"])
 def partial_plans_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp_path = tmp_path_factory.mktemp("partial")
-    config = tmp_path / "fb.toml"
-    config.write_text(
-        f'policy = "fb"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
-        f'step_model = "{REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"}"\n'
-    )
+    config = write_fb_config(tmp_path)
     scenario = {"requests": PARTIAL_PLANS, "overlap": request.param, "prefill_piece_tokens": 256,
                 "timeout_s": 200, "config": str(config)}
     return run_harness(tmp_path, "partial", scenario)
@@ -306,11 +308,7 @@ FULL_POOL = [{"rid": "long", "prompt_tokens": 3000, "max_new_tokens": 8},
 @pytest.fixture(scope="module", params=[False, True], ids=["normal-loop", "overlap-loop"])
 def full_pool_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp_path = tmp_path_factory.mktemp("full-pool")
-    config = tmp_path / "fb.toml"
-    config.write_text(
-        f'policy = "fb"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
-        f'step_model = "{REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"}"\n'
-    )
+    config = write_fb_config(tmp_path)
     scenario = {"requests": FULL_POOL, "overlap": request.param, "prefill_piece_tokens": 256,
                 "max_total_tokens": 3300, "timeout_s": 200, "config": str(config)}
     return run_harness(tmp_path, "full-pool", scenario)
