@@ -92,6 +92,7 @@ def main(scenario_path: str) -> None:
     while time.monotonic() < deadline:
         while pending and pending[0].get("at_step", 0) <= step:
             submit(scheduler, pending.pop(0))
+        scheduler.process_input_requests(scheduler._poll_timeout_aborts())  # as ingest_requests does
 
         if state is not None and state.parked is not None:
             _check_parked(scheduler, state.parked, kv_rows, checks, expect_relay=True)

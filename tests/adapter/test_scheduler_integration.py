@@ -326,3 +326,31 @@ def test_a_cut_prompt_beside_whole_ones_survives_a_full_pool(full_pool_run: dict
     # what the cut prompt still needs stays free: no short prompt (400 tokens with its
     # outputs) fits beside its remainder in this pool, so none is admitted beside it
     assert all(len(s["prefills"]) == 1 for s in long_steps[:-1]), long_steps
+
+
+#: A 5,000-token pool without the radix cache; a prompt whose output SGLang caps to what
+#: the pool holds, which its ignore-EOS admission then refuses by one token, at the head
+#: of the queue. Stock SGLang 0.5.23 stalls on it for ever, every request behind it
+#: waiting with the pool empty (the same requests, plugin off, in this harness).
+NEVER_FITS = [{"rid": "huge", "prompt_tokens": 4074, "max_new_tokens": 943},
+              *({"rid": f"after-{i}", "prompt_tokens": 100, "max_new_tokens": 8, "at_step": 1 + i}
+                for i in range(3))]
+
+
+@pytest.fixture(scope="module")
+def never_fits_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("never-fits")
+    scenario = {"requests": NEVER_FITS, "max_total_tokens": 5000, "disable_radix_cache": True,
+                "timeout_s": 120, "max_steps": 3000, "config": str(write_fb_config(tmp_path))}
+    return run_harness(tmp_path, "never-fits", scenario)
+
+
+def test_a_request_the_pool_can_never_hold_is_refused_and_the_queue_moves(never_fits_run: dict) -> None:
+    outputs = never_fits_run["outputs"]
+    assert outputs["huge"]["finished"] == "abort" and outputs["huge"]["tokens"] == 0
+    assert outputs["huge"]["finals"] + outputs["huge"]["abort_reports"] >= 1
+    for spec in NEVER_FITS[1:]:
+        assert (outputs[spec["rid"]]["tokens"], outputs[spec["rid"]]["finished"]) == (8, "length")
+    assert never_fits_run["fairbatching"]["counters"]["refused_never_fit"] == 1
+    assert never_fits_run["idle"]
+    assert never_fits_run["kv_free_plus_evictable"] == never_fits_run["kv_total"]

@@ -212,6 +212,9 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         result = orig(self, running_batch)
     finally:
         _active_plan = None
+    if result.batch_to_run is None and result.running_batch.is_empty() and state.parked is None \
+            and self.chunked_req is None:
+        _refuse_what_never_fits(self, state, plan)
     if result.batch_to_run is None and state.parked is not None:
         # SGLang could not admit the planned prefill (KV memory): decode everyone.
         state.counters.fallbacks += 1
@@ -223,6 +226,38 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         state.counters.decodes_sat_out += len(result.running_batch.reqs)
         state.sat_out = True
     return result
+
+
+def _refuse_what_never_fits(scheduler: Scheduler, state: FairBatchingState, plan: PrefillPlan) -> None:
+    """Nothing runs and nothing was admitted: a planned request that even the whole
+    pool cannot hold would stay at the head of the queue for ever, and SGLang's
+    admission stops at the first request that does not fit. Such requests are ended
+    with a clear error at the next request poll (SGLang caps ``max_new_tokens`` to the
+    pool when a request arrives, but its ignore-EOS admission needs a few tokens more)."""
+    capacity = scheduler.max_total_num_tokens
+    planned = plan.tokens_by_rid
+    for req in scheduler.waiting_queue:
+        if req.rid not in planned or req.rid in state.pending_refusals:
+            continue
+        need = never_fits(req, capacity, scheduler.page_size)
+        if need is not None:
+            state.pending_refusals[req.rid] = (
+                f"FairBatching: this request needs {need} KV tokens (its prompt and "
+                f"max_new_tokens), more than this server's KV pool holds ({capacity}); "
+                "send a shorter prompt or fewer max_new_tokens")
+            state.counters.refused_never_fit += 1
+
+
+def never_fits(req: Any, capacity: int, page_size: int) -> int | None:
+    """The KV tokens SGLang's admission asks of ``req`` when they exceed ``capacity``
+    (an empty pool), else None."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, IGNORE_EOS_RESERVE_TOKENS
+
+    params = req.sampling_params
+    outputs = min(max(params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    extend = len(req.full_untruncated_fill_ids) - req.prefix_len
+    need = -(-extend // page_size) * page_size + page_size + outputs + IGNORE_EOS_RESERVE_TOKENS
+    return need if need >= capacity else None
 
 
 def _kv_outlook(scheduler: Scheduler, running_batch: Any, parked_reqs: Any, views: list[Any]) -> Any:
@@ -382,11 +417,12 @@ def _process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: Any,
 
 def _poll_timeout_aborts(result: list[Any], self: Scheduler) -> list[Any]:
     """End the requests the policy gave up on (admission mode defer: no first token
-    ``max_defer_s`` past the TTFT deadline) the way SGLang ends those past its waiting timeout:
+    ``max_defer_s`` past the TTFT deadline), and those KV memory can never hold (a 400),
+    the way SGLang ends those past its waiting timeout:
     an ``AbortReq`` joins the requests it polls, so the abort frees their cache state
     and the client gets a final answer with this status."""
     state: FairBatchingState = self.fairbatching
-    if not state.pending_aborts:
+    if not state.pending_aborts and not state.pending_refusals:
         return result
     from http import HTTPStatus
 
@@ -397,6 +433,10 @@ def _poll_timeout_aborts(result: list[Any], self: Scheduler) -> list[Any]:
     reason = {"type": "abort", "status_code": HTTPStatus.SERVICE_UNAVAILABLE, "message": message}
     aborts = [AbortReq(rid=rid, abort_message=message, finished_reason=reason)
               for rid in state.take_aborts()]
+    aborts += [AbortReq(rid=rid, abort_message=why,
+                        finished_reason={"type": "abort", "status_code": HTTPStatus.BAD_REQUEST,
+                                         "message": why})
+               for rid, why in state.take_refusals().items()]
     return [*result, *aborts]
 
 

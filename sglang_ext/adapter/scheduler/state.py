@@ -92,6 +92,7 @@ class Counters:
     deferred_expired: int = 0  # admission mode defer: ended after max_defer_s without a token
     decodes_sat_out: int = 0  # chosen decodes SGLang did not mix into a prefill step
     forced_decode_steps: int = 0  # prefill plans dropped so that those decodes run
+    refused_never_fit: int = 0  # queued requests ended: an empty KV pool cannot hold them
 
 
 class FairBatchingState:
@@ -122,6 +123,8 @@ class FairBatchingState:
         # rids the policy ended (defer), aborted at the scheduler's next request poll;
         # at most one entry per live request (each is ended once)
         self.pending_aborts: list[Any] = []
+        # (rid, why) of queued requests KV memory can never hold, ended the same way
+        self.pending_refusals: dict[Any, str] = {}
         self.counters = Counters()
         self.errors = HandledErrors(on_error=metrics.observe_error if metrics is not None else None)
         self.gc_pauses: deque[GcPause] = deque(maxlen=256)
@@ -230,6 +233,10 @@ class FairBatchingState:
     def take_aborts(self) -> list[Any]:
         aborts, self.pending_aborts = self.pending_aborts, []
         return aborts
+
+    def take_refusals(self) -> dict[Any, str]:
+        refusals, self.pending_refusals = self.pending_refusals, {}
+        return refusals
 
     def observe_completion(self, launch: StepLaunch, done_at: float) -> float | None:
         """A step's result reached the host at ``done_at``: it ran from its launch, or from
