@@ -1,9 +1,9 @@
 """A stress campaign over HTTP: FairBatching and stock SGLang side by side on the same
 hostile schedules, counting what an operator cannot accept.
 
-Each server (the stock ``python -m sglang.launch_server`` on the emulated GPU, with a
-small KV pool and priority scheduling on) is started once and serves run after run;
-every run is one seeded schedule:
+Both servers (the stock ``python -m sglang.launch_server`` on the emulated GPU, with a
+small KV pool and priority scheduling on) run at once and serve the same seeded
+schedules in turn, run after run:
 
 - bursts (gamma arrivals, CV 4) of up to ``--concurrency`` open streams;
 - long prompts sharing prefixes beside short ones, some past what the pool holds;
@@ -77,10 +77,14 @@ class Request:
 
 
 def schedule(seed: int, pool_tokens: int, concurrency: int) -> list[Request]:
-    """One run's requests, drawn from ``seed``."""
+    """One run's requests, drawn from ``seed``: most runs a burst of 8 to 64 requests,
+    one in ten ``concurrency`` requests at once (short outputs then, so a run stays
+    minutes at most on a CPU)."""
     rng = random.Random(seed)
-    count = rng.randint(concurrency // 4, concurrency)
-    rate = rng.choice((20.0, 60.0, 200.0))
+    wide = rng.random() < 0.1
+    count = concurrency if wide else rng.choice((8, 16, 32, 64))
+    outputs = (1, 4, 16, 32) if wide else (1, 8, 32, 128, 512)
+    rate = rng.choice((20.0, 60.0, 200.0)) * (8 if wide else 1)
     shape, scale = 1 / 16, 16 / rate  # gamma with CV 4 and mean 1 / rate
     prefixes = [[7 + (i * 31 + g * 97) % 900 for i in range(rng.randint(500, max(600, pool_tokens // 3)))]
                 for g in range(3)]
@@ -96,7 +100,7 @@ def schedule(seed: int, pool_tokens: int, concurrency: int) -> list[Request]:
             prompt = [11 + (i * 19 + j) % 800 for j in range(rng.randint(pool_tokens, 2 * pool_tokens))]
         behaviour = rng.choices(("complete", "disconnect", "give_up"), (0.8, 0.1, 0.1))[0]
         requests.append(Request(
-            rid=f"s{seed}-{i}", at_s=at, prompt=tuple(prompt), max_new_tokens=rng.choice((1, 8, 32, 128, 512)),
+            rid=f"s{seed}-{i}", at_s=at, prompt=tuple(prompt), max_new_tokens=rng.choice(outputs),
             slo=UNMEETABLE if rng.random() < 0.1 else rng.choice(ORDINARY), priority=rng.randint(-3, 3),
             behaviour=behaviour, after_chunks=rng.randint(1, 4)))
     return requests
@@ -192,32 +196,46 @@ def run_once(server: Server, seed: int, pool_tokens: int, concurrency: int) -> d
     }
 
 
-def run_config(config: Config, seeds: Sequence[int], pool_tokens: int, concurrency: int,
-               workdir: Path, model_dir: Path) -> list[dict[str, Any]]:
+def run_pool(pool_tokens: int, seeds: Sequence[int], concurrency: int, workdir: Path, model_dir: Path,
+             only: str | None) -> list[dict[str, Any]]:
+    """Every configuration's server up at once, each seed run on each in turn (the
+    order alternating), so they see the same machine load; a server that dies is
+    counted and restarted."""
     env = {"FAIRBATCHING_EMULATED_GPU": PROFILE, "FAIRBATCHING_EMULATED_GPU_TIME_SCALE": f"{TIME_SCALE:g}"}
-    if config.fairbatching:
-        env["FAIRBATCHING_CONFIG"] = str(write_fb_config(workdir))
-    results, server = [], None
+    chosen = [c for c in configs(pool_tokens) if only is None or c.name == only]
+    envs = {c.name: {**env, **({"FAIRBATCHING_CONFIG": str(write_fb_config(workdir))} if c.fairbatching else {})}
+            for c in chosen}
+    servers: dict[str, Server] = {}
+    results: list[dict[str, Any]] = []
     try:
         for seed in seeds:
-            if server is None or not server.alive():
-                if server is not None:
-                    server.stop()
-                server = launch(model_dir, config.args, env, workdir / f"{config.name}-{pool_tokens}.log")
-            result = run_once(server, seed, pool_tokens, concurrency)
-            results.append({"config": config.name, "pool_tokens": pool_tokens, **result})
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "crash_log"}), flush=True)
+            for config in chosen if seed % 2 == 0 else reversed(chosen):
+                server = servers.get(config.name)
+                if server is None or not server.alive():
+                    if server is not None:
+                        server.stop()
+                    server = servers[config.name] = launch(
+                        model_dir, config.args, envs[config.name],
+                        workdir / f"{config.name}-{pool_tokens}-{seed}.log")
+                result = {"config": config.name, "pool_tokens": pool_tokens,
+                          **run_once(server, seed, pool_tokens, concurrency)}
+                results.append(result)
+                print(json.dumps({k: v for k, v in result.items() if k != "crash_log"}), flush=True)
     finally:
-        if server is not None:
+        for server in servers.values():
             server.stop()
     return results
 
 
 def summarise(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per configuration, over all pools and per pool (``NAME@POOL``)."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for result in results:
+        groups.setdefault(result["config"], []).append(result)
+        groups.setdefault(f"{result['config']}@{result['pool_tokens']}", []).append(result)
     table: dict[str, dict[str, Any]] = {}
-    for name in sorted({r["config"] for r in results}):
-        runs = [r for r in results if r["config"] == name]
-        ttfts = [r["ttft_p99_s"] for r in runs if r["ttft_p99_s"] is not None]
+    for name, runs in sorted(groups.items()):
+        ttfts = sorted(r["ttft_p99_s"] for r in runs if r["ttft_p99_s"] is not None)
         table[name] = {
             "runs": len(runs), "requests": sum(r["requests"] for r in runs),
             "crashes": sum(r["crashed"] for r in runs),
@@ -225,7 +243,7 @@ def summarise(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
             "retracted": sum(r["retracted"] or 0 for r in runs),
             "leak_warnings": sum(r["leak_warnings"] for r in runs),
             "stuck": sum(r["stuck"] for r in runs) + sum(r["client_timeouts"] for r in runs),
-            "ttft_p99_s_median_over_runs": sorted(ttfts)[len(ttfts) // 2] if ttfts else None,
+            "ttft_p99_s_median_over_runs": ttfts[len(ttfts) // 2] if ttfts else None,
         }
     return table
 
@@ -255,15 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir = write_tiny_model(workdir / "tiny-model")
         seeds = range(args.seed, args.seed + args.runs)
         for pool in pools:
-            # every configuration serves the same seeds, one server each
-            for config in configs(pool):
-                if args.only and config.name != args.only:
-                    continue
-                try:
-                    results += run_config(config, seeds, pool, args.concurrency, workdir, model_dir)
-                except ServerFailed as exc:
-                    print(f"{config.name} at {pool} tokens did not start: {exc}", file=sys.stderr)
-                    return 2
+            try:
+                results += run_pool(pool, seeds, args.concurrency, workdir, model_dir, args.only)
+            except ServerFailed as exc:
+                print(f"a server with a {pool}-token pool did not start: {exc}", file=sys.stderr)
+                return 2
     summary = summarise(results)
     print(json.dumps(summary, indent=1))
     if args.out is not None:
