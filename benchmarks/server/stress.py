@@ -248,6 +248,22 @@ def summarise(results: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     return table
 
 
+def render(summary: Mapping[str, Mapping[str, Any]], provenance: Mapping[str, Any]) -> str:
+    """The summary as a Markdown table (``docs/bench/stress.md``)."""
+    lines = ["# Stress over HTTP: FairBatching and stock SGLang on the same schedules", "",
+             f"`{provenance.get('command', '')}` at {provenance.get('commit', '?')} "
+             f"({provenance.get('date', '?')}, {provenance.get('wall_s', '?')} s)", "",
+             "| configuration | runs | requests | crashes | without exactly one answer | retracted "
+             "| KV leak warnings | stuck | TTFT p99, median over runs (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, row in summary.items():
+        ttft = row["ttft_p99_s_median_over_runs"]
+        lines.append(f"| {name} | {row['runs']} | {row['requests']} | {row['crashes']} | "
+                     f"{row['not_one_answer']} | {row['retracted']:g} | {row['leak_warnings']} | "
+                     f"{row['stuck']} | {'-' if ttft is None else f'{ttft:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.server.stress", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -256,8 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=1024, help="most requests in one run (default 1024)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", choices=("fairbatching", "stock-mixed-256"), help="run one configuration")
-    parser.add_argument("--out", type=Path, help="write every run and the summary here (JSON)")
+    parser.add_argument("--out", type=Path, help="write every run and the summary here (JSON), "
+                        "and the table beside it (.md)")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="only write the table of a saved run")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        saved = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(render(saved["summary"], saved["provenance"]))
+        return 0
     try:
         pools = [int(p) for p in args.pools.split(",") if p]
     except ValueError:
@@ -288,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "command": " ".join(["python -m benchmarks.server.stress", *(argv or sys.argv[1:])])}
         args.out.write_text(json.dumps({"provenance": provenance, "summary": summary, "runs": results},
                                        indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(render(summary, provenance))
     return 0
 
 

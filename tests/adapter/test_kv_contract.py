@@ -38,3 +38,17 @@ def test_the_generator_covers_what_the_contract_is_about() -> None:
     assert any(r["prompt_tokens"] > s.pool_tokens for s in scenarios for r in s.requests)
     assert any("prefix_group" in r for s in scenarios for r in s.requests)
     assert random_scenario(5) == random_scenario(5)
+
+
+def test_never_fits_follows_sglangs_two_admission_rules() -> None:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_ext.adapter.scheduler.hooks import never_fits
+
+    req = Req("r", None, list(range(4074)), SamplingParams(max_new_tokens=924, ignore_eos=True))
+    # a page (one token) beside prompt and outputs: 4,999 of 5,000, which the plain rule grants...
+    assert never_fits(req, 5000, 1, ignore_eos_admission=False) is None
+    # ...and the ignore-EOS rule, one reserve token more, refuses
+    assert never_fits(req, 5000, 1, ignore_eos_admission=True) == 5000
+    assert never_fits(req, 5001, 1, ignore_eos_admission=True) is None

@@ -28,3 +28,14 @@ def test_the_summary_counts_per_configuration_and_pool() -> None:
     assert table["fairbatching"]["runs"] == 3 and table["fairbatching"]["crashes"] == 1
     assert table["fairbatching@8192"]["retracted"] == 2 and table["fairbatching@8192"]["stuck"] == 2
     assert table["fairbatching@32768"]["runs"] == 1
+
+
+def test_the_table_has_a_row_per_configuration() -> None:
+    from benchmarks.server.stress import render
+
+    row = {"runs": 2, "requests": 9, "crashes": 0, "not_one_answer": 1, "retracted": 3.0, "leak_warnings": 0,
+           "stuck": 0, "ttft_p99_s_median_over_runs": None}
+    text = render({"fairbatching": row, "stock-mixed-256": {**row, "ttft_p99_s_median_over_runs": 1.234}},
+                  {"command": "python -m benchmarks.server.stress", "commit": "abc", "date": "today", "wall_s": 5})
+    assert "| fairbatching | 2 | 9 | 0 | 1 | 3 | 0 | 0 | - |" in text
+    assert "| stock-mixed-256 | 2 | 9 | 0 | 1 | 3 | 0 | 0 | 1.23 |" in text

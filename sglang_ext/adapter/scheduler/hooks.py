@@ -236,10 +236,12 @@ def _refuse_what_never_fits(scheduler: Scheduler, state: FairBatchingState, plan
     pool when a request arrives, but its ignore-EOS admission needs a few tokens more)."""
     capacity = scheduler.max_total_num_tokens
     planned = plan.tokens_by_rid
+    radix_off = getattr(scheduler.tree_cache, "disable", True)
     for req in scheduler.waiting_queue:
         if req.rid not in planned or req.rid in state.pending_refusals:
             continue
-        need = never_fits(req, capacity, scheduler.page_size)
+        need = never_fits(req, capacity, scheduler.page_size,
+                          ignore_eos_admission=radix_off and req.sampling_params.ignore_eos)
         if need is not None:
             state.pending_refusals[req.rid] = (
                 f"FairBatching: this request needs {need} KV tokens (its prompt and "
@@ -248,15 +250,19 @@ def _refuse_what_never_fits(scheduler: Scheduler, state: FairBatchingState, plan
             state.counters.refused_never_fit += 1
 
 
-def never_fits(req: Any, capacity: int, page_size: int) -> int | None:
-    """The KV tokens SGLang's admission asks of ``req`` when they exceed ``capacity``
-    (an empty pool), else None."""
+def never_fits(req: Any, capacity: int, page_size: int, *, ignore_eos_admission: bool) -> int | None:
+    """The KV tokens SGLang's admission asks of ``req`` (its prompt, a page, its
+    outputs; its ignore-EOS admission, taken without the radix cache, one token more)
+    when an empty pool of ``capacity`` tokens cannot grant them, else None."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, IGNORE_EOS_RESERVE_TOKENS
 
     params = req.sampling_params
     outputs = min(max(params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-    extend = len(req.full_untruncated_fill_ids) - req.prefix_len
-    need = -(-extend // page_size) * page_size + page_size + outputs + IGNORE_EOS_RESERVE_TOKENS
+    # not full_untruncated_fill_ids: SGLang fills it only for requests its admission loop reached
+    extend = len(req.origin_input_ids) + len(req.output_ids) - req.prefix_len
+    need = -(-extend // page_size) * page_size + page_size + outputs
+    if ignore_eos_admission:
+        need += IGNORE_EOS_RESERVE_TOKENS
     return need if need >= capacity else None
 
 
