@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.server.emulated import PROFILE, TIME_SCALE, write_fb_config
+from benchmarks.server.emulated import PROFILE, TIME_SCALE, TINY_MODEL_CONTEXT, write_fb_config
 from benchmarks.server.stock_server import Server, ServerFailed, launch
 from benchmarks.support.paths import REPO
 from benchmarks.support.sse import json_events_async
@@ -59,7 +59,7 @@ class Config:
 
 def configs(pool_tokens: int) -> list[Config]:
     common = ("--max-total-tokens", str(pool_tokens), "--enable-priority-scheduling",
-              "--enable-metrics", "--context-length", str(max(pool_tokens, 8192)))
+              "--enable-metrics", "--context-length", str(TINY_MODEL_CONTEXT))
     return [Config("fairbatching", common, True),
             Config("stock-mixed-256", (*common, "--enable-mixed-chunk", "--chunked-prefill-size", "256"), False)]
 
