@@ -6,7 +6,8 @@ small KV pool and priority scheduling on) run at once and serve the same seeded
 schedules in turn, run after run:
 
 - bursts (gamma arrivals, CV 4) of up to ``--concurrency`` open streams;
-- long prompts sharing prefixes beside short ones, some past what the pool holds;
+- long prompts sharing prefixes beside short ones, prompts of half to nearly all of
+  what the pool holds, and some past it;
 - clients that disconnect mid-stream, and ones that give up before their first token
   (an abort mid-prefill);
 - priorities, and SLOs no server can meet beside ordinary ones.
@@ -92,10 +93,13 @@ def schedule(seed: int, pool_tokens: int, concurrency: int) -> list[Request]:
     for i in range(count):
         at += rng.gammavariate(shape, scale)
         kind = rng.random()
-        if kind < 0.5:
+        if kind < 0.4:
             prompt = prefixes[rng.randrange(3)] + [11 + (i * 13 + j) % 800 for j in range(rng.randint(1, 200))]
-        elif kind < 0.95:
+        elif kind < 0.8:
             prompt = [11 + (i * 17 + j) % 800 for j in range(rng.randint(1, 300))]
+        elif kind < 0.95:  # most of what the pool (or the model's context) holds
+            near = min(pool_tokens, TINY_MODEL_CONTEXT)
+            prompt = [11 + (i * 23 + j) % 800 for j in range(rng.randint(near // 2, near - 600))]
         else:
             prompt = [11 + (i * 19 + j) % 800 for j in range(rng.randint(pool_tokens, 2 * pool_tokens))]
         behaviour = rng.choices(("complete", "disconnect", "give_up"), (0.8, 0.1, 0.1))[0]
