@@ -19,7 +19,7 @@ from typing import Any
 
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
-from sglang_ext.policy.admission import KvOutlook, last_token_due
+from sglang_ext.policy.admission import KvOutlook
 from sglang_ext.policy.view import RequestState
 
 
