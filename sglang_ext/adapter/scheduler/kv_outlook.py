@@ -75,11 +75,7 @@ def kv_outlook(
         releases.append((anchor + (later if later > 0 else 0) * slo.tpot_s, view.context + reserve))
     if chunked is not None:
         req, view = chunked
-        params = req.sampling_params
-        remaining = max(0, (params.max_new_tokens or 0) - len(req.output_ids))
-        ratio = 1.0 if params.ignore_eos else new_token_ratio
-        held = view.pending_prefill + (clip if clip < remaining else remaining) * ratio
-        free -= held
+        free -= view.pending_prefill + output_reserve(req, new_token_ratio)
         reserves[view.req_id] = -float(view.pending_prefill)  # need_of: already held
     new_reserve = statistics.median(initial) if initial else 0.0
     return KvOutlook.of(free, releases, reserves, new_reserve)

@@ -37,7 +37,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult, PrefillAdder
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
 
 @dataclass(frozen=True)
@@ -136,9 +136,7 @@ def planned_adder_class(base: type[PrefillAdder]) -> type[PrefillAdder]:
             not in KV yet and its outputs, as SGLang checked when it first admitted it."""
             end = req.extend_end if req in self.can_run_list else req.prefix_len
             remainder = len(req.full_untruncated_fill_ids) - end
-            outputs = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0),
-                          CLIP_MAX_NEW_TOKENS)
-            self.memory_budget.total_offset += remainder + outputs + self.page_size
+            self.memory_budget.total_offset += remainder + self._swa_new_tokens(req) + self.page_size
 
         def _allocatable_now(self) -> int:
             """KV tokens this step can still allocate (free + evictable, after the
