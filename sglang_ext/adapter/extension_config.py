@@ -5,6 +5,7 @@
     policy = "fb-anchor-margin"             # a FairBatching-family policy (sglang_ext.policy)
     slo_file = "slo.toml"                   # SLO classes; relative to this file
     step_model = "step_models/x.toml"       # initial step model (its form), recalibrated online
+    learn_knee = true                       # a knee model learns its knee online too
     max_token_budget = 8192                 # new tokens per step, upper bound
     delivery_allowance_ms = 0               # tokens planned this much earlier (-margin variants)
     log_interval_s = 10.0                   # step-model log line period
@@ -54,8 +55,8 @@ DEFAULT_POLICY = "fb"
 TIME_BUDGET_POLICIES = ("fb", "fb-pab", "fb-anchor", "fb-margin", "fb-kairos",
                         "fb-anchor-margin", "fb-anchor-margin-pab", "fb-smooth")
 
-_TOP_KEYS = {"policy", "slo_file", "step_model", "max_token_budget", "delivery_allowance_ms",
-             "log_interval_s", "gc", "admission", "trace"}
+_TOP_KEYS = {"policy", "slo_file", "step_model", "learn_knee", "max_token_budget",
+             "delivery_allowance_ms", "log_interval_s", "gc", "admission", "trace"}
 _TRACE_KEYS = {"step_log"}
 _GC_KEYS = {"enabled", "min_decode_slack_ms", "min_interval_s"}
 _ADMISSION_NUMBERS = ("max_defer_s", "retry_after_s", "max_budget_age_s", "headroom")
@@ -85,6 +86,8 @@ class ExtensionConfig:
     delivery_allowance_s: float = 0.0
     #: the file's [linear] table (the model itself in a linear file), which fb keeps
     initial_linear_model: StepCoefficients | None = None
+    #: ``learn_knee`` (``PolicyContext.learn_knee``)
+    learn_knee: bool = True
 
     def build_policy(self) -> BatchPolicy:
         context = PolicyContext(
@@ -94,6 +97,7 @@ class ExtensionConfig:
             max_token_budget=self.max_token_budget,
             admission=self.admission,
             delivery_allowance_s=self.delivery_allowance_s,
+            learn_knee=self.learn_knee,
         )
         return POLICIES.get(self.policy)(context)
 
@@ -160,8 +164,12 @@ class ExtensionConfig:
                 f"delivery_allowance_ms: policy {policy!r} plans tokens at their deadlines and "
                 "takes no delivery allowance; use fb-anchor-margin or fb-smooth, or drop the key"
             )
+        learn_knee = data.get("learn_knee", True)
+        if not isinstance(learn_knee, bool):
+            raise ConfigError(f"learn_knee must be true or false, got {learn_knee!r}")
         config = cls(policy, catalog, step_model.model, max_token_budget, log_interval_s, enabled,
-                     gc, source, admission, step_log, delivery_allowance_ms / 1e3, step_model.linear)
+                     gc, source, admission, step_log, delivery_allowance_ms / 1e3, step_model.linear,
+                     learn_knee)
         try:
             config.build_policy()  # refuses a policy name that contradicts [admission]
         except AdmissionError as exc:

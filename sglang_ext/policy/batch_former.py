@@ -52,16 +52,27 @@ def _arrival_order(pair: tuple[float, RequestState]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ServiceFloor:
-    """What the lateness guard needs: the smallest serviceable TPOT and the budget used
-    when no request is in time."""
+    """What the lateness guard needs: the smallest serviceable TPOT, the budget used when
+    no request is in time, and the shortest time budget worth a step.
+
+    Serviceability is the door's (:func:`unserviceable_slo_reason`, from the initial step
+    model) and stays fixed: a class the door admitted is never re-labelled unserviceable
+    because the online model drifted. ``min_budget_s`` follows the online model: twice
+    its smallest step (a decode-only step and a chunk as long), below which a deadline
+    guard may not push a step's time budget."""
 
     min_serviceable_tpot_s: float
     fallback_budget_s: float
+    min_budget_s: float = 0.0
 
     @classmethod
-    def of(cls, coefficients: StepPredictor, default_tpot_s: float) -> ServiceFloor:
+    def of(cls, coefficients: StepPredictor, default_tpot_s: float,
+           online: StepPredictor | None = None) -> ServiceFloor:
+        """From the door's model ``coefficients`` (and the ``online`` one, default the
+        same)."""
         floor = MIN_TPOT_STEP_MULTIPLE * coefficients.usable().smallest_step_s
-        return cls(floor, max(default_tpot_s, floor))
+        learned = floor if online is None else MIN_TPOT_STEP_MULTIPLE * online.usable().smallest_step_s
+        return cls(floor, max(default_tpot_s, floor), learned)
 
 
 def min_serviceable_tpot_s(coefficients: StepPredictor) -> float:
@@ -103,6 +114,14 @@ class Triage:
     # the urgent and late decodes' KV context summed, when whoever built these groups
     # already had it (smooth_step), so that pack does not sum it again; None: not known
     always_context: int | None = None
+    # the smallest TPOT of the late decodes, none below the serviceable minimum (inf: no
+    # late decode): a late stream still paces the step
+    late_decode_tpot_s: float = math.inf
+
+    @property
+    def step_tpot_s(self) -> float:
+        """The TPOT a step of every decode must keep: in-time and late decodes alike."""
+        return self.min_tpot_s if self.min_tpot_s < self.late_decode_tpot_s else self.late_decode_tpot_s
 
 
 def token_deadline(request: RequestState, anchored: bool) -> float:
@@ -152,7 +171,7 @@ def triage(
     else:
         late_before, serviceable = 0.0, floor.min_serviceable_tpot_s
     guard = deadline_guard_s
-    min_tpot = math.inf
+    min_tpot = late_tpot = math.inf
     # whether each late group came in arrival order already (an engine keeps its requests
     # so): then its sort by arrival, a Python key per request, would change nothing
     last_late_decode = last_late_prefill = -math.inf
@@ -174,6 +193,9 @@ def triage(
                 last_late_prefill = seq
             else:
                 late_decodes.append((slack, request))
+                paced = tpot if tpot > serviceable else serviceable
+                if paced < late_tpot:
+                    late_tpot = paced
                 if seq < last_late_decode:
                     late_decodes_ordered = False
                 last_late_decode = seq
@@ -187,7 +209,7 @@ def triage(
         else:
             add_decode((slack, request))
     return _grouped(decodes, prefills, late_decodes, late_prefills, min_tpot, floor, guard,
-                    late_decodes_ordered, late_prefills_ordered)
+                    late_decodes_ordered, late_prefills_ordered, late_tpot)
 
 
 def _grouped(
@@ -195,10 +217,14 @@ def _grouped(
     late_decodes: list[tuple[float, RequestState]], late_prefills: list[tuple[float, RequestState]],
     min_tpot: float, floor: ServiceFloor | None, deadline_guard_s: float,
     late_decodes_ordered: bool = False, late_prefills_ordered: bool = False,
+    late_tpot: float = math.inf,
 ) -> Triage:
     """Sorts the groups (each stably, from arrival order; a late group ``_ordered``
     already is), takes the time budget and splits the decodes at the urgent threshold.
-    ``min_slack`` is the smallest in-time slack: the head of a sorted group."""
+    ``min_slack`` is the smallest in-time slack: the head of a sorted group. With a
+    floor, the deadline guard never takes the budget below ``floor.min_budget_s`` (nor
+    below ``min_tpot`` when that is shorter), and a late decode caps the budget at its
+    own TPOT: it still gets a token every step of its pace."""
     decodes.sort(key=_by_slack)
     prefills.sort(key=_by_slack)
     if min_tpot == math.inf:  # nobody in time
@@ -208,7 +234,12 @@ def _grouped(
             min_slack = decodes[0][0] if decodes[0][0] < prefills[0][0] else prefills[0][0]
         else:
             min_slack = (decodes or prefills)[0][0]
-        init_time_budget = max(min_slack, min_tpot - deadline_guard_s)
+        lowest = min_tpot - deadline_guard_s
+        if floor is not None and lowest < floor.min_budget_s:
+            lowest = min_tpot if min_tpot < floor.min_budget_s else floor.min_budget_s
+        init_time_budget = max(min_slack, lowest)
+    if late_tpot < init_time_budget:
+        init_time_budget = late_tpot
     split = bisect_left(decodes, init_time_budget + min_tpot, key=_by_slack)
     if len(late_decodes) > 1 and not late_decodes_ordered:
         late_decodes.sort(key=_arrival_order)
@@ -216,7 +247,7 @@ def _grouped(
         late_prefills.sort(key=_arrival_order)
     return Triage(
         init_time_budget, min_tpot, decodes[:split], prefills, decodes[split:],
-        late_decodes, late_prefills,
+        late_decodes, late_prefills, late_decode_tpot_s=late_tpot,
     )
 
 
@@ -256,7 +287,7 @@ def smooth_step(
     # pack sums the same decodes' context in another order: reuse it only when exact (ints)
     return Triage(time_budget_s, groups.min_tpot_s, urgent, groups.prefills, [],
                   groups.late_decodes, groups.late_prefills,
-                  context if type(context) is int else None)
+                  context if type(context) is int else None, groups.late_decode_tpot_s)
 
 
 def _misses_first_prefill(

@@ -34,7 +34,12 @@ from sglang_ext.policy.batch_former import (
 from sglang_ext.policy.name_registry import Registry
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.slo import Slo
-from sglang_ext.policy.step_model import OnlineStepModel, StepCoefficients, StepPredictor
+from sglang_ext.policy.step_model import (
+    OnlineStepModel,
+    StepCoefficients,
+    StepPredictor,
+    online_step_model,
+)
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
 
@@ -65,6 +70,9 @@ class PolicyContext:
     # the paper's linear model fitted to the same data as a knee ``initial_step_model``
     # (the step-model file's [linear] table), for the policies that keep it (fb)
     initial_linear_model: StepCoefficients | None = None
+    # a knee model learns its knee online as well as its weights (OnlineKneeModel); False
+    # keeps the file's knee
+    learn_knee: bool = True
 
     def __post_init__(self) -> None:
         if self.max_token_budget < 1:
@@ -106,7 +114,7 @@ class BatchPolicy:
     def __init__(self, context: PolicyContext) -> None:
         self.context = context
         self.initial_step_model = context.initial_model(self.keeps_linear_model)
-        self.step_model = OnlineStepModel(self.initial_step_model)
+        self.step_model = online_step_model(self.initial_step_model, learn_knee=context.learn_knee)
         self.admission = context.admission  # what the policy applies (off for baselines)
         self.kv_outlook: KvOutlook | None = None
         if context.delivery_allowance_s and not self.takes_delivery_allowance:
@@ -234,11 +242,13 @@ class _LatenessGuarded(BatchPolicy):
         )
 
     def _service_floor(self) -> ServiceFloor:
-        """The lateness guard's floor, recomputed only when the step model has changed
-        (after a step, not at every decision)."""
+        """The lateness guard's floor: serviceability from the initial model, as the
+        door decides it, the budget's lower bound from the online one; recomputed only
+        when the step model has changed (after a step, not at every decision)."""
         coefficients = self.step_model.coefficients
         if self._floor is None or self._floor[0] is not coefficients:
-            self._floor = coefficients, ServiceFloor.of(coefficients, self.context.global_slo.tpot_s)
+            self._floor = coefficients, ServiceFloor.of(
+                self.initial_step_model, self.context.global_slo.tpot_s, coefficients)
         return self._floor[1]
 
     def _deadline_guard_s(self) -> float:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sglang_ext.policy.knee_step_model import KNEE_FLOORS, KneeFitError, KneeStepModel, fit_knee
+from sglang_ext.policy.online_knee import RESCALE_BAND, OnlineKneeModel
+from sglang_ext.policy.step_error import PredictionError, StepErrorLog
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.tomlfile import read_toml
 
@@ -314,15 +315,6 @@ def fit_least_squares(
     return StepCoefficients(float(solution[0]), float(solution[1]), c)
 
 
-@dataclass(frozen=True, slots=True)
-class PredictionError:
-    samples: int  # steps observed
-    outliers: int  # steps that took over twice the prediction (stalls, pauses)
-    mean_abs_relative: float  # EWMA of |predicted - measured| / measured
-    last_relative: float  # (measured - predicted) / measured of the latest step
-    p95_abs_relative: float  # over the recent window
-
-
 _LINEAR_FLOORS = (1e-3, 1e-7, 1e-10)  # smallest per-term scales (s, s/token, s/context token)
 
 
@@ -369,11 +361,7 @@ class OnlineStepModel:
         self._anchor_follow = anchor_follow
         self._gram = [[0.0] * self._dim for _ in range(self._dim)]
         self._moment = [0.0] * self._dim
-        self._samples = 0
-        self._outliers = 0
-        self._ewma_abs_rel = 0.0
-        self._last_rel = 0.0
-        self._recent: deque[float] = deque(maxlen=error_window)
+        self._errors = StepErrorLog(error_window)
         self._coefficients: StepPredictor = initial.with_weights(values[: self._dim])
 
     @property
@@ -382,13 +370,15 @@ class OnlineStepModel:
 
     @property
     def error(self) -> PredictionError:
-        recent = sorted(self._recent)
-        p95 = recent[min(len(recent) - 1, int(0.95 * len(recent)))] if recent else 0.0
-        return PredictionError(self._samples, self._outliers, self._ewma_abs_rel, self._last_rel, p95)
+        return self._errors.summary()
+
+    @property
+    def errors(self) -> StepErrorLog:
+        return self._errors
 
     @property
     def recent_abs_relative_errors(self) -> tuple[float, ...]:
-        return tuple(self._recent)
+        return self._errors.recent
 
     def predict(self, shape: StepShape) -> float:
         return self._coefficients.predict_step(shape)
@@ -398,14 +388,7 @@ class OnlineStepModel:
         if not measured_s > 0 or not math.isfinite(measured_s):
             raise StepModelError(f"measured step time must be > 0, got {measured_s!r}")
         predicted = self._coefficients.predict_step(shape)
-        relative = (measured_s - predicted) / measured_s
-        self._samples += 1
-        self._last_rel = relative
-        self._recent.append(abs(relative))
-        alpha = 0.02 if self._samples > 50 else 1.0 / self._samples
-        self._ewma_abs_rel += alpha * (abs(relative) - self._ewma_abs_rel)
-        if measured_s > 2.0 * predicted:
-            self._outliers += 1
+        relative = self._errors.record(shape, predicted, measured_s)
         raw = self._coefficients.features(shape)
         x = [raw[i] * self._scale[i] / measured_s for i in range(self._dim)]
         lam, gram, moment = self._forgetting, self._gram, self._moment
@@ -427,7 +410,33 @@ class OnlineStepModel:
         follow = self._anchor_follow
         for i in range(dim):
             self._prior[i] += follow * (theta[i] - self._prior[i])
-        return self._coefficients.with_weights([t * s for t, s in zip(theta, self._scale)])
+        weights = self._coefficients.with_weights([t * s for t, s in zip(theta, self._scale)])
+        self._rescale(theta)
+        return weights
+
+    def _rescale(self, theta: list[float]) -> None:
+        """Re-express each weight that grew past :data:`RESCALE_BAND` times its unit in
+        units of its new value (as :class:`OnlineKneeModel` does, and why): the data
+        terms are unchanged, and the anchor counts ``anchor_weight`` steps of evidence at
+        the new value instead of holding back a device slower than the file."""
+        ratios = [t if t > RESCALE_BAND else 1.0 for t in theta]
+        if all(r == 1.0 for r in ratios):
+            return
+        for i, r in enumerate(ratios):
+            self._scale[i] *= r
+            self._prior[i] /= r
+            self._moment[i] *= r
+            row = self._gram[i]
+            for j, q in enumerate(ratios):
+                row[j] *= r * q
+
+
+def online_step_model(initial: StepPredictor, *, learn_knee: bool = True) -> OnlineStepModel | OnlineKneeModel:
+    """The online model a policy recalibrates from ``initial``: a knee model's knee is
+    learned too unless ``learn_knee`` is False."""
+    if learn_knee and isinstance(initial, KneeStepModel):
+        return OnlineKneeModel(initial)
+    return OnlineStepModel(initial)
 
 
 def _solve_small(matrix: list[list[float]], rhs: list[float]) -> list[float]:

@@ -89,6 +89,17 @@ class FairBatchingWithMargin(FairBatching):
     def _time_budget(self, init_time_budget_s: float) -> float:
         return init_time_budget_s / (1.0 + self.margin)
 
+    def _guarded(self, tpot_s: float, guard_s: float) -> float:
+        """``tpot_s - guard_s``, but never below the step worth running (the floor's
+        ``min_budget_s``, or the TPOT itself when shorter)."""
+        lowest = tpot_s - guard_s
+        if not self.context.lateness_guard:
+            return lowest
+        floor = self._service_floor().min_budget_s * (1.0 + self.margin)
+        if lowest < floor:
+            return tpot_s if tpot_s < floor else floor
+        return lowest
+
     takes_delivery_allowance = True
 
     def _margin_guard_s(self) -> float:
@@ -194,7 +205,7 @@ class FairBatchingSmooth(FairBatchingAnchoredWithMargin):
         coefficients = self.step_model.coefficients
         # a smooth step emits every decode's token each step, so it keeps the margin
         # guard only: the delivery allowance is for tokens planned at their deadlines
-        smooth_budget = self._time_budget(groups.min_tpot_s - self._margin_guard_s())
+        smooth_budget = self._time_budget(self._guarded(groups.step_tpot_s, self._margin_guard_s()))
         smooth = smooth_step(groups, coefficients, smooth_budget)
         if smooth is not None:
             groups, time_budget = smooth, smooth_budget

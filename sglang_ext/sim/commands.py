@@ -247,6 +247,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="the offline fit's form when no --step-model is given (fb keeps the linear model "
         "either way; default: knee)",
     )
+    system.add_argument(
+        "--frozen-knee", action="store_true",
+        help="keep the knee model's knee at the file's value (default: learned online with "
+        "its coefficients)",
+    )
     parser.add_argument("--out", type=Path, help="output directory (default: out/<command>-<time>)")
 
 
@@ -494,6 +499,7 @@ def _scenario(args: argparse.Namespace, disagg: DisaggConfig = DisaggConfig()) -
         drain_s=args.drain_seconds,
         max_token_budget=args.max_token_budget,
         step_model=StepModelFile.load(args.step_model) if args.step_model else None,
+        learn_knee=not args.frozen_knee,
         step_form=args.step_form,
     )
 

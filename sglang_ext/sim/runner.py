@@ -39,6 +39,8 @@ class Scenario:
     # a step-model file's models; None: the offline fit of ``step_form`` on the profile
     step_model: StepModelFile | None = None
     step_form: str = "knee"
+    # a knee model learns its knee online (PolicyContext.learn_knee)
+    learn_knee: bool = True
     # the prefill/decode split and link of the policies that run disaggregated
     disagg: DisaggConfig = DisaggConfig()
 
@@ -60,6 +62,7 @@ def build_policy(scenario: Scenario, spec: PolicySpec, **context_overrides) -> B
         gpu_memory_gb=scenario.profile.memory_gb,
         token_budget=spec.token_budget,
         settings=spec.settings,
+        learn_knee=scenario.learn_knee,
         **({} if spec.admission is None else {"admission": spec.admission}),
         **context_overrides,
     )

@@ -59,14 +59,17 @@ PRIORITY_BASELINES = ("sarathi-priority", "sarathi-priority-queue-cap", "sarathi
 #: orders included; ratios divide by their best
 BASELINES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
-    "sarathi-sjf", "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout", *PRIORITY_BASELINES,
+    "sarathi-sjf", "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
+    "sarathi-hrrn", "sarathi-hrrn-queue-timeout", "sarathi-spf", "sarathi-spf-queue-timeout",
+    *PRIORITY_BASELINES,
 )
 #: the baselines whose rule is an admission control (vLLM's queued-token cap, SGLang's
-#: waiting timeout; in FCFS, shortest-first or class-priority order:
-#: sglang_ext.sim.competitors.baselines)
+#: waiting timeout; in FCFS, shortest-first, SGLang's hrrn and shortest-prefill-first, or
+#: class-priority order: sglang_ext.sim.competitors.baselines and .sglang_orders)
 ADMISSION_BASELINES = (
     "sarathi-queue-cap", "sarathi-queue-timeout",
     "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
+    "sarathi-hrrn-queue-timeout", "sarathi-spf-queue-timeout",
     "sarathi-priority-queue-cap", "sarathi-priority-queue-timeout",
 )
 

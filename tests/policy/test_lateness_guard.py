@@ -65,13 +65,22 @@ def test_an_unserviceable_tpot_does_not_starve_other_prefills() -> None:
     assert chunked.get("hostile", 0) > 0  # served from what is left, not dropped
 
 
-def test_late_decodes_ride_every_step_without_setting_the_budget() -> None:
+def test_late_decodes_ride_every_step_and_pace_it_at_their_tpot() -> None:
+    late = request("late", -2.0, context=100, slo=Slo(ttft_s=0.1, tpot_s=0.03))
+    prefill = request("p", 0.4, prefill=20_000)
+    decision = form_batch([late, prefill], NOW, COEF)
+    assert decision.decode_ids == ("late",)
+    assert decision.time_budget_s == pytest.approx(0.03)  # its TPOT, not the prefill's 0.4 s slack
+    assert dict(decision.prefill_chunks)["p"] > 200
+
+
+def test_an_unserviceable_late_decode_paces_the_step_no_faster_than_the_floor() -> None:
     late = request("late", -2.0, context=100, slo=HOSTILE)
     prefill = request("p", 0.4, prefill=20_000)
     decision = form_batch([late, prefill], NOW, COEF)
     assert decision.decode_ids == ("late",)
-    assert decision.time_budget_s == pytest.approx(0.4)
-    assert dict(decision.prefill_chunks)["p"] > 3000
+    assert decision.time_budget_s == pytest.approx(FLOOR.min_serviceable_tpot_s)
+    assert dict(decision.prefill_chunks)["p"] > 0  # the prompt still moves
 
 
 def test_late_prefills_are_served_after_in_time_ones_in_arrival_order() -> None:
@@ -81,6 +90,41 @@ def test_late_prefills_are_served_after_in_time_ones_in_arrival_order() -> None:
     in_time = request("in_time", 0.5, prefill=100, arrival_seq=5)
     decision = form_batch([jumper, older_late, in_time], NOW, COEF)
     assert [rid for rid, _ in decision.prefill_chunks] == ["in_time", "older", "jumper"]
+
+
+def test_serviceability_is_the_doors_whatever_the_online_model_learns() -> None:
+    """A class the door admitted stays in time when the online model's smallest step
+    grows past half its TPOT; the guard's lower bound follows the online model."""
+    slower = COEF.with_weights([0.03, 0.0001, 0.0])  # smallest step 30.1 ms
+    floor = ServiceFloor.of(COEF, SLO.tpot_s, slower)
+    assert floor.min_serviceable_tpot_s == pytest.approx(0.0102)
+    assert floor.min_budget_s == pytest.approx(0.0602)
+    decode = request("d", 0.02, context=100)  # TPOT 50 ms: below 2 x 30.1 ms
+    groups = triage([decode], NOW, floor=floor)
+    assert [r.req_id for _, r in groups.urgent_decodes + groups.deferrable_decodes] == ["d"]
+    assert groups.late_decodes == []
+
+
+def test_a_policy_whose_online_model_drifts_keeps_its_classes_serviceable() -> None:
+    from sglang_ext.policy.step_shape import StepShape
+
+    policy = POLICIES.get("fb-smooth")(PolicyContext(global_slo=SLO, initial_step_model=COEF))
+    for batch in range(1, 200):
+        shape = StepShape(0, 0.0, 0, batch % 8 + 1, 10 * (batch % 8 + 1), 0)
+        policy.observe_step(shape, 0.045)  # a device whose decode step is 45 ms
+    assert policy.step_model.coefficients.smallest_step_s > SLO.tpot_s / 2
+    groups = policy._triage([request("d", 0.02, context=100)], NOW)
+    assert groups.late_decodes == [] and groups.min_tpot_s == pytest.approx(SLO.tpot_s)
+
+
+def test_the_deadline_guard_never_takes_the_budget_below_a_step_worth_running() -> None:
+    floor = ServiceFloor.of(COEF, SLO.tpot_s, COEF.with_weights([0.02, 0.0001, 0.0]))
+    decode = request("d", 0.5, context=100)
+    prefill = request("p", 0.02, prefill=1000)  # the smallest slack: 20 ms
+    groups = triage([decode, prefill], NOW, floor=floor, deadline_guard_s=0.03)
+    assert groups.init_time_budget_s == pytest.approx(0.0402)  # 2 x 20.1 ms, not 50 - 30 ms
+    assert triage([decode, prefill], NOW, floor=FLOOR, deadline_guard_s=0.03
+                  ).init_time_budget_s == pytest.approx(0.02)
 
 
 def test_with_nothing_in_time_the_budget_is_the_fallback() -> None:

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from policy_helpers import A, B, C, COEF, NOW, SLO, measured_step, request
-from sglang_ext.policy.batch_former import ServiceFloor, smooth_step, triage
+from sglang_ext.policy.batch_former import smooth_step, triage
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, FairBatching, PolicyContext
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
@@ -446,13 +446,13 @@ def check_decision(policy: BatchPolicy, state: list[RequestView], decision: Batc
         assert decision.is_empty
         return
     coef = policy.step_model.coefficients
-    floor = ServiceFloor.of(coef, policy.context.global_slo.tpot_s)
+    floor = policy._service_floor()
     groups = triage(state, NOW, anchored=getattr(policy, "anchored", False), floor=floor,
                     deadline_guard_s=policy._deadline_guard_s())
     margin = getattr(policy, "margin", 0.0)
     budget = groups.init_time_budget_s / (1 + margin)
     if isinstance(policy, FairBatchingSmooth):
-        smooth_budget = (groups.min_tpot_s - policy._deadline_guard_s()) / (1 + margin)
+        smooth_budget = policy._guarded(groups.step_tpot_s, policy._margin_guard_s()) / (1 + margin)
         smooth = smooth_step(groups, coef, smooth_budget)
         if smooth is not None:
             groups, budget = smooth, smooth_budget

@@ -1,5 +1,6 @@
-"""The length- and class-aware Sarathi baselines (issue 28): ``sarathi-sjf`` and
-``sarathi-priority``, each also with vLLM's queued-token cap and SGLang's waiting timeout.
+"""The length- and class-aware Sarathi baselines: ``sarathi-sjf`` and ``sarathi-priority``,
+each also with vLLM's queued-token cap and SGLang's waiting timeout (and SGLang's own
+orders, ``sarathi-hrrn`` and ``sarathi-spf``, in the names and tuning tests).
 
 Their orders on hand-built request states, the cap and timeout against their FCFS
 counterparts', the names, the tuning, and a tiny run through the CLI.
@@ -38,6 +39,14 @@ COUNTERPARTS = {
     "sarathi-priority": "sarathi",
     "sarathi-priority-queue-cap": "sarathi-queue-cap",
     "sarathi-priority-queue-timeout": "sarathi-queue-timeout",
+}
+#: with SGLang's own orders (sglang_ext.sim.competitors.sglang_orders), named and tuned alike
+ALL_COUNTERPARTS = {
+    **COUNTERPARTS,
+    "sarathi-hrrn": "sarathi",
+    "sarathi-hrrn-queue-timeout": "sarathi-queue-timeout",
+    "sarathi-spf": "sarathi",
+    "sarathi-spf-queue-timeout": "sarathi-queue-timeout",
 }
 TIGHT = Slo.from_ms(500, 50)
 TIGHT_TPOT = Slo.from_ms(500, 30)  # the same TTFT, a tighter TPOT
@@ -201,9 +210,9 @@ def test_sjf_timeout_aborts_only_requests_never_started_in_a_simulation():
 
 
 # ------------------------------------------------------------------ names and tuning
-@pytest.mark.parametrize("name", COUNTERPARTS)
+@pytest.mark.parametrize("name", ALL_COUNTERPARTS)
 def test_each_name_parses_and_is_tunable_like_its_counterpart(name):
-    counterpart = POLICIES.get(COUNTERPARTS[name])
+    counterpart = POLICIES.get(ALL_COUNTERPARTS[name])
     factory = POLICIES.get(name)
     assert factory.takes_token_budget and factory.setting_names == counterpart.setting_names
     assert parse_policy(name).is_tunable
@@ -218,12 +227,12 @@ def test_settings_parse():
     assert parse_policy("sarathi-priority-queue-cap@512,cap=32768").settings == (("cap", 32768.0),)
 
 
-@pytest.mark.parametrize("name", COUNTERPARTS)
+@pytest.mark.parametrize("name", ALL_COUNTERPARTS)
 def test_tuned_exactly_like_the_fcfs_counterpart(name):
     """The same labels tried in the same order (budget axis, cap or timeout axis around
     the same default), given the same scores."""
     context = context_for(llama())
-    counterpart = COUNTERPARTS[name]
+    counterpart = ALL_COUNTERPARTS[name]
 
     def peaked(spec):  # a peak inside every axis: budget 1500, timeout 3 s, cap 50k tokens
         value = -abs(spec.token_budget / 1500 - 1)

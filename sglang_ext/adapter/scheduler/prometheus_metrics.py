@@ -65,7 +65,18 @@ class FairBatchingMetrics:
         self.deferred_expired = Counter("fairbatching:deferred_expired",
                                         "Requests ended after max_defer_s without a first token",
                                         names)
-        self._last_counts = (0, 0, 0, 0, 0)
+        self.overruns = Counter("fairbatching:budget_overruns",
+                                "Steps over their time budget and over their prediction", names)
+        self.below_floor = Counter("fairbatching:budget_below_floor",
+                                   "Steps planned over their time budget (predicted above it)", names)
+        self.sat_out = Counter("fairbatching:decodes_sat_out",
+                               "Chosen decodes SGLang left out of a prefill step", names)
+        self.refused_never_fit = Counter("fairbatching:refused_never_fit",
+                                         "Requests refused: an empty KV pool cannot hold them", names)
+        self._counted = ("deferred_decodes", "decisions", "fallbacks", "late_prefills",
+                         "deferred_expired", "overruns", "budget_below_floor", "decodes_sat_out",
+                         "refused_never_fit")
+        self._last_counts = (0,) * len(self._counted)
 
     def publish(self, state: Any) -> None:
         labels = self._labels
@@ -75,15 +86,18 @@ class FairBatchingMetrics:
         error = state.policy.step_model.error
         self.error.labels(**labels, stat="mean").set(error.mean_abs_relative)
         self.error.labels(**labels, stat="p95").set(error.p95_abs_relative)
+        self.error.labels(**labels, stat="median").set(error.median_abs_relative)
+        for kind, _, median in error.by_kind:
+            self.error.labels(**labels, stat=f"median_{kind}").set(median)
         self.pab.labels(**labels).set(state.pab_tokens)
         self.parked.labels(**labels).set(len(state.parked_reqs))
         for slo_class, tokens in state.admission_budgets.items():
             self.admission_budget.labels(**labels, slo_class=slo_class).set(tokens)
         counters = state.counters
-        counts = (counters.deferred_decodes, counters.decisions, counters.fallbacks,
-                  counters.late_prefills, counters.deferred_expired)
+        counts = tuple(getattr(counters, name) for name in self._counted)
         counter_metrics = (self.deferred, self.decisions, self.fallbacks, self.late_prefills,
-                           self.deferred_expired)
+                           self.deferred_expired, self.overruns, self.below_floor, self.sat_out,
+                           self.refused_never_fit)
         for counter, now, before in zip(counter_metrics, counts, self._last_counts, strict=True):
             if now > before:
                 counter.labels(**labels).inc(now - before)

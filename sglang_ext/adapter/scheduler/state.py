@@ -34,6 +34,8 @@ LAUNCH_ATTR = "_fairbatching_launch"
 #: A handled error's site is logged the first time, then at most once per this many
 #: seconds with the number left out since (every occurrence is counted).
 ERROR_LOG_INTERVAL_S = 60.0
+#: a step over its budget is the model's miss only when it also took this much longer than predicted
+OVERRUN_TOLERANCE = 0.1
 
 
 class HandledErrors:
@@ -87,7 +89,8 @@ class Counters:
     steps_with_deferral: int = 0
     planned_prefill_tokens: int = 0
     fallbacks: int = 0  # plans SGLang could not realise (memory); everything decoded
-    overruns: int = 0  # steps that took longer than the time budget they were formed under
+    overruns: int = 0  # steps over their time budget and over their prediction (the model's miss)
+    budget_below_floor: int = 0  # steps planned over their budget from the start (predicted > budget)
     late_prefills: int = 0  # requests past their TTFT deadline without a first token (once each)
     deferred_expired: int = 0  # admission mode defer: ended after max_defer_s without a token
     decodes_sat_out: int = 0  # chosen decodes SGLang did not mix into a prefill step
@@ -247,11 +250,16 @@ class FairBatchingState:
         if measured <= 0 or features.new_tokens <= 0:
             return None
         self.counters.steps += 1
-        if launch.time_budget_s is not None and measured > launch.time_budget_s:
+        budget = launch.time_budget_s
+        if budget is not None and launch.predicted_s > budget:
+            self.counters.budget_below_floor += 1
+        elif (budget is not None and measured > budget
+              and measured > (1.0 + OVERRUN_TOLERANCE) * launch.predicted_s):
             self.counters.overruns += 1
-            logger.debug("FairBatching step overran its budget: %.1f ms > %.1f ms (predicted %.1f ms, "
-                         "%d new tokens, %d context)", measured * 1e3, launch.time_budget_s * 1e3,
-                         launch.predicted_s * 1e3, features.new_tokens, features.total_context)
+            logger.debug("FairBatching step overran its budget and its prediction: %.1f ms > %.1f ms "
+                         "(predicted %.1f ms, %d new tokens, %d context)", measured * 1e3,
+                         budget * 1e3, launch.predicted_s * 1e3, features.new_tokens,
+                         features.total_context)
         self.policy.observe_step(features, measured)
         self.maybe_log(done_at)
         self.maybe_publish(done_at)
@@ -308,14 +316,18 @@ class FairBatchingState:
         error = self.policy.step_model.error
         counters = self.counters
         logger.info(
-            "FairBatching step model (%s): a=%.3f ms b=%.3f us/token; "
-            "error mean=%.1f%% p95=%.1f%% over %d steps; PAB=%d tokens; "
+            "FairBatching step model (%s): a=%.3f ms b=%.3f us/token%s; "
+            "error mean=%.1f%% p95=%.1f%% median by kind %s over %d steps; PAB=%d tokens; "
             "deferred %d decode slots in %d of %d decisions; fallbacks=%d; budget overruns=%d; "
-            "late prefills=%d; ended after max_defer_s=%d; decision time p50/p99 %s us",
+            "budget below the floor=%d; late prefills=%d; ended after max_defer_s=%d; "
+            "decision time p50/p99 %s us",
             coefficients.form, coefficients.a_s * 1e3, coefficients.b_s_per_token * 1e6,
-            error.mean_abs_relative * 100, error.p95_abs_relative * 100, counters.steps,
-            self.pab_tokens, counters.deferred_decodes, counters.steps_with_deferral,
-            counters.decisions, counters.fallbacks, counters.overruns, counters.late_prefills,
+            f" knee={coefficients.knee_tokens:.0f}" if hasattr(coefficients, "knee_tokens") else "",
+            error.mean_abs_relative * 100, error.p95_abs_relative * 100,
+            " ".join(f"{kind}={median * 100:.1f}%" for kind, _, median in error.by_kind) or "-",
+            counters.steps, self.pab_tokens, counters.deferred_decodes, counters.steps_with_deferral,
+            counters.decisions, counters.fallbacks, counters.overruns, counters.budget_below_floor,
+            counters.late_prefills,
             counters.deferred_expired, "/".join(str(v) for v in _percentiles_us(self.decision_s).values()),
         )
 
@@ -335,6 +347,8 @@ class FairBatchingState:
                 **coefficients.fields(),
                 "mean_abs_relative_error": error.mean_abs_relative,
                 "p95_abs_relative_error": error.p95_abs_relative,
+                "median_abs_relative_error": error.median_abs_relative,
+                "median_abs_relative_error_by_kind": {kind: median for kind, _, median in error.by_kind},
             },
             "counters": vars(self.counters).copy(),
             "errors": dict(self.errors.counts),

@@ -1,0 +1,197 @@
+"""Benchmark: how fast the online step model learns a device it was not fitted to.
+
+Each *device* is a simulated GPU (every roofline profile in ``configs/profiles/``, noise
+and stalls included) or the measured H100 grid (``../shared/data/gpu/``, its rows
+streamed as a server meets them). Each device is driven through a serving-like stream
+of steps: decode-only stretches of 4-12 steps over 1-128 requests, each followed by 1-4
+prefill or mixed steps (chunks of 16-4,096 tokens, some after a cached prefix, most
+beside the decodes). The online model starts from each shipped step-model file in
+turn, the device's own included, predicts each step before it sees the measured time,
+and learns from it. Reported: the median |relative error| over the steps after the
+first 200, overall and per kind of step (decode-only, mixed, prefill-heavy), for the
+learner the policies run (the knee learned online, ``OnlineKneeModel``) and for the
+knee frozen at the file's value (``learn_knee = false``). Target: within 5% from every
+starting file. From the repository root::
+
+    python -m benchmarks.sim.step_learning            # writes docs/bench/step_learning.{md,json}
+    python -m benchmarks.sim.step_learning --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.support.outputs import write_outputs
+from benchmarks.support.paths import DOCS_BENCH, REPO
+from sglang_ext.policy.step_error import STEP_KINDS, step_kind
+from sglang_ext.policy.step_model import StepModelFile, StepPredictor, online_step_model
+from sglang_ext.policy.step_shape import StepShape
+from sglang_ext.provenance import git_state
+from sglang_ext.sim.fitting.predictor_check import serving_order
+from sglang_ext.sim.fitting.step_grid import read_grid
+from sglang_ext.sim.profile import load_profile
+from sglang_ext.sim.service_curve import make_gpu
+
+STEP_MODELS = REPO / "configs" / "step_models"
+PROFILES = REPO / "configs" / "profiles"
+MEASURED_GRID = REPO.parent / "shared" / "data" / "gpu" / "llama3.1-8b-h100.csv"
+WARMUP_STEPS = 200
+STEPS = 800
+TARGET = 0.05
+LEARNERS = {"learned knee": True, "frozen knee": False}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    steps: Callable[[int], Iterator[tuple[StepShape, float]]]  # seed -> (shape, measured s)
+
+
+def serving_stream(seed: int, steps: int) -> list[StepShape]:
+    """The module docstring's serving-like stream of step shapes."""
+    rng = np.random.default_rng(seed)
+    out: list[StepShape] = []
+    while len(out) < steps:
+        batch, context = int(rng.integers(1, 129)), int(rng.integers(256, 4097))
+        out += [StepShape(0, 0.0, 0, batch, batch * context, 0)] * int(rng.integers(4, 13))
+        for _ in range(int(rng.integers(1, 5))):
+            chunk = int(math.exp(rng.uniform(math.log(16), math.log(4096))))
+            prefix = int(rng.integers(0, 8192)) if rng.random() < 0.3 else 0
+            decodes = batch if rng.random() < 0.6 else 0
+            out.append(StepShape(chunk, chunk * (prefix + (chunk + 1) / 2), prefix, decodes,
+                                 decodes * context, 1))
+    return out[:steps]
+
+
+def profile_device(path: Path) -> Device:
+    profile = load_profile(path)
+
+    def steps(seed: int) -> Iterator[tuple[StepShape, float]]:
+        gpu = make_gpu(profile, seed)
+        for shape in serving_stream(seed, STEPS):
+            yield shape, gpu.measure_step_s(shape)
+
+    return Device(profile.name, steps)
+
+
+def grid_device(path: Path) -> Device:
+    rows = read_grid(path)
+
+    def steps(seed: int) -> Iterator[tuple[StepShape, float]]:
+        streamed = 0
+        while streamed < STEPS:
+            for row in serving_order(rows, seed + streamed):
+                yield row.shape, row.seconds
+            streamed += len(rows)
+
+    return Device(f"{path.stem} (measured grid)", steps)
+
+
+def devices() -> list[Device]:
+    found = [profile_device(path) for path in sorted(PROFILES.glob("*.toml"))
+             if load_profile(path).service is None]
+    if MEASURED_GRID.is_file():
+        found.append(grid_device(MEASURED_GRID))
+    return found
+
+
+def starting_files() -> dict[str, StepPredictor]:
+    return {path.stem: StepModelFile.load(path).model for path in sorted(STEP_MODELS.glob("*.toml"))}
+
+
+def learn(device: Device, start: StepPredictor, learn_knee: bool, seed: int) -> dict:
+    model = online_step_model(start, learn_knee=learn_knee)
+    errors: dict[str, list[float]] = {"all": [], **{kind: [] for kind in STEP_KINDS}}
+    for index, (shape, measured) in enumerate(device.steps(seed)):
+        if index >= STEPS:
+            break
+        error = abs(model.observe(shape, measured))
+        if index >= WARMUP_STEPS:
+            errors["all"].append(error)
+            errors[step_kind(shape)].append(error)
+    learned = model.coefficients
+    return {
+        "median_abs_error": {kind: statistics.median(values) if values else None
+                             for kind, values in errors.items()},
+        "steps_scored": len(errors["all"]),
+        "learned": {"form": learned.form, **learned.fields()},
+    }
+
+
+def run(seed: int) -> dict:
+    files = starting_files()
+    results = []
+    for device in devices():
+        for start_name, start in files.items():
+            for learner, learn_knee in LEARNERS.items():
+                outcome = learn(device, start, learn_knee, seed)
+                results.append({"device": device.name, "start": start_name, "learner": learner,
+                                **outcome})
+    return {"seed": seed, "warmup_steps": WARMUP_STEPS, "steps": STEPS, "target": TARGET,
+            "results": results}
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def render(doc: dict) -> str:
+    lines = [
+        "# How fast the step model learns a device",
+        "",
+        (f"Median |relative error| of each step's prediction over steps {doc['warmup_steps'] + 1}-"
+         f"{doc['steps']} of a serving-like stream (seed {doc['seed']}), from each shipped "
+         f"step-model file; target within {doc['target'] * 100:.0f}%. "
+         "`python -m benchmarks.sim.step_learning`."),
+        "",
+        "| device | starting file | learner | all | decode | mixed | prefill | learned knee |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in doc["results"]:
+        errors = row["median_abs_error"]
+        knee = row["learned"].get("knee_tokens")
+        lines.append(
+            f"| {row['device']} | {row['start']} | {row['learner']} | **{_pct(errors['all'])}** | "
+            f"{_pct(errors['decode'])} | {_pct(errors['mixed'])} | {_pct(errors['prefill'])} | "
+            f"{'-' if knee is None else f'{knee:.0f}'} |")
+    learned = [r for r in doc["results"] if r["learner"] == "learned knee"]
+    foreign = [r for r in learned if not r["device"].startswith(r["start"])]
+    worst = max(foreign, key=lambda r: r["median_abs_error"]["all"])
+    met = sum(r["median_abs_error"]["all"] <= doc["target"] for r in foreign)
+    lines += [
+        "",
+        (f"From another device's file, the learned knee is within the target in {met} of "
+         f"{len(foreign)} pairs; the worst is {_pct(worst['median_abs_error']['all'])} "
+         f"({worst['device']} from {worst['start']})."),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH)
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    doc = run(args.seed)
+    doc["provenance"] = {**git_state(REPO), "wall_s": round(time.monotonic() - started, 1),
+                         "command": "python -m benchmarks.sim.step_learning"}
+    text = render(doc)
+    print(text)
+    if not args.no_write:
+        write_outputs(args.out, "step_learning", text, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
