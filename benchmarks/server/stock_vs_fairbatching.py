@@ -25,6 +25,11 @@ step times x2 -- ``FAIRBATCHING_EMULATED_GPU_TIME_SCALE=2``) with the same KV si
   least urgent waiting request for a more urgent arrival. Both priority configurations run
   the replay workload only: (a)'s load generator sends one priority for every request.
   SGLang's semantics, with file and line: ``benchmarks/server/priority.py``;
+* ``stock-mixed-512-queue-16-hrrn`` and ``-spf`` -- the same queue with SGLang's own
+  orders, ``--schedule-policy hrrn`` (highest response ratio next: shortest first, waiting
+  prompts aged by the prefill tokens run since they arrived) and
+  ``shortest-prefill-first`` (the continuing chunk capped so shorter prompts fit beside
+  it); no client help needed;
 * ``fairbatching``      -- ``FAIRBATCHING_CONFIG`` = the shipped ``configs/fairbatching.toml``
   with its initial step model scaled by the time scale (as a deployment starts from
   coefficients fitted on its own GPU) and the SLO classes of ``configs/slo.toml``.
@@ -213,12 +218,28 @@ def _queued(priority: str = NONE) -> ServerConfig:
                         PROMPT_LENGTH, ("replay",))
 
 
+#: SGLang's own waiting orders (``--schedule-policy``; both need the radix cache, which is on)
+SGLANG_ORDERS = {"hrrn": "hrrn", "spf": "shortest-prefill-first"}
+
+
+def _ordered(suffix: str) -> ServerConfig:
+    """``stock-mixed-512-queue-16`` with SGLang's ``--schedule-policy hrrn`` (highest response
+    ratio next: shortest first, with waiting prompts aged by the prefill tokens run since
+    they arrived) or ``shortest-prefill-first``; neither needs the client's help."""
+    policy = SGLANG_ORDERS[suffix]
+    base = (*_mixed(QUEUED_CHUNK).args, "--max-queued-requests", str(QUEUE_LIMIT))
+    return ServerConfig(f"{QUEUED_NAME}-{suffix}", (*base, "--schedule-policy", policy), False,
+                        f"stock-mixed-{QUEUED_CHUNK} with SGLang's queue limit {QUEUE_LIMIT} and "
+                        f"--schedule-policy {policy}")
+
+
 CONFIGS = (
     ServerConfig("stock", COMMON_ARGS, False, "SGLang defaults; plugin installed, FAIRBATCHING_CONFIG unset"),
     *(_mixed(chunk) for chunk in CHUNKS),
     _queued(),
     _queued(CLASS),
     _queued(PROMPT_LENGTH),
+    *(_ordered(suffix) for suffix in SGLANG_ORDERS),
     ServerConfig("fairbatching", COMMON_ARGS, True,
                  "FAIRBATCHING_CONFIG = configs/fairbatching.toml (step model x time scale)"),
 )

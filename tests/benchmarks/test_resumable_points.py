@@ -249,7 +249,7 @@ def test_render_from_synthetic_points(tmp_path: Path) -> None:
                    "stock-mixed-512 *(best mixed)*", "Best stock-mixed chunk per rate (by mean attainment",
                    "2 req/s: `stock-mixed-512` (256: 100.0%, 512: 100.0%, 1024: 99.0%)",
                    "| 4 | fairbatching | 3 (0,1,2; failed: 3) |", "90.0% <sub>88.0–92.0%</sub>",
-                   "**Code:** commit abc1234 (49 points)"):
+                   "**Code:** commit abc1234 (55 points)"):
         assert needle in text, needle
     assert "Shorter runs" not in text
     data = json.loads(bs.results_json(doc))
