@@ -6,6 +6,8 @@
     slo_file = "slo.toml"                   # SLO classes; relative to this file
     step_model = "step_models/x.toml"       # initial step model (its form), recalibrated online
     learn_knee = true                       # a knee model learns its knee online too
+    calibrate = true                        # fit the step model on the device at start-up
+                                            # (default: true when no step_model is named)
     max_token_budget = 8192                 # new tokens per step, upper bound
     delivery_allowance_ms = 0               # tokens planned this much earlier (-margin variants)
     log_interval_s = 10.0                   # step-model log line period
@@ -55,7 +57,7 @@ DEFAULT_POLICY = "fb"
 TIME_BUDGET_POLICIES = ("fb", "fb-pab", "fb-anchor", "fb-margin", "fb-kairos",
                         "fb-anchor-margin", "fb-anchor-margin-pab", "fb-smooth")
 
-_TOP_KEYS = {"policy", "slo_file", "step_model", "learn_knee", "max_token_budget",
+_TOP_KEYS = {"policy", "slo_file", "step_model", "learn_knee", "calibrate", "max_token_budget",
              "delivery_allowance_ms", "log_interval_s", "gc", "admission", "trace"}
 _TRACE_KEYS = {"step_log"}
 _GC_KEYS = {"enabled", "min_decode_slack_ms", "min_interval_s"}
@@ -88,6 +90,9 @@ class ExtensionConfig:
     initial_linear_model: StepCoefficients | None = None
     #: ``learn_knee`` (``PolicyContext.learn_knee``)
     learn_knee: bool = True
+    #: fit the step model on the device when each scheduler starts
+    #: (``sglang_ext.adapter.scheduler.calibration``)
+    calibrate: bool = False
 
     def build_policy(self) -> BatchPolicy:
         context = PolicyContext(
@@ -165,11 +170,13 @@ class ExtensionConfig:
                 "takes no delivery allowance; use fb-anchor-margin or fb-smooth, or drop the key"
             )
         learn_knee = data.get("learn_knee", True)
-        if not isinstance(learn_knee, bool):
-            raise ConfigError(f"learn_knee must be true or false, got {learn_knee!r}")
+        calibrate = data.get("calibrate", "step_model" not in data)
+        for key, value in (("learn_knee", learn_knee), ("calibrate", calibrate)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key} must be true or false, got {value!r}")
         config = cls(policy, catalog, step_model.model, max_token_budget, log_interval_s, enabled,
                      gc, source, admission, step_log, delivery_allowance_ms / 1e3, step_model.linear,
-                     learn_knee)
+                     learn_knee, calibrate)
         try:
             config.build_policy()  # refuses a policy name that contradicts [admission]
         except AdmissionError as exc:

@@ -152,6 +152,14 @@ class BatchPolicy:
         """Called after every step with what it computed and how long it took."""
         self.step_model.observe(shape, measured_s)
 
+    def adopt_initial_model(self, model: StepPredictor, linear: StepCoefficients) -> None:
+        """Start again from ``model`` (and the linear model fitted beside it), as if it had
+        been the step-model file: what a start-up calibration fitted on the device."""
+        self.context = dataclasses.replace(self.context, initial_step_model=model,
+                                           initial_linear_model=linear)
+        self.initial_step_model = self.context.initial_model(self.keeps_linear_model)
+        self.step_model = online_step_model(self.initial_step_model, learn_knee=self.context.learn_knee)
+
     def observe_kv(self, outlook: KvOutlook | None) -> None:
         """The rank's KV memory, given before ``admit``, ``form_batch`` and
         ``admission_budgets`` when the engine knows it (``None``: admission counts
@@ -240,6 +248,10 @@ class _LatenessGuarded(BatchPolicy):
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,
             deadline_guard_s=self._deadline_guard_s(),
         )
+
+    def adopt_initial_model(self, model: StepPredictor, linear: StepCoefficients) -> None:
+        super().adopt_initial_model(model, linear)
+        self._floor = None
 
     def _service_floor(self) -> ServiceFloor:
         """The lateness guard's floor: serviceability from the initial model, as the
@@ -398,6 +410,10 @@ class FairBatchingDerivedTokenBudget(_LatenessGuarded):
     def observe_step(self, shape: StepShape, measured_s: float) -> None:
         super().observe_step(shape, measured_s)
         self.tokens_only_model.observe(shape, measured_s)
+
+    def adopt_initial_model(self, model: StepPredictor, linear: StepCoefficients) -> None:
+        super().adopt_initial_model(model, linear)
+        self.tokens_only_model = OnlineStepModel(self.initial_step_model, use_context=False)
 
     def _form_batch(self, requests: Sequence[RequestState], now: float,
                     hopeless: frozenset | None = None) -> BatchDecision:

@@ -127,6 +127,10 @@ class KairosPrefillRate(BatchPolicy):
         super().__init__(context)
         self.prefill_tokens_per_s = 1.0 / self.initial_step_model.usable().b_s_per_token
 
+    def adopt_initial_model(self, model, linear) -> None:
+        super().adopt_initial_model(model, linear)
+        self.prefill_tokens_per_s = 1.0 / self.initial_step_model.usable().b_s_per_token
+
     def observe_step(self, shape: StepShape, measured_s: float) -> None:
         super().observe_step(shape, measured_s)
         if shape.prefill_tokens > 0:

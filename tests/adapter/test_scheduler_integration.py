@@ -354,3 +354,47 @@ def test_a_request_the_pool_can_never_hold_is_refused_and_the_queue_moves(never_
     assert never_fits_run["fairbatching"]["counters"]["refused_never_fit"] == 1
     assert never_fits_run["idle"]
     assert never_fits_run["kv_free_plus_evictable"] == never_fits_run["kv_total"]
+
+
+# ------------------------------------------------------------------ start-up calibration
+@pytest.fixture(scope="module")
+def calibration_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The shipped file 3x too slow for this emulated GPU, ``calibrate = true``, and one
+    client request queued beside the calibration."""
+    from sglang_ext.policy.step_model import StepModelFile
+
+    tmp_path = tmp_path_factory.mktemp("calibration")
+    shipped = StepModelFile.load(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml")
+    shipped.scaled(TIME_SCALE * WRONG_BY).save(tmp_path / "wrong.toml")
+    config = tmp_path / "fb.toml"
+    config.write_text(f'policy = "fb-smooth"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
+                      f'step_model = "{tmp_path / "wrong.toml"}"\ncalibrate = true\n')
+    scenario = {"requests": [{"rid": "client", "prompt_tokens": 100, "max_new_tokens": 20,
+                              "slo": {"class": "standard"}}],
+                "overlap": False, "timeout_s": 200, "config": str(config)}
+    result = run_harness(tmp_path, "calibration", scenario,
+                         env_extra={"FAIRBATCHING_EMULATED_GPU_TIME_SCALE": str(TIME_SCALE)})
+    result["emulated_file"] = shipped.scaled(TIME_SCALE).model
+    return result
+
+
+def test_start_up_calibration_fits_the_emulated_gpu(calibration_run: dict) -> None:
+    """The fit reaches the emulated profile's own file (scaled by the time scale): the
+    floor, the slope past the knee and the knee itself within 25%; on the steps it ran,
+    its error is a fraction of the wrong file's."""
+    calibration = calibration_run["fairbatching"]["calibration"]
+    assert calibration is not None and calibration["steps"] >= 20
+    assert calibration["fitted_median_abs_error"] < calibration["file_median_abs_error"] / 4
+    fitted, truth = calibration_run["fairbatching"]["step_model"], calibration_run["emulated_file"]
+    assert fitted["form"] == "knee"
+    assert fitted["b_s_per_token"] == pytest.approx(truth.b_s_per_token, rel=0.25)
+    assert fitted["knee_tokens"] == pytest.approx(truth.knee_tokens, rel=0.25)
+    smallest = fitted["a_s"] + fitted["b_s_per_token"] * fitted["knee_tokens"]
+    assert smallest == pytest.approx(truth.smallest_step_s, rel=0.25)
+
+
+def test_calibration_requests_reach_no_client_and_leave_nothing_behind(calibration_run: dict) -> None:
+    assert set(calibration_run["outputs"]) == {"client"}
+    assert calibration_run["idle"]
+    assert calibration_run["kv_free_plus_evictable"] == calibration_run["kv_total"]
+    assert calibration_run["fairbatching"]["errors"] == {}

@@ -39,6 +39,21 @@ def test_defaults_and_relative_paths(tmp_path: Path) -> None:
     assert config.gc_enabled and config.gc.min_interval_s == 30.0
 
 
+def test_calibration_is_the_default_only_without_a_step_model_file(tmp_path: Path) -> None:
+    (tmp_path / "slo.toml").write_text('default_class = "x"\n[classes.x]\nttft_ms = 300\ntpot_ms = 30\n')
+    step_model = REPO / "configs" / "step_models" / "qwen3-14b-h20.toml"
+    assert ExtensionConfig.load(write(tmp_path, 'slo_file = "slo.toml"\n')).calibrate
+    named = ExtensionConfig.load(write(tmp_path, f'slo_file = "slo.toml"\nstep_model = "{step_model}"\n'))
+    assert not named.calibrate and named.learn_knee
+    both = ExtensionConfig.load(write(
+        tmp_path, f'slo_file = "slo.toml"\nstep_model = "{step_model}"\ncalibrate = true\nlearn_knee = false\n'))
+    assert both.calibrate and not both.learn_knee
+    assert not both.build_policy().context.learn_knee
+    for key in ("calibrate", "learn_knee"):
+        with pytest.raises(ConfigError, match=f"{key} must be true or false"):
+            ExtensionConfig.load(write(tmp_path, f'slo_file = "slo.toml"\n{key} = "yes"\n'))
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

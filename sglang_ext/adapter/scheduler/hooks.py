@@ -30,6 +30,12 @@ from sglang.srt.managers.scheduler import NextBatchPlan, Scheduler
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_ext.adapter.extension_config import ExtensionConfig
+from sglang_ext.adapter.scheduler.calibration_hooks import (
+    held_back,
+    install_calibration_hooks,
+    note_finished,
+    start_calibration,
+)
 from sglang_ext.adapter.scheduler.kv_outlook import kv_outlook
 from sglang_ext.adapter.scheduler.parking import merge_into, split_batch
 from sglang_ext.adapter.scheduler.prefill_plan import PrefillPlan, adder_factory, plan_from_chunks
@@ -69,6 +75,8 @@ def install_scheduler_hooks(config: ExtensionConfig) -> None:
     for method, (hook, hook_type) in hooks.items():
         HookRegistry.register(f"{SCHEDULER}.{method}", hook, hook_type)
     HookRegistry.register(f"{SCHEDULE_POLICY}.calc_priority", _planned_first, HookType.AFTER)
+    if config.calibrate:
+        install_calibration_hooks()
 
 
 def _make_init_hook(config: ExtensionConfig) -> Callable[..., None]:
@@ -110,6 +118,8 @@ def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
         "FairBatching on: policy=%s, default SLO %s, max %d new tokens per step (%s)",
         config.policy, config.catalog.default, config.max_token_budget, config.source,
     )
+    if config.calibrate:
+        start_calibration(scheduler, state)
     return state
 
 
@@ -172,7 +182,8 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     if chunked is not None:
         chunked_view = records.prefill_view(chunked)
         views.append(chunked_view)
-    views += records.prefill_views(self.waiting_queue)
+    waiting = self.waiting_queue if state.calibration is None else held_back(self.waiting_queue)
+    views += records.prefill_views(waiting)
 
     started += state.maybe_collect_garbage(views, time.perf_counter(), "slack")
     now = state.decision_time(time.perf_counter())
@@ -180,7 +191,7 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         state.policy.observe_kv(_kv_outlook(self, running_batch, parked_reqs, views))
     decision = state.decide(views, now)
     state.last_decision = decision
-    state.observe_prefills(views[len(views) - len(self.waiting_queue) - (chunked is not None):],
+    state.observe_prefills(views[len(views) - len(waiting) - (chunked is not None):],
                            now, decision.abort_ids)
     state.counters.decisions += 1
     running_batch = _realise_decodes(self, state, running_batch, decision)
@@ -189,7 +200,7 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     state.decision_s.append(decided - started)
     if state.trace is not None:
         state.trace.decided(started, decided - started, now, views, decision,
-                            getattr(state.policy, "anchored", False), len(self.waiting_queue),
+                            getattr(state.policy, "anchored", False), len(waiting),
                             state.parked_reqs)
     if not decision.prefill_chunks:
         return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
@@ -415,6 +426,8 @@ def _process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: Any,
     done_at = time.perf_counter()
     measured = state.observe_completion(launch, done_at)
     processed = orig(self, batch, result, *args, **kwargs)
+    if state.calibration is not None:
+        note_finished(state, batch.reqs)
     if state.trace is not None:
         state.trace.step_done(launch.traced, launch.features, launch.launched_at, launch.predicted_s,
                               launch.time_budget_s, done_at, measured, batch.reqs)

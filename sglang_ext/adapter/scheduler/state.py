@@ -19,10 +19,12 @@ from typing import Any
 from controlplane.protocol import budget_tokens
 from controlplane.ratelimited_log import RateLimitedLog
 from sglang_ext.adapter.extension_config import ExtensionConfig
+from sglang_ext.adapter.scheduler.calibration import Calibration, CalibrationFit
 from sglang_ext.adapter.scheduler.device_clock import DeviceClock
 from sglang_ext.adapter.scheduler.requests import RequestRecords
 from sglang_ext.adapter.scheduler.step_trace import StepTrace, TracedDecision
 from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, AdmissionSettings
+from sglang_ext.policy.batch_former import unserviceable_slo_reason
 from sglang_ext.policy.gc import should_collect
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.step_shape import StepShape
@@ -111,6 +113,8 @@ class FairBatchingState:
         self.records = RequestRecords(config.catalog)
         self.parked: Any = None  # ScheduleBatch of deferred decodes, or None
         self.sat_out = False  # chosen decodes sat out the last prefill step: decode next
+        self.calibration: Calibration | None = None  # the start-up calibration, while it runs
+        self.calibrated: CalibrationFit | None = None  # what it fitted
         # the PAB's inputs at the last decision (views, clock, step model), computed from
         # them when first read (pab_tokens)
         self._pab_inputs: tuple[Sequence[RequestState], float, Any] | None = None
@@ -261,9 +265,35 @@ class FairBatchingState:
                          budget * 1e3, launch.predicted_s * 1e3, features.new_tokens,
                          features.total_context)
         self.policy.observe_step(features, measured)
+        if self.calibration is not None:
+            self.calibration.record(features, measured)
         self.maybe_log(done_at)
         self.maybe_publish(done_at)
         return measured
+
+    def finish_calibration(self) -> CalibrationFit | None:
+        """Fit the step model to the calibration's steps and adopt it (logged); None, with
+        the file's model kept, when the steps cannot be fitted."""
+        calibration, self.calibration = self.calibration, None
+        if calibration is None:
+            return None
+        current = self.policy.initial_step_model
+        try:
+            fit = calibration.fit(current.form, current)
+        except ValueError as exc:
+            logger.warning("FairBatching start-up calibration kept the step-model file (%s): %s",
+                           self.config.source, exc)
+            return None
+        self.policy.adopt_initial_model(fit.model.model, fit.model.linear)
+        self.calibrated = fit
+        logger.info("FairBatching start-up calibration %s", fit.summary())
+        for name, slo in self.config.catalog.classes.items():
+            reason = unserviceable_slo_reason(slo, fit.model.model)
+            if reason is not None:
+                logger.error("FairBatching: SLO class %r cannot be served on this device: %s. Its "
+                             "requests are served best effort after every request in time; raise "
+                             "its tpot_ms", name, reason)
+        return fit
 
     def maybe_publish(self, now: float, force: bool = False) -> None:
         """Metrics at most every 0.5 s of steps, and (``force``, when the rank goes idle)
@@ -349,6 +379,11 @@ class FairBatchingState:
                 "p95_abs_relative_error": error.p95_abs_relative,
                 "median_abs_relative_error": error.median_abs_relative,
                 "median_abs_relative_error_by_kind": {kind: median for kind, _, median in error.by_kind},
+            },
+            "calibration": None if self.calibrated is None else {
+                "steps": self.calibrated.steps, "seconds": self.calibrated.seconds,
+                "fitted_median_abs_error": self.calibrated.fitted_error,
+                "file_median_abs_error": self.calibrated.file_error,
             },
             "counters": vars(self.counters).copy(),
             "errors": dict(self.errors.counts),
