@@ -291,7 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1 or args.concurrency < 4 or not pools or min(pools) < 1024:
         parser.error("--runs >= 1, --concurrency >= 4 and pools of at least 1024 tokens")
     from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
+    from sglang_ext.provenance import git_state
 
+    code = git_state(REPO)  # the servers import the checkout as it is now, not at the end
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fb-stress-") as tmp:
@@ -307,9 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarise(results)
     print(json.dumps(summary, indent=1))
     if args.out is not None:
-        from sglang_ext.provenance import git_state
-
-        provenance = {**git_state(REPO), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        provenance = {**code, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "wall_s": round(time.perf_counter() - started),
                       "command": " ".join(["python -m benchmarks.server.stress", *(argv or sys.argv[1:])])}
         args.out.write_text(json.dumps({"provenance": provenance, "summary": summary, "runs": results},

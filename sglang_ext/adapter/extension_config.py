@@ -55,7 +55,7 @@ from sglang_ext.policy.tomlfile import read_toml
 CONFIG_ENV = "FAIRBATCHING_CONFIG"
 DEFAULT_POLICY = "fb"
 TIME_BUDGET_POLICIES = ("fb", "fb-pab", "fb-anchor", "fb-margin", "fb-kairos",
-                        "fb-anchor-margin", "fb-anchor-margin-pab", "fb-smooth")
+                        "fb-anchor-margin", "fb-anchor-margin-pab", "fb-smooth", "fb-steady")
 
 _TOP_KEYS = {"policy", "slo_file", "step_model", "learn_knee", "calibrate", "max_token_budget",
              "delivery_allowance_ms", "log_interval_s", "gc", "admission", "trace"}

@@ -25,11 +25,18 @@ bundled files); ``fb`` keeps the paper's linear model.
   prompt parks every decode with slack, so streams stall for hundreds of milliseconds
   while every SLO still holds. ``fb-smooth`` runs every decode in a step of one TPOT
   whenever the prompts queued still meet their deadlines at that pace.
+- ``fb-steady``: ``fb-smooth`` that never falls back to Algorithm 1's long step: every
+  decode runs in every step of one TPOT and prompts fill the rest, even when an in-time
+  prompt would need a decode's slack to meet its TTFT. On a GPU whose decode-only step
+  is a large share of the TPOT (the weights' read of a model that fills its card), a
+  deferred decode saves little of a step and costs its stream a gap; the fallback's long
+  steps then lose more than they save.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from sglang_ext.policy.batch_former import Triage, pack, smooth_step
@@ -216,4 +223,31 @@ class FairBatchingSmooth(FairBatchingAnchoredWithMargin):
         else:
             time_budget = self._time_budget(groups.init_time_budget_s)
         return pack(groups, coefficients, token_budget=self.context.max_token_budget,
+                    time_budget_s=time_budget)
+
+
+@POLICIES.register("fb-steady")
+class FairBatchingSteady(FairBatchingSmooth):
+    """``fb-smooth`` whose every step is the smooth one (module docstring): when
+    :func:`~sglang_ext.policy.batch_former.smooth_step` is refused, every decode still runs
+    and the prompts take what is left of one TPOT. With nothing in time the budget is
+    Algorithm 1's (the lateness guard's fallback)."""
+
+    name = "fb-steady"
+
+    def _form_batch(self, requests: Sequence[RequestState], now: float,
+                    hopeless: frozenset | None = None) -> BatchDecision:
+        groups = self._triage(requests, now, self.anchored, hopeless)
+        if groups is None:
+            return BatchDecision.make_empty()
+        coefficients = self.step_model.coefficients
+        time_budget = self._time_budget(self._guarded(groups.step_tpot_s, self._margin_guard_s()))
+        if not math.isfinite(time_budget):
+            time_budget = self._time_budget(groups.init_time_budget_s)
+        steady = smooth_step(groups, coefficients, time_budget)
+        if steady is None:
+            steady = dataclasses.replace(
+                groups, init_time_budget_s=time_budget, deferrable_decodes=[],
+                urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
+        return pack(steady, coefficients, token_budget=self.context.max_token_budget,
                     time_budget_s=time_budget)

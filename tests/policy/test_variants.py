@@ -24,6 +24,7 @@ from sglang_ext.policy.variants import (
     FairBatchingAnchoredWithMargin,
     FairBatchingKairosPrefills,
     FairBatchingSmooth,
+    FairBatchingSteady,
     FairBatchingWithMargin,
     kairos_order,
 )
@@ -35,6 +36,7 @@ VARIANTS = {
     "fb-kairos": FairBatchingKairosPrefills,
     "fb-anchor-margin": FairBatchingAnchoredWithMargin,
     "fb-smooth": FairBatchingSmooth,
+    "fb-steady": FairBatchingSteady,
 }
 CONTEXT = PolicyContext(global_slo=SLO, initial_step_model=COEF)
 
@@ -453,9 +455,15 @@ def check_decision(policy: BatchPolicy, state: list[RequestView], decision: Batc
     budget = groups.init_time_budget_s / (1 + margin)
     if isinstance(policy, FairBatchingSmooth):
         smooth_budget = policy._guarded(groups.step_tpot_s, policy._margin_guard_s()) / (1 + margin)
+        if isinstance(policy, FairBatchingSteady) and not math.isfinite(smooth_budget):
+            smooth_budget = budget
         smooth = smooth_step(groups, coef, smooth_budget)
         if smooth is not None:
             groups, budget = smooth, smooth_budget
+        elif isinstance(policy, FairBatchingSteady):
+            groups = dataclasses.replace(groups, deferrable_decodes=[],
+                                         urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
+            budget = smooth_budget
     a, b, c = coef.a_s, coef.b_s_per_token, coef.c_s_per_context_token
     always = groups.urgent_decodes + groups.late_decodes
     urgent = [r.req_id for _, r in always]
@@ -564,3 +572,18 @@ def test_delivery_allowance_adds_to_the_deadline_guard_up_to_half_a_tpot() -> No
     assert early.form_batch(state, NOW).time_budget_s < plain.form_batch(state, NOW).time_budget_s
     with pytest.raises(ValueError, match="takes no delivery allowance"):
         make("fb", allowance)
+
+
+def test_steady_keeps_every_decode_where_smooth_falls_back_to_algorithm_1() -> None:
+    """An in-time prompt that cannot meet its TTFT at one TPOT's pace: fb-smooth spends the
+    decodes' slack (a long step, deferrals); fb-steady runs every decode in a step of one
+    TPOT and gives the prompt the rest."""
+    decodes = [decoded(f"d{i}", 2.0, 0.1, context=500) for i in range(4)]
+    prompt = request("p", 0.3, prefill=8000)
+    smooth, steady = make("fb-smooth"), make("fb-steady")
+    fallback = smooth.form_batch([*decodes, prompt], NOW)
+    kept = steady.form_batch([*decodes, prompt], NOW)
+    assert fallback.time_budget_s > SLO.tpot_s and len(fallback.decode_ids) < len(decodes)
+    assert set(kept.decode_ids) == {d.req_id for d in decodes}
+    assert kept.time_budget_s <= SLO.tpot_s
+    assert dict(kept.prefill_chunks)["p"] > 0
