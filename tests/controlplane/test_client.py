@@ -894,8 +894,11 @@ async def test_against_the_daemon_a_handler_failure_is_an_internal_error(monkeyp
             return original(identity, submit, now)
 
         monkeypatch.setattr(core, "_submit", failing)
+        # The daemon logs each failure with its traceback, in this process's thread: on a
+        # busy machine that takes longer than FAST's 0.3 s, and the retry's ping must wait.
+        patient = {**FAST, "connect_timeout_s": 10.0, "daemon_timeout_s": 10.0}
         async with FakeAgent(running.config), AsyncClient(running.config.client_address, max_retries=1,
-                                                          **FAST) as client:
+                                                          **patient) as client:
             with pytest.raises(errors.InternalError) as caught:
                 await client.generate("Hi", request_id="unlucky")
             assert caught.value.retryable and caught.value.request_id == "unlucky"
