@@ -102,7 +102,7 @@ for ((run = 1; run <= runs; run++)); do
   test_pid=""
   elapsed=$(( $(date +%s) - started ))
   stop_busy_loops
-  summary="$(grep -E '^=*.*[0-9]+ (passed|failed|error)' "$log" | tail -n 1 | sed 's/^=* *//; s/ *=*$//')"
+  summary="$(grep -a -E '^=*.*[0-9]+ (passed|failed|error)' "$log" | tail -n 1 | sed 's/^=* *//; s/ *=*$//')"
   summary="${summary:-no pytest summary line (exit $status)}"
   if [ "$status" -eq 0 ]; then
     verdict=PASS
@@ -112,7 +112,7 @@ for ((run = 1; run <= runs; run++)); do
   fi
   line="run $run/$runs: $verdict in $((elapsed / 60))m$(printf '%02d' $((elapsed % 60)))s - $summary ($log)"
   echo "$line"
-  [ "$verdict" = PASS ] || grep -E '^(FAILED|ERROR) ' "$log" | sed 's/^/    /'
+  [ "$verdict" = PASS ] || grep -a -E '^(FAILED|ERROR) ' "$log" | sed 's/^/    /'
 done
 
 echo "stress summary: $passed/$runs runs passed beside $busy busy loop(s)"
