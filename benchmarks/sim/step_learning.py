@@ -20,7 +20,6 @@ starting file. From the repository root::
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -28,15 +27,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from benchmarks.support.outputs import write_outputs
 from benchmarks.support.paths import DOCS_BENCH, REPO
 from sglang_ext.policy.step_error import STEP_KINDS, step_kind
 from sglang_ext.policy.step_model import StepModelFile, StepPredictor, online_step_model
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.provenance import git_state
-from sglang_ext.sim.fitting.predictor_check import serving_order
+from sglang_ext.sim.fitting.predictor_check import serving_order, synthetic_serving_stream
 from sglang_ext.sim.fitting.step_grid import read_grid
 from sglang_ext.sim.profile import load_profile
 from sglang_ext.sim.service_curve import make_gpu
@@ -56,28 +53,12 @@ class Device:
     steps: Callable[[int], Iterator[tuple[StepShape, float]]]  # seed -> (shape, measured s)
 
 
-def serving_stream(seed: int, steps: int) -> list[StepShape]:
-    """The module docstring's serving-like stream of step shapes."""
-    rng = np.random.default_rng(seed)
-    out: list[StepShape] = []
-    while len(out) < steps:
-        batch, context = int(rng.integers(1, 129)), int(rng.integers(256, 4097))
-        out += [StepShape(0, 0.0, 0, batch, batch * context, 0)] * int(rng.integers(4, 13))
-        for _ in range(int(rng.integers(1, 5))):
-            chunk = int(math.exp(rng.uniform(math.log(16), math.log(4096))))
-            prefix = int(rng.integers(0, 8192)) if rng.random() < 0.3 else 0
-            decodes = batch if rng.random() < 0.6 else 0
-            out.append(StepShape(chunk, chunk * (prefix + (chunk + 1) / 2), prefix, decodes,
-                                 decodes * context, 1))
-    return out[:steps]
-
-
 def profile_device(path: Path) -> Device:
     profile = load_profile(path)
 
     def steps(seed: int) -> Iterator[tuple[StepShape, float]]:
         gpu = make_gpu(profile, seed)
-        for shape in serving_stream(seed, STEPS):
+        for shape in synthetic_serving_stream(seed, STEPS):
             yield shape, gpu.measure_step_s(shape)
 
     return Device(profile.name, steps)

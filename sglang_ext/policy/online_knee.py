@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from sglang_ext.policy.knee_step_model import KNEE_FLOORS, KneeStepModel
-from sglang_ext.policy.step_error import PredictionError, StepErrorLog
+from sglang_ext.policy.step_error import LearnedModel, StepErrorLog, check_learning_rates
 from sglang_ext.policy.step_shape import StepShape
 
 #: the knees every learner considers beside its file's own: 8 to 4,096 tokens, ~26% apart
@@ -41,7 +41,7 @@ SELECT_INTERVAL = 8
 RESCALE_BAND = 1.25
 
 
-class OnlineKneeModel:
+class OnlineKneeModel(LearnedModel):
     """:class:`~sglang_ext.policy.step_model.OnlineStepModel`'s contract (``observe``,
     ``coefficients``, ``error``) for a knee model whose knee is learned too."""
 
@@ -57,12 +57,7 @@ class OnlineKneeModel:
         saturations: tuple[float, ...] = SATURATION_GRID,
         switch_margin: float = SWITCH_MARGIN,
     ) -> None:
-        if not 0.0 < forgetting <= 1.0:
-            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
-        if anchor_weight <= 0:
-            raise ValueError(f"anchor_weight must be > 0, got {anchor_weight}")
-        if not 0.0 <= anchor_follow < 1.0:
-            raise ValueError(f"anchor_follow must be in [0, 1), got {anchor_follow}")
+        check_learning_rates(forgetting, anchor_weight, anchor_follow)
         if not 0.0 <= switch_margin < 1.0:
             raise ValueError(f"switch_margin must be in [0, 1), got {switch_margin}")
         knee_grid = sorted({float(k) for k in knees if k >= 0} | {float(initial.knee_tokens)})
@@ -92,27 +87,8 @@ class OnlineKneeModel:
         self._coefficients = initial.usable()
 
     @property
-    def coefficients(self) -> KneeStepModel:
-        return self._coefficients
-
-    @property
-    def error(self) -> PredictionError:
-        return self._errors.summary()
-
-    @property
-    def errors(self) -> StepErrorLog:
-        return self._errors
-
-    @property
-    def recent_abs_relative_errors(self) -> tuple[float, ...]:
-        return self._errors.recent
-
-    @property
     def knee_tokens(self) -> float:
         return float(self._knees[self._current])
-
-    def predict(self, shape: StepShape) -> float:
-        return self._coefficients.predict_step(shape)
 
     def observe(self, shape: StepShape, measured_s: float) -> float:
         """Learn from one measured step; returns its relative error (measured - predicted) / measured."""

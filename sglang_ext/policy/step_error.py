@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from sglang_ext.policy.step_shape import StepShape
 
@@ -82,3 +83,41 @@ class StepErrorLog:
                         for kind, values in self._by_kind.items() if values)
         return PredictionError(self.samples, self._outliers, self._ewma, self._last, p95,
                                median, by_kind)
+
+
+def check_learning_rates(forgetting: float, anchor_weight: float, anchor_follow: float,
+                         error: type[ValueError] = ValueError) -> None:
+    """The online models' shared settings, refused with ``error`` when out of range."""
+    if not 0.0 < forgetting <= 1.0:
+        raise error(f"forgetting must be in (0, 1], got {forgetting}")
+    if anchor_weight <= 0:
+        raise error(f"anchor_weight must be > 0, got {anchor_weight}")
+    if not 0.0 <= anchor_follow < 1.0:
+        raise error(f"anchor_follow must be in [0, 1), got {anchor_follow}")
+
+
+class LearnedModel:
+    """What every online step model exposes besides ``observe``: the model in use, its
+    prediction, and its error log (``_coefficients`` and ``_errors``, set by the learner)."""
+
+    _coefficients: Any
+    _errors: StepErrorLog
+
+    @property
+    def coefficients(self) -> Any:
+        return self._coefficients
+
+    @property
+    def error(self) -> PredictionError:
+        return self._errors.summary()
+
+    @property
+    def errors(self) -> StepErrorLog:
+        return self._errors
+
+    @property
+    def recent_abs_relative_errors(self) -> tuple[float, ...]:
+        return self._errors.recent
+
+    def predict(self, shape: StepShape) -> float:
+        return self._coefficients.predict_step(shape)

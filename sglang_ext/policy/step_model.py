@@ -31,7 +31,7 @@ import numpy as np
 
 from sglang_ext.policy.knee_step_model import KNEE_FLOORS, KneeFitError, KneeStepModel, fit_knee
 from sglang_ext.policy.online_knee import RESCALE_BAND, OnlineKneeModel
-from sglang_ext.policy.step_error import PredictionError, StepErrorLog
+from sglang_ext.policy.step_error import LearnedModel, StepErrorLog, check_learning_rates
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.tomlfile import read_toml
 
@@ -318,7 +318,7 @@ def fit_least_squares(
 _LINEAR_FLOORS = (1e-3, 1e-7, 1e-10)  # smallest per-term scales (s, s/token, s/context token)
 
 
-class OnlineStepModel:
+class OnlineStepModel(LearnedModel):
     """Online-recalibrated step model: ``observe`` after every step, read ``coefficients``.
 
     Works on either form: the model's ``features`` are the regressors of its
@@ -343,12 +343,7 @@ class OnlineStepModel:
         anchor_follow: float = 0.002,
         error_window: int = 256,
     ) -> None:
-        if not 0.0 < forgetting <= 1.0:
-            raise StepModelError(f"forgetting must be in (0, 1], got {forgetting}")
-        if anchor_weight <= 0:
-            raise StepModelError(f"anchor_weight must be > 0, got {anchor_weight}")
-        if not 0.0 <= anchor_follow < 1.0:
-            raise StepModelError(f"anchor_follow must be in [0, 1), got {anchor_follow}")
+        check_learning_rates(forgetting, anchor_weight, anchor_follow, StepModelError)
         if not use_context and not isinstance(initial, StepCoefficients):
             raise StepModelError("use_context=False learns the linear model a + b * new_tokens only")
         values = initial.weights
@@ -363,25 +358,6 @@ class OnlineStepModel:
         self._moment = [0.0] * self._dim
         self._errors = StepErrorLog(error_window)
         self._coefficients: StepPredictor = initial.with_weights(values[: self._dim])
-
-    @property
-    def coefficients(self) -> StepPredictor:
-        return self._coefficients
-
-    @property
-    def error(self) -> PredictionError:
-        return self._errors.summary()
-
-    @property
-    def errors(self) -> StepErrorLog:
-        return self._errors
-
-    @property
-    def recent_abs_relative_errors(self) -> tuple[float, ...]:
-        return self._errors.recent
-
-    def predict(self, shape: StepShape) -> float:
-        return self._coefficients.predict_step(shape)
 
     def observe(self, shape: StepShape, measured_s: float) -> float:
         """Learn from one measured step; returns its relative error (measured - predicted) / measured."""

@@ -221,33 +221,28 @@ class FairBatchingSmooth(FairBatchingAnchoredWithMargin):
         if smooth is not None:
             groups, time_budget = smooth, smooth_budget
         else:
-            time_budget = self._time_budget(groups.init_time_budget_s)
+            groups, time_budget = self._not_smooth(groups, smooth_budget)
         return pack(groups, coefficients, token_budget=self.context.max_token_budget,
                     time_budget_s=time_budget)
+
+    def _not_smooth(self, groups: Triage, smooth_budget_s: float) -> tuple[Triage, float]:
+        """The step when the smooth one is refused: Algorithm 1's (its groups, its budget)."""
+        return groups, self._time_budget(groups.init_time_budget_s)
 
 
 @POLICIES.register("fb-steady")
 class FairBatchingSteady(FairBatchingSmooth):
     """``fb-smooth`` whose every step is the smooth one (module docstring): when
     :func:`~sglang_ext.policy.batch_former.smooth_step` is refused, every decode still runs
-    and the prompts take what is left of one TPOT. With nothing in time the budget is
-    Algorithm 1's (the lateness guard's fallback)."""
+    and the prompts take what is left of one TPOT. With nothing in time the step is
+    Algorithm 1's (the lateness guard's fallback budget)."""
 
     name = "fb-steady"
 
-    def _form_batch(self, requests: Sequence[RequestState], now: float,
-                    hopeless: frozenset | None = None) -> BatchDecision:
-        groups = self._triage(requests, now, self.anchored, hopeless)
-        if groups is None:
-            return BatchDecision.make_empty()
-        coefficients = self.step_model.coefficients
-        time_budget = self._time_budget(self._guarded(groups.step_tpot_s, self._margin_guard_s()))
-        if not math.isfinite(time_budget):
-            time_budget = self._time_budget(groups.init_time_budget_s)
-        steady = smooth_step(groups, coefficients, time_budget)
-        if steady is None:
-            steady = dataclasses.replace(
-                groups, init_time_budget_s=time_budget, deferrable_decodes=[],
-                urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
-        return pack(steady, coefficients, token_budget=self.context.max_token_budget,
-                    time_budget_s=time_budget)
+    def _not_smooth(self, groups: Triage, smooth_budget_s: float) -> tuple[Triage, float]:
+        if not math.isfinite(smooth_budget_s):
+            return super()._not_smooth(groups, smooth_budget_s)
+        every_decode = dataclasses.replace(
+            groups, init_time_budget_s=smooth_budget_s, deferrable_decodes=[],
+            urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
+        return every_decode, smooth_budget_s

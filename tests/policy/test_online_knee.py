@@ -16,6 +16,7 @@ from sglang_ext.policy.online_knee import OnlineKneeModel
 from sglang_ext.policy.step_error import StepErrorLog, step_kind
 from sglang_ext.policy.step_model import OnlineStepModel, StepCoefficients, online_step_model
 from sglang_ext.policy.step_shape import StepShape
+from sglang_ext.sim.fitting.predictor_check import synthetic_serving_stream
 
 #: a fast device: floor ~6.5 ms up to 227 tokens, 23 us per token past it
 FAST = KneeStepModel(0.0013, 2.29e-5, 0.0, 4.7e-8, 7.5e-10, 226.8, 0.0)
@@ -25,27 +26,11 @@ SLOW = KneeStepModel(0.0016, 2.67e-4, 0.0, 5.0e-8, 7.2e-9, 31.5, 0.0)
 HEAVY = KneeStepModel(0.0025, 1.3e-4, 0.0, 7.7e-8, 4.2e-9, 150.0, 0.0)
 
 
-def serving_stream(seed: int, steps: int) -> list[StepShape]:
-    """Decode-only stretches, then a few prefill or mixed steps, as a server runs."""
-    rng = np.random.default_rng(seed)
-    out: list[StepShape] = []
-    while len(out) < steps:
-        batch, context = int(rng.integers(1, 129)), int(rng.integers(256, 4097))
-        out += [StepShape(0, 0.0, 0, batch, batch * context, 0)] * int(rng.integers(4, 13))
-        for _ in range(int(rng.integers(1, 5))):
-            chunk = int(np.exp(rng.uniform(math.log(16), math.log(4096))))
-            prefix = int(rng.integers(0, 8192)) if rng.random() < 0.3 else 0
-            decodes = batch if rng.random() < 0.6 else 0
-            out.append(StepShape(chunk, chunk * (prefix + (chunk + 1) / 2), prefix, decodes,
-                                 decodes * context, 1))
-    return out[:steps]
-
-
 def tail_median_error(model, device: KneeStepModel, seed: int = 1, steps: int = 600,
                       after: int = 200, noise: float = 0.03) -> float:
     rng = np.random.default_rng(seed)
     errors = []
-    for shape in serving_stream(seed, steps):
+    for shape in synthetic_serving_stream(seed, steps):
         measured = device.predict_step(shape) * math.exp(noise * rng.standard_normal())
         errors.append(abs(model.observe(shape, measured)))
     return statistics.median(errors[after:])
@@ -104,7 +89,7 @@ def test_a_linear_model_follows_a_device_several_times_slower() -> None:
     model = OnlineStepModel(start)
     rng = np.random.default_rng(3)
     errors = []
-    for shape in serving_stream(2, 600):
+    for shape in synthetic_serving_stream(2, 600):
         measured = device.predict_step(shape) * math.exp(0.03 * rng.standard_normal())
         errors.append(abs(model.observe(shape, measured)))
     assert statistics.median(errors[200:]) < 0.05

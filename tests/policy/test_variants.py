@@ -455,12 +455,10 @@ def check_decision(policy: BatchPolicy, state: list[RequestView], decision: Batc
     budget = groups.init_time_budget_s / (1 + margin)
     if isinstance(policy, FairBatchingSmooth):
         smooth_budget = policy._guarded(groups.step_tpot_s, policy._margin_guard_s()) / (1 + margin)
-        if isinstance(policy, FairBatchingSteady) and not math.isfinite(smooth_budget):
-            smooth_budget = budget
         smooth = smooth_step(groups, coef, smooth_budget)
         if smooth is not None:
             groups, budget = smooth, smooth_budget
-        elif isinstance(policy, FairBatchingSteady):
+        elif isinstance(policy, FairBatchingSteady) and math.isfinite(smooth_budget):
             groups = dataclasses.replace(groups, deferrable_decodes=[],
                                          urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
             budget = smooth_budget

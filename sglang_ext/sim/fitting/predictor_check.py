@@ -13,6 +13,7 @@ the error counts after ``warmup`` steps.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from sglang_ext.policy.step_model import (
     StepPredictor,
     fit_step_model,
 )
+from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.sim.fitting.step_grid import GRID_KINDS, GridRow
 
 #: fewest grid rows a check accepts: the knee fit needs 8 on its 2/3 split
@@ -90,6 +92,26 @@ def serving_order(rows: Sequence[GridRow], seed: int) -> list[GridRow]:
             if others:
                 stream.append(others.pop())
     return stream
+
+
+def synthetic_serving_stream(seed: int, steps: int) -> list[StepShape]:
+    """Step shapes as a server meets them, for a device without a grid (a simulated GPU):
+    decode-only stretches of 4-12 steps over 1-128 requests at 256-4,096 tokens of
+    context each, each followed by 1-4 prefill or mixed steps (chunks of 16-4,096 tokens,
+    log-uniform; three in ten after a cached prefix of up to 8,192 tokens; six in ten
+    beside the decodes)."""
+    rng = np.random.default_rng(seed)
+    out: list[StepShape] = []
+    while len(out) < steps:
+        batch, context = int(rng.integers(1, 129)), int(rng.integers(256, 4097))
+        out += [StepShape(0, 0.0, 0, batch, batch * context, 0)] * int(rng.integers(4, 13))
+        for _ in range(int(rng.integers(1, 5))):
+            chunk = int(math.exp(rng.uniform(math.log(16), math.log(4096))))
+            prefix = int(rng.integers(0, 8192)) if rng.random() < 0.3 else 0
+            decodes = batch if rng.random() < 0.6 else 0
+            out.append(StepShape(chunk, chunk * (prefix + (chunk + 1) / 2), prefix, decodes,
+                                 decodes * context, 1))
+    return out[:steps]
 
 
 def check_predictors(
