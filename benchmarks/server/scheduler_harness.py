@@ -174,6 +174,7 @@ def build_scheduler(scenario: Mapping[str, Any]) -> Any:
         enable_mixed_chunk=scenario.get("enable_mixed_chunk", False),
         enable_priority_scheduling=scenario.get("enable_priority_scheduling", False),
         max_running_requests=scenario.get("max_running_requests"),
+        schedule_policy=scenario.get("schedule_policy", "fcfs"),
     )
     port_args = PortArgs.init_new(server_args)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))

@@ -84,11 +84,12 @@ def test_spf_caps_the_chunk_so_shorter_waiting_prompts_fit_in_the_same_step():
     assert policy("sarathi", budget=1000).form_batch(requests, NOW).prefill_chunks == (("chunked", 1000),)
 
 
-def test_spf_never_cuts_a_second_prompt_while_one_is_chunked():
+def test_spf_cuts_a_second_prompt_only_once_the_chunked_one_finishes():
     spf = policy("sarathi-spf", budget=1000)
-    requests = [partial("chunked", 0, done=500, pending=300), waiting("big", 1, 5000)]
-    assert spf.form_batch(requests, NOW).prefill_chunks == (("chunked", 300),)
-    assert spf.form_batch([waiting("big", 1, 5000)], NOW).prefill_chunks == (("big", 1000),)
+    finishing = [partial("chunked", 0, done=500, pending=300), waiting("big", 1, 5000)]
+    assert spf.form_batch(finishing, NOW).prefill_chunks == (("chunked", 300), ("big", 700))
+    continuing = [partial("chunked", 0, done=500, pending=2000), waiting("big", 1, 5000)]
+    assert spf.form_batch(continuing, NOW).prefill_chunks == (("chunked", 1000),)
 
 
 def test_the_timeout_variants_abort_like_sglangs_waiting_timeout():

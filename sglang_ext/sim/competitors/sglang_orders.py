@@ -13,7 +13,7 @@ Both follow ``sglang/srt/managers/schedule_policy.py``:
 - **shortest-prefill-first**: the queue sorted by uncached prompt tokens, then by when
   each joined it; the continuing chunk is capped so that the shorter waiting prompts
   (each shorter than its remainder) fit in the same step, and no other prompt is cut
-  while a chunked one is in flight.
+  while the chunked one does not finish in this step.
 
 Simplified as the other Sarathi models: no prefix cache (uncached = the whole prompt, a
 retracted request's recompute included), page size 1, no in-batch prefix deduplication.
@@ -109,6 +109,7 @@ class ShortestPrefillFirst(ShortestFirst):
         waiting = [r for r in prefills if r.context == 0]
         budget = self.token_budget - len(decodes)  # type: ignore[attr-defined]
         chunks: list[tuple[Hashable, int]] = []
+        in_flight = False  # a chunked prompt that does not finish this step
         if continuing and budget > 0:
             chunked = continuing[0]
             limit = budget
@@ -123,11 +124,12 @@ class ShortestPrefillFirst(ShortestFirst):
             take = min(chunked.pending_prefill, limit)
             chunks.append((chunked.req_id, take))
             budget -= take
+            in_flight = take < chunked.pending_prefill
             budget = fifo_prefills(continuing[1:], budget, chunks)
         for request in waiting:
             if budget <= 0:
                 break
-            if continuing and request.pending_prefill > budget:
+            if in_flight and request.pending_prefill > budget:
                 break  # one chunked request at a time
             take = min(request.pending_prefill, budget)
             chunks.append((request.req_id, take))
