@@ -78,3 +78,11 @@ def test_too_few_steps_cannot_be_fitted() -> None:
     calibration.record(StepShape(0, 0.0, 0, 4, 400, 0), 0.02)
     with pytest.raises(StepModelError):
         calibration.fit("knee", DEVICE)
+
+
+def test_a_calibration_is_overdue_after_its_timeout() -> None:
+    from sglang_ext.adapter.scheduler.calibration import TIMEOUT_S
+
+    calibration = Calibration({f"{CALIBRATION_RID_PREFIX}0"})
+    assert not calibration.overdue(calibration.started_at + TIMEOUT_S / 2)
+    assert calibration.overdue(calibration.started_at + TIMEOUT_S + 1)

@@ -35,6 +35,10 @@ OUTPUT_LENGTHS = (4, 12, 24, 48)
 PLAN_REQUESTS = 48
 POOL_SHARE = 0.5
 SEED = 0xFB
+#: a calibration still running this long after it started ends with the steps it has
+#: (its requests were aborted elsewhere, or the device is far slower than any plan
+#: expects), so that held requests never wait for ever
+TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,10 @@ class Calibration:
     def record(self, shape: StepShape, measured_s: float) -> None:
         self.shapes.append(shape)
         self.seconds.append(measured_s)
+
+    def overdue(self, now: float) -> bool:
+        """``now``: ``time.perf_counter()``."""
+        return now - self.started_at > TIMEOUT_S
 
     def finished(self, rid: str) -> bool:
         """Mark ``rid`` done; True when it was the last."""

@@ -6,6 +6,7 @@ last one ends."""
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -56,10 +57,18 @@ def note_finished(state: FairBatchingState, reqs: Iterable[Any]) -> None:
             return
 
 
-def held_back(waiting_queue: list[Any]) -> list[Any]:
+def held_back(state: FairBatchingState, waiting_queue: list[Any]) -> list[Any]:
     """The waiting requests the policy may plan while the calibration runs: its own. The
     others (SGLang's readiness warm-up, a client that came early) wait for its end, so
-    the server reports ready only after it."""
+    the server reports ready only after it; a calibration past its timeout ends here
+    with the steps it has."""
+    calibration = state.calibration
+    if calibration is not None and calibration.overdue(time.perf_counter()):
+        logger.warning("FairBatching start-up calibration timed out with %d requests left",
+                       len(calibration.pending))
+        state.finish_calibration()
+    if state.calibration is None:
+        return waiting_queue
     return [req for req in waiting_queue if is_calibration_rid(req.rid)]
 
 

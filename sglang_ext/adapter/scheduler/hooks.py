@@ -182,7 +182,7 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     if chunked is not None:
         chunked_view = records.prefill_view(chunked)
         views.append(chunked_view)
-    waiting = self.waiting_queue if state.calibration is None else held_back(self.waiting_queue)
+    waiting = self.waiting_queue if state.calibration is None else held_back(state, self.waiting_queue)
     views += records.prefill_views(waiting)
 
     started += state.maybe_collect_garbage(views, time.perf_counter(), "slack")
