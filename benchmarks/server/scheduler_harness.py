@@ -15,8 +15,10 @@ per-request outputs.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -160,6 +162,7 @@ def build_scheduler(scenario: Mapping[str, Any]) -> Any:
     from sglang_ext.adapter.emulated_gpu.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(Path(tempfile.mkdtemp(prefix="fb-harness-")))
+    atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
     server_args = ServerArgs(
         model_path=str(model_dir),
         device="cpu",
