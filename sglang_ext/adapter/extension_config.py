@@ -21,7 +21,8 @@
     mode = "reject"                         # "off" (default), "reject" or "defer"
     rule = "edf"                            # "edf" (default) or "pab"
     max_defer_s = 2                         # defer: end one with no first token this long past its TTFT
-    give_up = "longest"                     # defer: serve last the longest prefills ("fair": drawn blind to length; "latest")
+    give_up = "longest"                     # defer: serve last the longest prefills (= 1); "fair" (= 0): drawn
+                                            # blind to length; a number between: the weight of length; "latest"
     retry_after_s = 1                       # reject: the 429's Retry-After
     max_budget_age_s = 0.5                  # reject: an older published budget is not trusted
     headroom = 0.1                          # fraction of the prefill rate held back
@@ -235,8 +236,11 @@ def _load_admission(table: Any) -> AdmissionSettings:
     words = {}
     for key, default in _ADMISSION_WORDS.items():
         value = table.get(key, default)
-        if value is not default and not isinstance(value, str):
-            raise ConfigError(f"[admission] {key} must be a string, got {value!r}")
+        if value is not default and not isinstance(value, str) and not (
+            key == "give_up" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        ):
+            kind = "a string or a number from 0 to 1" if key == "give_up" else "a string"
+            raise ConfigError(f"[admission] {key} must be {kind}, got {value!r}")
         words[key] = value
     numbers = {}
     for key in _ADMISSION_NUMBERS:

@@ -23,12 +23,14 @@ its fixed cost, less a ``headroom`` fraction for the forecast's own error::
 Scanning the in-time prefills by deadline, each one that fits (work before it plus its
 own pending tokens <= ``R * (deadline - now)``) is *feasible* and leaves ``spare`` tokens;
 one that does not is hopeless and its work is not counted (it is served after the others).
-Under ``defer`` the scan keeps the most prefills on time instead (``evict_longest``,
-Moore-Hodgson's rule for the fewest late jobs on one machine): when an entry does not
-fit, the not-yet-started entry with the most pending tokens so far is hopeless instead,
-which may be an earlier one. A long prompt then yields to several short ones that can all
-still make their TTFT; a prefill already under way is dropped only when it cannot finish
-in time itself.
+Under ``defer`` the scan keeps the most prefills on time instead (Moore-Hodgson's rule
+for the fewest late jobs on one machine): when an entry does not fit, the not-yet-started
+entry so far with the largest eviction key is hopeless instead, which may be an earlier
+one. The key weighs the entry's prompt against a fixed pseudo-random draw
+(``length_weight``, :class:`GiveUp`): at weight 1 it is the pending tokens, so a long
+prompt yields to several short ones that can all still make their TTFT (the most on
+time); at 0 it is the draw alone, blind to length. A prefill already under way is dropped
+only when it cannot finish in time itself.
 A new request of TTFT ``T`` gets::
 
     budget(T) = min( R * T - work of feasible entries due by now + T,
@@ -100,16 +102,20 @@ class AdmissionRule(str, Enum):
 
 
 class GiveUp(str, Enum):
-    """Which queued prefill ``defer`` gives up when not all can make their TTFT:
-    ``longest`` (the most on time; long prompts pay), ``latest`` (the one that does not
-    fit, in deadline order; a short prompt behind it may still fit where a long one would
-    not, so long prompts still pay) or ``fair`` (a not-yet-started one drawn without
-    regard to length: each request's place in a fixed pseudo-random order, so every
-    prompt length gives up about the same share of its requests)."""
+    """Which queued prefill ``defer`` gives up when not all can make their TTFT, by name:
+    ``longest`` (length weight 1: the most on time; long prompts pay), ``fair`` (weight 0:
+    a not-yet-started one drawn without regard to length, each request's place in a fixed
+    pseudo-random order, so every prompt length gives up about the same share of its
+    requests) or ``latest`` (no eviction: the one that does not fit, in deadline order; a
+    short prompt behind it may still fit where a long one would not, so long prompts
+    still pay). A number between 0 and 1 is the weight itself (:func:`eviction_key`)."""
 
     LONGEST = "longest"
     LATEST = "latest"
     FAIR = "fair"
+
+
+_NAMED_WEIGHTS = {GiveUp.LONGEST: 1.0, GiveUp.FAIR: 0.0, GiveUp.LATEST: None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +132,7 @@ class AdmissionSettings:
     retry_after_s: float = DEFAULT_RETRY_AFTER_S
     max_budget_age_s: float = DEFAULT_MAX_BUDGET_AGE_S
     headroom: float = DEFAULT_HEADROOM
-    give_up: GiveUp | None = None  # defer only; None: longest
+    give_up: GiveUp | float | None = None  # defer only; None: longest; a number: the length weight
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, AdmissionMode):
@@ -139,8 +145,11 @@ class AdmissionSettings:
                 "of rule 'edf'"
             )
         if self.give_up is not None:
-            if not isinstance(self.give_up, GiveUp):
-                raise AdmissionError(f"admission give_up must be one of {_names(GiveUp)}")
+            if not isinstance(self.give_up, GiveUp) and not _is_weight(self.give_up):
+                raise AdmissionError(
+                    f"admission give_up must be one of {_names(GiveUp)} or a length weight "
+                    f"from 0 (blind to length) to 1 (longest), got {self.give_up!r}"
+                )
             if self.mode is not AdmissionMode.DEFER:
                 raise AdmissionError(
                     "admission give_up chooses what mode 'defer' serves last; "
@@ -159,17 +168,10 @@ class AdmissionSettings:
 
     @classmethod
     def parse(
-        cls, mode: str, rule: str = AdmissionRule.EDF.value, give_up: str | None = None,
+        cls, mode: str, rule: str = AdmissionRule.EDF.value, give_up: str | float | None = None,
         **numbers: float,
     ) -> AdmissionSettings:
-        parsed_give_up = None
-        if give_up is not None:
-            try:
-                parsed_give_up = GiveUp(give_up)
-            except ValueError:
-                raise AdmissionError(
-                    f"unknown admission give_up {give_up!r}; expected one of {_names(GiveUp)}"
-                ) from None
+        parsed_give_up = None if give_up is None else parse_give_up(give_up)
         try:
             parsed_mode = AdmissionMode(mode)
         except ValueError:
@@ -185,25 +187,59 @@ class AdmissionSettings:
         return cls(parsed_mode, parsed_rule, give_up=parsed_give_up, **numbers)
 
     @property
-    def evicts_longest(self) -> bool:
-        """``defer`` giving up the longest prefills (its default)."""
-        return self.mode is AdmissionMode.DEFER and self.give_up in (None, GiveUp.LONGEST)
-
-    @property
-    def evicts_fairly(self) -> bool:
-        """``defer`` giving up prefills drawn without regard to their length."""
-        return self.mode is AdmissionMode.DEFER and self.give_up is GiveUp.FAIR
+    def length_weight(self) -> float | None:
+        """The forecast's eviction under ``defer`` (:func:`eviction_key`): 1 (``longest``,
+        the default) to 0 (``fair``); None where nothing is evicted (``latest``, or not
+        ``defer``)."""
+        if self.mode is not AdmissionMode.DEFER:
+            return None
+        if self.give_up is None:
+            return 1.0
+        if isinstance(self.give_up, GiveUp):
+            return _NAMED_WEIGHTS[self.give_up]
+        return float(self.give_up)
 
     @property
     def label(self) -> str:
-        """``reject``, ``defer``, ``defer:latest``, ``defer:fair`` or ``reject:pab`` (the
-        simulator's policy-label suffix)."""
+        """``reject``, ``defer``, ``defer:latest``, ``defer:fair``, ``defer:0.5`` or
+        ``reject:pab`` (the simulator's policy-label suffix)."""
         parts = [self.mode.value]
         if self.rule is not AdmissionRule.EDF:
             parts.append(self.rule.value)
-        if self.give_up in (GiveUp.LATEST, GiveUp.FAIR):
-            parts.append(self.give_up.value)
+        if isinstance(self.give_up, GiveUp):
+            if self.give_up is not GiveUp.LONGEST:
+                parts.append(self.give_up.value)
+        elif self.give_up is not None and self.give_up != 1.0:
+            parts.append(f"{self.give_up:g}")
         return ":".join(parts)
+
+
+def parse_give_up(value: str | float) -> GiveUp | float:
+    """A ``give_up`` as a config or the simulator names it: a :class:`GiveUp` name, or a
+    length weight in [0, 1] (a number, or its text)."""
+    if isinstance(value, str):
+        try:
+            return GiveUp(value)
+        except ValueError:
+            pass
+        try:
+            value = float(value)
+        except ValueError:
+            raise AdmissionError(
+                f"unknown admission give_up {value!r}; expected one of {_names(GiveUp)} or a "
+                "length weight from 0 (blind to length) to 1 (longest)"
+            ) from None
+    if not _is_weight(value):
+        raise AdmissionError(
+            f"admission give_up {value!r} is not a length weight from 0 (blind to length) "
+            "to 1 (longest)"
+        )
+    return float(value)
+
+
+def _is_weight(value: object) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value) and 0.0 <= value <= 1.0)
 
 
 def _names(enum: type[Enum]) -> str:
@@ -376,13 +412,14 @@ class QueueForecast:
 def forecast(
     requests: Sequence[RequestState], now: float, coefficients: StepPredictor,
     default_tpot_s: float, headroom: float = DEFAULT_HEADROOM, kv: KvOutlook | None = None,
-    evict_longest: bool = False, evict_fairly: bool = False,
+    length_weight: float | None = None,
 ) -> QueueForecast:
-    """The forecast at ``now``. Which prefills ``defer`` gives up when not all fit
-    (:class:`GiveUp`): ``evict_longest``, ``evict_fairly``, else each that does not fit."""
+    """The forecast at ``now``. Which prefills ``defer`` gives up when not all fit: by
+    :func:`eviction_key` of ``length_weight`` (``AdmissionSettings.length_weight``), or
+    with None each that does not fit."""
     usable = coefficients.usable()
     rate, kept, hopeless = _kept(requests, now, usable, default_tpot_s, headroom, kv,
-                                 evict_longest, evict_fairly)
+                                 length_weight)
     tables = _Tables()
     _scan(kept, rate, now, kv, hopeless, tables)
     return QueueForecast(
@@ -396,28 +433,27 @@ def forecast(
 def hopeless_prefills(
     requests: Sequence[RequestState], now: float, coefficients: StepPredictor,
     default_tpot_s: float, headroom: float = DEFAULT_HEADROOM, kv: KvOutlook | None = None,
-    evict_longest: bool = False, evict_fairly: bool = False,
+    length_weight: float | None = None,
 ) -> frozenset[Hashable]:
     """``forecast(...).hopeless`` and nothing else: what a decision under ``defer`` reads
     (the scan runs the same, without the tables the budgets need)."""
     rate, kept, hopeless = _kept(requests, now, coefficients.usable(), default_tpot_s,
-                                 headroom, kv, evict_longest, evict_fairly)
+                                 headroom, kv, length_weight)
     _scan(kept, rate, now, kv, hopeless)
     return frozenset(hopeless)
 
 
 def _kept(
     requests: Sequence[RequestState], now: float, usable: StepPredictor, default_tpot_s: float,
-    headroom: float, kv: KvOutlook | None, evict_longest: bool, evict_fairly: bool,
+    headroom: float, kv: KvOutlook | None, length_weight: float | None,
 ) -> tuple[float, list[tuple], set[Hashable]]:
     """The rate, the queue in deadline order less what ``defer`` gives up, and the
     request ids it gave up."""
     rate, queue = _rate_and_queue(requests, usable, default_tpot_s, headroom, kv)
     queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
     hopeless: set[Hashable] = set()
-    if evict_longest or evict_fairly:
-        return rate, _on_time(queue, rate, now, hopeless,
-                              _longest if evict_longest else _drawn), hopeless
+    if length_weight is not None:
+        return rate, _on_time(queue, rate, now, hopeless, eviction_key(length_weight)), hopeless
     return rate, queue, hopeless
 
 
@@ -540,6 +576,30 @@ def _drawn(arrival_seq: int, pending: float) -> float:
     return float((arrival_seq * _FIBONACCI) & _MASK_64)
 
 
+def eviction_key(length_weight: float) -> Callable[[int, float], float]:
+    """Which not-yet-started prefill ``defer`` gives up first (the largest key), from its
+    arrival number and pending work::
+
+        key = w * ln(pending) + (1 - w) * E,   E = -ln(1 - draw)
+
+    ``draw`` in [0, 1) is the request's place in :func:`_drawn`'s order, so ``E`` is a
+    unit exponential fixed per request. ``w = 1`` orders by pending work alone (the
+    longest first), ``w = 0`` by the draw alone (blind to length); between, a prompt
+    ``k`` times longer is given up first unless its draw is ``w / (1 - w) * ln k`` lower."""
+    if length_weight >= 1.0:
+        return _longest
+    if length_weight <= 0.0:
+        return _drawn
+    weight, rest = length_weight, 1.0 - length_weight
+    log, scale = math.log, 1.0 / (_MASK_64 + 1)
+
+    def key(arrival_seq: int, pending: float) -> float:
+        draw = ((arrival_seq * _FIBONACCI) & _MASK_64) * scale
+        return weight * log(max(pending, 1.0)) - rest * log(1.0 - draw)
+
+    return key
+
+
 def _on_time(
     queue: list[tuple], rate: float, now: float, hopeless: set[Hashable],
     victim_key: Callable[[int, float], float] = _longest,
@@ -596,19 +656,17 @@ def class_budgets(
     default_tpot_s: float,
     headroom: float = DEFAULT_HEADROOM,
     kv: KvOutlook | None = None,
-    evict_longest: bool = False,
-    evict_fairly: bool = False,
+    length_weight: float | None = None,
 ) -> dict[str, float]:
     """Each SLO class's admission budget in prompt tokens, from one rank state (``kv``:
-    the ``edf`` rule's KV term and ``evict_longest`` its queue under ``defer``; the paper's
+    the ``edf`` rule's KV term and ``length_weight`` its queue under ``defer``; the paper's
     PAB has neither)."""
     if rule is AdmissionRule.PAB:
         return {
             name: prefill_admission_budget(requests, now, coefficients, slo)
             for name, slo in classes.items()
         }
-    queue = forecast(requests, now, coefficients, default_tpot_s, headroom, kv, evict_longest,
-                     evict_fairly)
+    queue = forecast(requests, now, coefficients, default_tpot_s, headroom, kv, length_weight)
     return {name: queue.budget(slo.ttft_s) for name, slo in classes.items()}
 
 

@@ -179,7 +179,7 @@ class BatchPolicy:
         return class_budgets(
             self.admission.rule, requests, now, self.step_model.coefficients, classes,
             self.context.global_slo.tpot_s, self.admission.headroom, self.kv_outlook,
-            self.admission.evicts_longest, self.admission.evicts_fairly,
+            self.admission.length_weight,
         )
 
     def form_batch_with_budgets(
@@ -241,8 +241,7 @@ class _LatenessGuarded(BatchPolicy):
             if self.admission.mode is AdmissionMode.DEFER and _any_prefill_queued(requests):
                 hopeless = hopeless_prefills(
                     requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
-                    self.admission.headroom, self.kv_outlook, self.admission.evicts_longest,
-                    self.admission.evicts_fairly,
+                    self.admission.headroom, self.kv_outlook, self.admission.length_weight,
                 )
         return triage(
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,
@@ -298,7 +297,7 @@ class _LatenessGuarded(BatchPolicy):
             return super().form_batch_with_budgets(requests, now, classes)
         queue = forecast(
             requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
-            admission.headroom, self.kv_outlook, admission.evicts_longest, admission.evicts_fairly,
+            admission.headroom, self.kv_outlook, admission.length_weight,
         )
         budgets = {name: queue.budget(slo.ttft_s) for name, slo in classes.items()}
         return self._form_batch(requests, now, queue.hopeless), budgets

@@ -49,11 +49,12 @@ def _number(value: float) -> str:
 
 
 def parse_admission(text: str) -> AdmissionSettings:
-    """``MODE[:RULE][:GIVE_UP]`` (``reject``, ``defer``, ``reject:pab``, ``defer:latest``)."""
+    """``MODE[:RULE][:GIVE_UP]`` (``reject``, ``defer``, ``reject:pab``, ``defer:latest``,
+    ``defer:0.5``: a length weight)."""
     mode, *options = text.split(":")
     words = {}
     for option in options:
-        key = "give_up" if option in {g.value for g in GiveUp} else "rule"
+        key = "give_up" if option in {g.value for g in GiveUp} or _is_number(option) else "rule"
         if key in words:
             raise PolicySpecError(f"admission {text!r}: two values for its {key}")
         words[key] = option
@@ -61,6 +62,14 @@ def parse_admission(text: str) -> AdmissionSettings:
         return AdmissionSettings.parse(mode, **words)
     except AdmissionError as exc:
         raise PolicySpecError(str(exc)) from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_policy(text: str) -> PolicySpec:

@@ -81,7 +81,7 @@ def test_predicted_ttft_is_the_work_ahead_at_the_forecast_rate(state):
     views = decoding(state, 4) + queued(state, 3, 2000)
     policy = state.policy
     queue = forecast(views, NOW, policy.step_model.coefficients, policy.context.global_slo.tpot_s,
-                     policy.admission.headroom, None, policy.admission.evicts_longest)
+                     policy.admission.headroom, None, policy.admission.length_weight)
     in_time = len(queue.deadlines)
     assert in_time >= 1
     later = NOW + 0.25

@@ -87,7 +87,7 @@ def test_defer_keeps_the_most_prefills_on_time_by_dropping_the_longest():
     plain = forecast(queued, NOW, COEF, TPOT, headroom=0.0)
     assert plain.rate == pytest.approx(7540.0)
     assert plain.hopeless == {"short1"}  # the entry that does not fit
-    evicting = forecast(queued, NOW, COEF, TPOT, headroom=0.0, evict_longest=True)
+    evicting = forecast(queued, NOW, COEF, TPOT, headroom=0.0, length_weight=1.0)
     assert evicting.hopeless == {"long"}  # two on time instead of one
     assert evicting.work_through == (1500, 3000)
 
@@ -103,27 +103,63 @@ def test_fair_defer_draws_its_victim_blind_to_length():
     # one of "long" and "short1" must go; fairly, the one drawn later in the fixed order
     for long_seq, short_seq in ((0, 1), (1, 0)):
         fair = forecast(queue(long_seq, short_seq), NOW, COEF, TPOT, headroom=0.0,
-                        evict_fairly=True)
+                        length_weight=0.0)
         drawn = "long" if _drawn(long_seq, 0) > _drawn(short_seq, 0) else "short1"
         assert fair.hopeless == {drawn}
     # the order is fixed per request and blind to length, and both lengths lose
     assert _drawn(7, 10) == _drawn(7, 99999)
     assert {"long", "short1"} == {
-        next(iter(forecast(queue(a, b), NOW, COEF, TPOT, headroom=0.0, evict_fairly=True).hopeless))
+        next(iter(forecast(queue(a, b), NOW, COEF, TPOT, headroom=0.0, length_weight=0.0).hopeless))
         for a, b in ((0, 1), (1, 0))}
     settings = AdmissionSettings(AdmissionMode.DEFER, give_up=GiveUp.FAIR)
-    assert settings.evicts_fairly and not settings.evicts_longest
+    assert settings.length_weight == 0.0
     assert settings.label == "defer:fair"
+
+
+def test_the_length_weight_moves_what_defer_gives_up_from_the_longest_to_blind():
+    import random
+
+    rng = random.Random(40)
+    weights = (1.0, 0.75, 0.5, 0.25, 0.0)
+    given_up_tokens = dict.fromkeys(weights, 0)
+    given_up = dict.fromkeys(weights, 0)
+    for trial in range(200):
+        queued = [request(f"r{i}", rng.uniform(0.05, 1.5), prefill=rng.choice([200, 800, 4000]),
+                          arrival_seq=trial * 100 + i) for i in range(12)]
+        prompts = {r.req_id: r.pending_prefill for r in queued}
+        lost = {w: forecast(queued, NOW, COEF, TPOT, headroom=0.0, length_weight=w).hopeless
+                for w in weights}
+        for w in weights:  # Moore-Hodgson's longest-first keeps the most on time
+            assert len(lost[1.0]) <= len(lost[w])
+            given_up[w] += len(lost[w])
+            given_up_tokens[w] += sum(prompts[r] for r in lost[w])
+    mean_prompt = [given_up_tokens[w] / given_up[w] for w in weights]
+    assert mean_prompt == sorted(mean_prompt, reverse=True)  # less weight, shorter victims
+    assert mean_prompt[0] > 1.5 * mean_prompt[-1]
+    assert forecast(queued, NOW, COEF, TPOT, length_weight=0.5).hopeless == forecast(
+        queued, NOW, COEF, TPOT, length_weight=0.5).hopeless  # the draw is fixed per request
+
+
+def test_give_up_takes_a_name_or_a_length_weight():
+    assert AdmissionSettings.parse("defer", give_up="0.5").length_weight == 0.5
+    assert AdmissionSettings.parse("defer", give_up=0.25).label == "defer:0.25"
+    assert AdmissionSettings.parse("defer", give_up="fair").length_weight == 0.0
+    assert AdmissionSettings.parse("defer", give_up="latest").length_weight is None
+    assert AdmissionSettings.parse("defer").length_weight == 1.0
+    assert AdmissionSettings.parse("reject").length_weight is None
+    for bad in ("1.5", -0.1, float("nan"), True, "oldest"):
+        with pytest.raises(AdmissionError, match="length weight"):
+            AdmissionSettings.parse("defer", give_up=bad)
 
 
 def test_a_started_prefill_is_not_dropped_for_later_ones():
     started = request("started", 0.6, prefill=4000, context=500, arrival_seq=0)
     queued = [started, request("short1", 0.7, prefill=1500, arrival_seq=1),
               request("short2", 0.8, prefill=1500, arrival_seq=2)]
-    evicting = forecast(queued, NOW, COEF, TPOT, headroom=0.0, evict_longest=True)
+    evicting = forecast(queued, NOW, COEF, TPOT, headroom=0.0, length_weight=1.0)
     assert evicting.hopeless == {"short1"}
     alone = forecast([request("started", 0.1, prefill=4000, context=500)], NOW, COEF, TPOT,
-                     headroom=0.0, evict_longest=True)
+                     headroom=0.0, length_weight=1.0)
     assert alone.hopeless == {"started"}  # it cannot finish in time itself
 
 

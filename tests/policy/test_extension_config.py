@@ -131,7 +131,9 @@ def test_admission_table(tmp_path: Path) -> None:
     assert (admission.max_defer_s, admission.retry_after_s) == (5.0, 2.0)
     assert (admission.max_budget_age_s, admission.headroom) == (0.25, 0.0)
     assert config.build_policy().admission == admission
-    assert admission.give_up is None and admission.evicts_longest
+    assert admission.give_up is None and admission.length_weight == 1.0
+    weighted = ExtensionConfig.load(write(tmp_path, '[admission]\nmode = "defer"\ngive_up = 0.5\n'))
+    assert weighted.admission.length_weight == 0.5
 
 
 def test_admission_defaults_off_and_pab_names_imply_reject(tmp_path: Path) -> None:
@@ -161,7 +163,9 @@ def test_admission_defaults_off_and_pab_names_imply_reject(tmp_path: Path) -> No
         ('[admission]\nmode = "reject"\ngive_up = "latest"\n', "mode 'reject' gives nothing up"),
         ('[admission]\ngive_up = "longest"\n', "mode 'off' gives nothing up"),
         ('[admission]\nmode = "defer"\ngive_up = "oldest"\n', "unknown admission give_up 'oldest'"),
-        ('[admission]\nmode = "defer"\ngive_up = 1\n', "[admission] give_up must be a string"),
+        ('[admission]\nmode = "defer"\ngive_up = true\n',
+         "[admission] give_up must be a string or a number from 0 to 1"),
+        ('[admission]\nmode = "defer"\ngive_up = 1.5\n', "is not a length weight from 0"),
         ('policy = "fb-anchor-margin-pab"\n[admission]\nmode = "defer"\n',
          "policy 'fb-anchor-margin-pab' means admission mode 'reject' with rule 'pab'"),
     ],

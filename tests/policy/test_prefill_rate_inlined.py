@@ -14,6 +14,7 @@ import pytest
 from sglang_ext.policy.admission import (
     KvOutlook,
     _drawn,
+    eviction_key,
     _longest,
     _on_time,
     _rate_and_queue,
@@ -125,14 +126,13 @@ def test_the_one_pass_rate_and_queue_are_the_separate_ones(model):
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: f"{type(m).__name__}")
-@pytest.mark.parametrize("give_up", ["each", "longest", "fair"])
-def test_a_decision_finds_the_hopeless_prefills_of_the_whole_forecast(model, give_up):
+@pytest.mark.parametrize("length_weight", [None, 1.0, 0.5, 0.0], ids=["each", "longest", "half", "fair"])
+def test_a_decision_finds_the_hopeless_prefills_of_the_whole_forecast(model, length_weight):
     rng = random.Random(14)
     for trial in range(100):
         requests = random_requests(rng, rng.choice([0, 1, 64, 320]))
         kv = random_kv(rng, requests) if trial % 2 else None
-        args = (requests, 50.0, model, 0.05, rng.choice([0.0, 0.1]), kv,
-                give_up == "longest", give_up == "fair")
+        args = (requests, 50.0, model, 0.05, rng.choice([0.0, 0.1]), kv, length_weight)
         assert hopeless_prefills(*args) == forecast(*args).hopeless
 
 
@@ -155,7 +155,8 @@ def plain_on_time(queue, rate, now, hopeless, victim_key):
     return [entry for position, entry in enumerate(queue) if position not in dropped]
 
 
-@pytest.mark.parametrize("victim_key", [_longest, _drawn])
+@pytest.mark.parametrize("victim_key", [_longest, _drawn, eviction_key(0.5)],
+                         ids=["longest", "drawn", "half"])
 def test_moore_hodgson_from_the_first_late_entry_is_the_plain_one(victim_key):
     rng = random.Random(13)
     for trial in range(500):

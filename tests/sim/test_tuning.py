@@ -99,9 +99,13 @@ def test_parse_policy_settings() -> None:
     assert parse_policy("fb+defer:latest").label == "fb+defer:latest"
     assert parse_policy("fb+defer:longest").label == "fb+defer"  # the default
     assert parse_policy("fb+reject:pab").label == "fb+reject:pab"
+    assert parse_policy("fb+defer:0.25").label == "fb+defer:0.25"
+    assert parse_policy("fb+defer:0.25").admission.length_weight == 0.25
+    assert parse_policy("fb+defer:1").label == "fb+defer"  # the weight of "longest"
     for bad in ("sarathi@512,cap=3", "sarathi-queue-cap@512,cap=-1", "fb@512",
                 "sarathi-queue-cap@512,cap=x", "sarathi-queue-cap@cap=5,512",
-                "fb+reject:latest", "fb+defer:latest:longest", "fb+defer:oldest"):
+                "fb+reject:latest", "fb+defer:latest:longest", "fb+defer:oldest",
+                "fb+defer:1.5", "fb+defer:-0.5", "fb+defer:nan", "fb+reject:0.5"):
         with pytest.raises(PolicySpecError):
             parse_policy(bad)
 

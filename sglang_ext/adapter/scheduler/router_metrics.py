@@ -77,7 +77,7 @@ def router_signals(
     admission = policy.admission
     queue = forecast(
         views, decided_at, policy.step_model.coefficients, policy.context.global_slo.tpot_s,
-        admission.headroom, policy.kv_outlook, admission.evicts_longest, admission.evicts_fairly,
+        admission.headroom, policy.kv_outlook, admission.length_weight,
     )
     if published_budgets:
         budgets = dict(published_budgets)

@@ -1,0 +1,239 @@
+"""Benchmark: ``benchmarks.sim.unfamiliar_gpu`` over three seeds and two arrival processes,
+with every ``give_up`` setting of ``defer``.
+
+Same device (``qwen3-32b-h100nvl``), trace (the bundled Azure sample), starting file (the
+H100's) and SLO scenarios as ``benchmarks.sim.unfamiliar_gpu``; each of seeds 0, 1 and 2
+runs with the trace's own arrivals (the seed draws the GPU's noise) and with gamma:4
+arrivals (the seed also draws the arrivals). Configurations:
+
+- FairBatching from the H100 file, knee learned: the shipped ``fb-smooth+defer`` and
+  ``fb-steady+defer`` at every ``give_up`` setting: length weights 1 (``longest``, the
+  default), 0.75, 0.5, 0.25 and 0 (``fair``), and ``latest``;
+- SGLang's orders on the Sarathi batch with SGLang's waiting timeout, from the settings
+  ``benchmarks.sim.unfamiliar_gpu`` tuned (``docs/bench/unfamiliar_gpu.json``), each also
+  at half and twice its timeout; a family's figure at each point is the best of its three.
+
+Every figure is requests on time (TTFT and TPOT met), the mean of the three seeds, with
+the worst seed's ratio to the best baseline beside it; per SLO class and per prompt-length
+bucket. From the repository root::
+
+    python -m benchmarks.sim.unfamiliar_gpu_seeds                  # every sweep (about an hour on 2 cores)
+    python -m benchmarks.sim.unfamiliar_gpu_seeds --from out/ugpu_seeds
+
+Writes ``docs/bench/unfamiliar_gpu_seeds.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from statistics import mean
+
+from benchmarks.sim.unfamiliar_gpu import DEVICE, FOREIGN_FILE, RATES, SCENARIOS
+from benchmarks.support.outputs import write_outputs
+from benchmarks.support.paths import DOCS_BENCH, REPO
+from sglang_ext.provenance import git_state
+
+SEEDS = (0, 1, 2)
+ARRIVALS = {"trace": "the trace's arrivals", "gamma:4": "gamma:4 arrivals"}
+TUNED_FROM = DOCS_BENCH / "unfamiliar_gpu.json"
+TIMEOUT_FACTORS = (0.5, 1.0, 2.0)
+SHIPPED = "fb-smooth+defer"
+GIVE_UPS = {"1": "longest (1, the default)", "0.75": "0.75", "0.5": "0.5", "0.25": "0.25",
+            "0": "fair (0)", "latest": "latest"}
+
+
+def fairbatching_policies() -> dict[str, str]:
+    """``{policy spec: row label}`` of the FairBatching rows."""
+    rows = {SHIPPED: "fb-smooth+defer (shipped)"}
+    for give_up, label in GIVE_UPS.items():
+        spec = "fb-steady+defer" if give_up == "1" else f"fb-steady+defer:{give_up}"
+        rows[spec] = f"fb-steady+defer, give_up {label}"
+    return rows
+
+
+def tuned_baselines(tuned_from: Path) -> dict[str, dict[str, list[str]]]:
+    """``{scenario: {family: [spec at each timeout factor]}}`` from the tuned settings
+    that ``benchmarks.sim.unfamiliar_gpu`` recorded."""
+    doc = json.loads(tuned_from.read_text())
+    out: dict[str, dict[str, list[str]]] = {}
+    for scenario, entry in doc["scenarios"].items():
+        families = {}
+        for label, row in entry["rows"].items():
+            if not row.get("baseline"):
+                continue
+            match = re.search(r"tuned: ([^)]+)\)", label)
+            if match is None:
+                raise SystemExit(f"{tuned_from}: no tuned setting in row {label!r}")
+            families[row["policy"]] = _timeout_neighbours(match.group(1))
+        out[scenario] = families
+    return out
+
+
+def _timeout_neighbours(spec: str) -> list[str]:
+    base, _, settings = spec.partition("@")
+    parts = dict(part.partition("=")[::2] for part in settings.split(",") if "=" in part)
+    budget = settings.split(",")[0]
+    timeout = float(parts["timeout"])
+    return [f"{base}@{budget},timeout={timeout * factor:.4g}" for factor in TIMEOUT_FACTORS]
+
+
+def _run_name(scenario: str, arrivals: str, seed: int) -> str:
+    return f"{scenario}-{arrivals.replace(':', '')}-s{seed}"
+
+
+def run_sweeps(work: Path, baselines: dict, jobs: int) -> list[str]:
+    from sglang_ext.sim.commands import main as sim
+
+    commands = []
+    for scenario in SCENARIOS:
+        specs = [*fairbatching_policies(), *(s for f in baselines[scenario].values() for s in f)]
+        for arrivals in ARRIVALS:
+            for seed in SEEDS:
+                argv = ["sweep", "--profile", DEVICE, "--rates", RATES, "--no-progress",
+                        "--step-model", str(FOREIGN_FILE), "--seed", str(seed),
+                        "--arrivals", arrivals, "--jobs", str(jobs), *SCENARIOS[scenario][1],
+                        "--out", str(work / _run_name(scenario, arrivals, seed))]
+                for spec in specs:
+                    argv += ["--policy", spec]
+                commands.append("python -m sglang_ext.sim " + " ".join(argv))
+                if sim(argv) != 0:
+                    raise SystemExit(f"sweep failed: {commands[-1]}")
+    return commands
+
+
+def _point(load: dict) -> dict:
+    return {
+        "attainment": load["attainment"],
+        "by_slo_class": {k: v["attainment"] for k, v in load["by_slo_class"].items()},
+        "by_prompt_tokens": {k: v["attainment"] for k, v in load["by_prompt_tokens"].items()},
+    }
+
+
+def _mean_point(points: list[dict]) -> dict:
+    return {
+        "attainment": mean(p["attainment"] for p in points),
+        "by_slo_class": {k: mean(p["by_slo_class"][k] for p in points) for k in points[0]["by_slo_class"]},
+        "by_prompt_tokens": {k: mean(p["by_prompt_tokens"][k] for p in points)
+                             for k in points[0]["by_prompt_tokens"]},
+    }
+
+
+def collect(work: Path, baselines: dict) -> dict:
+    rates = [float(r) for r in RATES.split(",")]
+    doc: dict = {"device": DEVICE, "rates": rates, "seeds": list(SEEDS), "scenarios": {}}
+    for scenario, (title, _) in SCENARIOS.items():
+        conditions = {}
+        for arrivals in ARRIVALS:
+            per_seed = []
+            for seed in SEEDS:
+                results = json.loads((work / _run_name(scenario, arrivals, seed) / "results.json").read_text())
+                policies = results["policies"]
+                rows = {label: [_point(x) for x in policies[spec]["loads"]]
+                        for spec, label in fairbatching_policies().items()}
+                best_specs = {}
+                for family, specs in baselines[scenario].items():
+                    loads = []
+                    for index in range(len(rates)):
+                        spec = max(specs, key=lambda s: policies[s]["loads"][index]["attainment"])
+                        loads.append({**_point(policies[spec]["loads"][index]), "policy": spec})
+                    rows[family] = loads
+                    best_specs[family] = [p["policy"] for p in loads]
+                per_seed.append({"rows": rows, "best_specs": best_specs})
+            conditions[arrivals] = _summarise(per_seed, list(baselines[scenario]), len(rates))
+        doc["scenarios"][scenario] = {"title": title, "conditions": conditions}
+    return doc
+
+
+def _summarise(per_seed: list[dict], families: list[str], n_rates: int) -> dict:
+    labels = list(per_seed[0]["rows"])
+    rows = {label: [_mean_point([s["rows"][label][i] for s in per_seed]) for i in range(n_rates)]
+            for label in labels}
+    best_baseline = []
+    for index in range(n_rates):
+        by_seed = [max(s["rows"][f][index]["attainment"] for f in families) for s in per_seed]
+        best_name = max(families, key=lambda f: rows[f][index]["attainment"])
+        best_baseline.append({"mean": mean(by_seed), "by_seed": by_seed, "best_mean_family": best_name})
+    ratios = {}
+    for label in labels:
+        if label in families:
+            continue
+        ratios[label] = [
+            {"of_means": rows[label][i]["attainment"] / best_baseline[i]["mean"],
+             "worst_seed": min(s["rows"][label][i]["attainment"] / best_baseline[i]["by_seed"][k]
+                               for k, s in enumerate(per_seed))}
+            for i in range(n_rates)]
+    return {"rows": rows, "baselines": families, "best_baseline": best_baseline, "ratios": ratios,
+            "baseline_settings": {f: [s["best_specs"][f] for s in per_seed] for f in families}}
+
+
+def render(doc: dict) -> str:
+    rates = doc["rates"]
+    lines = [
+        "# FairBatching on a GPU its step-model file was not fitted to: three seeds, two "
+        "arrival processes, every give_up setting",
+        "",
+        f"Device `{doc['device']}` (simulated), FairBatching started from the H100 file (knee "
+        "learned); SGLang's orders as tuned in [unfamiliar_gpu.md](unfamiliar_gpu.md), each the "
+        "best of its tuned timeout, half and twice it. Requests on time (TTFT and TPOT met), the "
+        f"mean of seeds {', '.join(map(str, doc['seeds']))}; ratios are to the best SGLang order "
+        "at each point (of the means; in brackets the worst seed's own ratio). "
+        "`python -m benchmarks.sim.unfamiliar_gpu_seeds`.",
+    ]
+    for scenario in doc["scenarios"].values():
+        for arrivals, condition in scenario["conditions"].items():
+            rows = condition["rows"]
+            lines += ["", f"## {scenario['title']}, {ARRIVALS[arrivals]}", "",
+                      "| configuration | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
+                      "|---|" + "---|" * len(rates)]
+            for label, loads in rows.items():
+                ratio = condition["ratios"].get(label)
+                cells = []
+                for i, point in enumerate(loads):
+                    cell = f"{point['attainment']:.3f}"
+                    if ratio is not None:
+                        cell += f" ({ratio[i]['of_means']:.2f}x [{ratio[i]['worst_seed']:.2f}x])"
+                    cells.append(cell)
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            lines += ["", "Who pays (mean of the seeds), per SLO class and per prompt-length bucket "
+                      "(<512 / 512-1023 / 1024-2047 / 2048-4095 / >=4096):", ""]
+            for i, rate in enumerate(rates):
+                lines.append(f"- {rate:g} req/s:")
+                for label, loads in rows.items():
+                    point = loads[i]
+                    classes = ", ".join(f"{k} {v:.2f}" for k, v in point["by_slo_class"].items())
+                    buckets = " / ".join(f"{v:.2f}" for v in point["by_prompt_tokens"].values())
+                    lines.append(f"  - {label}: {classes}; {buckets}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--from", dest="source", type=Path,
+                        help="render sweeps already run in this directory")
+    parser.add_argument("--work", type=Path, default=REPO / "out" / "unfamiliar_gpu_seeds",
+                        help="where the sweeps write (default out/unfamiliar_gpu_seeds)")
+    parser.add_argument("--tuned-from", type=Path, default=TUNED_FROM,
+                        help="the tuned baselines (benchmarks.sim.unfamiliar_gpu's JSON)")
+    parser.add_argument("--jobs", type=int, default=2, help="simulator worker processes")
+    parser.add_argument("--out", type=Path, default=DOCS_BENCH)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    baselines = tuned_baselines(args.tuned_from)
+    commands = [] if args.source else run_sweeps(args.work, baselines, args.jobs)
+    doc = collect(args.source or args.work, baselines)
+    doc["provenance"] = {**git_state(REPO), "wall_s": round(time.monotonic() - started),
+                         "commands": commands or ["(rendered from sweeps already run)"]}
+    text = render(doc)
+    print(text)
+    write_outputs(args.out, "unfamiliar_gpu_seeds", text, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
