@@ -7,7 +7,7 @@ offered load to each configuration's capacity: the highest load at which 90% of 
 meet their SLO overall, in the worst prompt-length bucket and in the worst SLO class
 (groups of at least 20 requests), with the three SLO classes. Configurations: the
 shipped ``fb-smooth+defer`` and ``fb-steady+defer``, from the H100 file with the knee
-learned, and SGLang's orders on the Sarathi batch with SGLang's waiting timeout, each
+learned, each also with the start-up calibration (``--calibrate``), and SGLang's orders on the Sarathi batch with SGLang's waiting timeout, each
 tuned for capacity first.
 
 The tuning: ``benchmarks.sim.unfamiliar_gpu`` tuned each order's token budget and timeout
@@ -51,6 +51,9 @@ TUNE_TIMEOUT_FACTORS = (1.0, 4.0)
 MEASURES = {"overall": "overall", "worst_prompt_bucket": "worst bucket",
             "worst_slo_class": "worst class"}
 FAIRBATCHING = {"fb-smooth+defer": "fb-smooth+defer (shipped)", "fb-steady+defer": "fb-steady+defer"}
+#: bisected again with the start-up calibration (``--calibrate``), each condition its own run
+CALIBRATED = {"fb-smooth+defer": "fb-smooth+defer (shipped), calibrated at start-up",
+              "fb-steady+defer": "fb-steady+defer, calibrated at start-up"}
 #: the bisection's range and resolution, req/s (the device serves about 4 req/s at 90%)
 START, MIN_RATE, MAX_RATE, TOLERANCE = "3", "0.25", "32", "0.05"
 
@@ -115,16 +118,22 @@ def run_bisections(work: Path, baselines: dict[str, str], jobs: int) -> list[str
     for scenario in (SCENARIO,):
         for arrivals in ARRIVALS:
             for seed in SEEDS:
-                argv = ["capacity", "--profile", DEVICE, "--target", TARGET, "--start", START,
-                        "--min-rate", MIN_RATE, "--max-rate", MAX_RATE, "--tolerance", TOLERANCE,
-                        "--step-model", str(FOREIGN_FILE), "--seed", str(seed),
-                        "--arrivals", arrivals, "--jobs", str(jobs), *SCENARIOS[scenario][1],
-                        "--out", str(work / _run_name(scenario, arrivals, seed))]
-                for spec in (*FAIRBATCHING, *baselines.values()):
-                    argv += ["--policy", spec]
-                commands.append("python -m sglang_ext.sim " + " ".join(argv))
-                if sim(argv) != 0:
-                    raise SystemExit(f"capacity failed: {commands[-1]}")
+                name = _run_name(scenario, arrivals, seed)
+                common = ["capacity", "--profile", DEVICE, "--target", TARGET, "--start", START,
+                          "--min-rate", MIN_RATE, "--max-rate", MAX_RATE, "--tolerance", TOLERANCE,
+                          "--step-model", str(FOREIGN_FILE), "--seed", str(seed),
+                          "--arrivals", arrivals, "--jobs", str(jobs), *SCENARIOS[scenario][1]]
+                runs = ((name, [*FAIRBATCHING, *baselines.values()], []),
+                        (f"{name}-cal", list(CALIBRATED), ["--calibrate"]))
+                for out, policies, extra in runs:
+                    argv = [*common, *extra, "--out", str(work / out)]
+                    for spec in policies:
+                        argv += ["--policy", spec]
+                    commands.append("python -m sglang_ext.sim " + " ".join(argv))
+                    if (work / out / "results.json").exists():
+                        continue  # already run there
+                    if sim(argv) != 0:
+                        raise SystemExit(f"capacity failed: {commands[-1]}")
     return commands
 
 
@@ -136,13 +145,16 @@ def collect(work: Path, baselines: dict[str, str]) -> dict:
         for arrivals in ARRIVALS:
             seeds = []
             for seed in SEEDS:
-                results = json.loads((work / _run_name(scenario, arrivals, seed) / "results.json").read_text())
+                name = _run_name(scenario, arrivals, seed)
                 capacities = {}
-                named = [*((label, spec) for spec, label in FAIRBATCHING.items()),
-                         *baselines.items()]
-                for label, spec in named:
-                    entry = results["policies"][spec]["capacity"][TARGET]
-                    capacities[label] = {m: entry[m].get("capacity") for m in MEASURES}
+                for run, named in (
+                    (name, [*((label, spec) for spec, label in FAIRBATCHING.items()), *baselines.items()]),
+                    (f"{name}-cal", [(label, spec) for spec, label in CALIBRATED.items()]),
+                ):
+                    policies = json.loads((work / run / "results.json").read_text())["policies"]
+                    for label, spec in named:
+                        entry = policies[spec]["capacity"][TARGET]
+                        capacities[label] = {m: entry[m].get("capacity") for m in MEASURES}
                 seeds.append(capacities)
             conditions[arrivals] = _summarise(seeds, list(baselines))
         doc["scenarios"][scenario] = {"title": title, "conditions": conditions}

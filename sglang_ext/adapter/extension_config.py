@@ -92,7 +92,7 @@ class ExtensionConfig:
     #: ``learn_knee`` (``PolicyContext.learn_knee``)
     learn_knee: bool = True
     #: fit the step model on the device when each scheduler starts
-    #: (``sglang_ext.adapter.scheduler.calibration``)
+    #: (``sglang_ext.policy.startup_calibration``)
     calibrate: bool = False
 
     def build_policy(self) -> BatchPolicy:

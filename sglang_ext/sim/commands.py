@@ -252,6 +252,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="keep the knee model's knee at the file's value (default: learned online with "
         "its coefficients)",
     )
+    system.add_argument(
+        "--calibrate", action="store_true",
+        help="FairBatching-family policies first fit the step model's form on the simulated "
+        "device with the scheduler's start-up calibration plan, as a server with "
+        "`calibrate = true` does (default: start from the file)",
+    )
     parser.add_argument("--out", type=Path, help="output directory (default: out/<command>-<time>)")
 
 
@@ -501,6 +507,7 @@ def _scenario(args: argparse.Namespace, disagg: DisaggConfig = DisaggConfig()) -
         step_model=StepModelFile.load(args.step_model) if args.step_model else None,
         learn_knee=not args.frozen_knee,
         step_form=args.step_form,
+        calibrate=args.calibrate,
     )
 
 

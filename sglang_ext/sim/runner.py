@@ -22,6 +22,7 @@ from sglang_ext.sim.policy_spec import (  # noqa: F401  re-exported: the runner'
     parse_policy,
 )
 from sglang_ext.sim.profile import HardwareProfile
+from sglang_ext.sim.startup_calibration import calibrate_on_device
 from sglang_ext.sim.workloads import Workload
 
 
@@ -41,6 +42,9 @@ class Scenario:
     step_form: str = "knee"
     # a knee model learns its knee online (PolicyContext.learn_knee)
     learn_knee: bool = True
+    # a FairBatching-family policy fits its step model on the device before the workload
+    # (sglang_ext.sim.startup_calibration), as a scheduler with ``calibrate = true`` does
+    calibrate: bool = False
     # the prefill/decode split and link of the policies that run disaggregated
     disagg: DisaggConfig = DisaggConfig()
 
@@ -82,6 +86,8 @@ def replay(scenario: Scenario, policy: BatchPolicy, rate: float) -> tuple[SimEng
     """Run the scenario's workload at ``rate`` through ``policy``; request ids are the
     workload's indices. Returns the engine and the run's duration."""
     workload = scenario.workload.with_arrivals(scenario.arrivals, rate, scenario.seed)
+    if scenario.calibrate and policy.takes_admission:
+        calibrate_on_device(scenario.profile, policy, scenario.catalog.default, scenario.seed)
     engine = SimEngine(scenario.profile, policy, seed=scenario.seed)
     for index, request in enumerate(workload.requests):
         engine.advance_to(request.arrival_s)

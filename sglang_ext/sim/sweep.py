@@ -270,6 +270,8 @@ def assemble(
             "seed": scenario.seed,
             "step_model": (scenario.step_model.model.form if scenario.step_model
                            else scenario.step_form),
+            "learn_knee": scenario.learn_knee,
+            "calibrate": scenario.calibrate,
             "drain_s": scenario.drain_s,
             "max_token_budget": scenario.max_token_budget,
             "slo": slo_entry(scenario.catalog),

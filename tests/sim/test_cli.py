@@ -26,7 +26,7 @@ LOAD_KEYS = {
 PERCENTILES = {"p50", "p90", "p95", "p99", "mean"}
 SCENARIO_KEYS = {
     "workload", "requests", "natural_rate", "profile", "arrivals", "seed", "step_model",
-    "drain_s", "max_token_budget", "slo",
+    "learn_knee", "calibrate", "drain_s", "max_token_budget", "slo",
 }
 FAST = ["--head-seconds", "30"]
 

@@ -1,5 +1,5 @@
 """The start-up calibration inside SGLang's scheduler
-(:mod:`sglang_ext.adapter.scheduler.calibration`): the plan is queued when the scheduler
+(:mod:`sglang_ext.policy.startup_calibration`): the plan is queued when the scheduler
 is built, its requests' outputs never reach the detokenizer, and the fit runs when the
 last one ends."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_ext.adapter.scheduler.calibration import Calibration, calibration_plan, is_calibration_rid
+from sglang_ext.policy.startup_calibration import Calibration, calibration_plan, is_calibration_rid
 from sglang_ext.adapter.scheduler.state import FairBatchingState
 
 logger = logging.getLogger("sglang_ext.fairbatching")

@@ -19,7 +19,7 @@ from typing import Any
 from controlplane.protocol import budget_tokens
 from controlplane.ratelimited_log import RateLimitedLog
 from sglang_ext.adapter.extension_config import ExtensionConfig
-from sglang_ext.adapter.scheduler.calibration import Calibration, CalibrationFit
+from sglang_ext.policy.startup_calibration import Calibration, CalibrationFit
 from sglang_ext.adapter.scheduler.device_clock import DeviceClock
 from sglang_ext.adapter.scheduler.requests import RequestRecords
 from sglang_ext.adapter.scheduler.step_trace import StepTrace, TracedDecision

@@ -1,4 +1,4 @@
-"""The start-up calibration's plan and fit (``sglang_ext.adapter.scheduler.calibration``),
+"""The start-up calibration's plan and fit (``sglang_ext.policy.startup_calibration``),
 without SGLang: the plan fits the pool and the context, spans the step kinds the fit
 needs, and the fit recovers a knee model from the steps such a plan produces."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from sglang_ext.adapter.scheduler.calibration import (
+from sglang_ext.policy.startup_calibration import (
     CALIBRATION_RID_PREFIX,
     OUTPUT_LENGTHS,
     POOL_SHARE,
@@ -81,7 +81,7 @@ def test_too_few_steps_cannot_be_fitted() -> None:
 
 
 def test_a_calibration_is_overdue_after_its_timeout() -> None:
-    from sglang_ext.adapter.scheduler.calibration import TIMEOUT_S
+    from sglang_ext.policy.startup_calibration import TIMEOUT_S
 
     calibration = Calibration({f"{CALIBRATION_RID_PREFIX}0"})
     assert not calibration.overdue(calibration.started_at + TIMEOUT_S / 2)
