@@ -12,10 +12,11 @@ tuned for capacity first.
 
 The tuning: ``benchmarks.sim.unfamiliar_gpu`` tuned each order's token budget and timeout
 for attainment at 3-8 req/s, past this device's capacity. Capacity sits lower, where a
-smaller chunk keeps a 50 ms TPOT (a 256-token chunk makes a step of about 52 ms here).
-So each order also runs at token budgets 64, 128 and 256, at its tuned timeout and four
-times it, on a grid of loads (seed 0, the trace's arrivals); the setting with the highest
-worst-class capacity on that grid (then overall) is the one bisected.
+smaller chunk may keep a 50 ms TPOT better and a longer timeout drops fewer requests. So
+each order also runs at token budgets 128, 256 and 512, at its tuned timeout, four and
+sixteen times it, on a grid of loads (seed 0, the trace's arrivals); the setting with the
+highest worst-class capacity on that grid (then overall, then mean attainment) is the one
+bisected, and one at the edge of either axis is marked.
 
 Each ratio divides by the best SGLang order's capacity by the same measure, seed and
 arrivals. From the repository root::
@@ -46,8 +47,8 @@ from sglang_ext.provenance import git_state
 TARGET = "0.9"
 SCENARIO = "three"
 TUNE_RATES = "0.5,1,1.5,2,2.5,3,4"
-TUNE_BUDGETS = (64, 128, 256)
-TUNE_TIMEOUT_FACTORS = (1.0, 4.0)
+TUNE_BUDGETS = (128, 256, 512)
+TUNE_TIMEOUT_FACTORS = (1.0, 4.0, 16.0)
 MEASURES = {"overall": "overall", "worst_prompt_bucket": "worst bucket",
             "worst_slo_class": "worst class"}
 FAIRBATCHING = {"fb-smooth+defer": "fb-smooth+defer (shipped)", "fb-steady+defer": "fb-steady+defer"}
@@ -73,37 +74,58 @@ def candidates(spec: str) -> list[str]:
             for budget in TUNE_BUDGETS for factor in TUNE_TIMEOUT_FACTORS]
 
 
-def run_tuning(work: Path, tuned: dict[str, str], jobs: int) -> tuple[str, dict]:
-    """The grid sweep of every candidate; ``(command, {family: {"chosen", "tried"}})``."""
+def run_tuning(work: Path, tuned: dict[str, str], jobs: int) -> tuple[list[str], dict]:
+    """The grid sweep of every candidate not yet swept in ``work/tuning*``; ``(commands,
+    {family: {"chosen", "tried", "edge"}})`` over all of them."""
     from sglang_ext.sim.commands import main as sim
 
-    out = work / "tuning"
-    argv = ["sweep", "--profile", DEVICE, "--rates", TUNE_RATES, "--no-progress",
-            "--step-model", str(FOREIGN_FILE), "--seed", "0", "--jobs", str(jobs),
-            *SCENARIOS[SCENARIO][1], "--out", str(out)]
-    for spec in tuned.values():
-        for candidate in candidates(spec):
+    swept = _tuning_results(work)
+    wanted = [c for spec in tuned.values() for c in candidates(spec)]
+    missing = [c for c in wanted if c not in swept]
+    commands = []
+    if missing:
+        out = work / f"tuning-{len(list(work.glob('tuning*')))}"
+        argv = ["sweep", "--profile", DEVICE, "--rates", TUNE_RATES, "--no-progress",
+                "--step-model", str(FOREIGN_FILE), "--seed", "0", "--jobs", str(jobs),
+                *SCENARIOS[SCENARIO][1], "--out", str(out)]
+        for candidate in missing:
             argv += ["--policy", candidate]
-    command = "python -m sglang_ext.sim " + " ".join(argv)
-    if not (out / "results.json").exists() and sim(argv) != 0:
-        raise SystemExit(f"tuning failed: {command}")
-    return command, choose(json.loads((out / "results.json").read_text()), tuned)
+        commands.append("python -m sglang_ext.sim " + " ".join(argv))
+        if sim(argv) != 0:
+            raise SystemExit(f"tuning failed: {commands[-1]}")
+        swept = _tuning_results(work)
+    return commands, choose(swept, tuned)
 
 
-def choose(results: dict, tuned: dict[str, str]) -> dict:
+def _tuning_results(work: Path) -> dict:
+    """Every candidate's results.json entry from ``work/tuning*`` (later sweeps win)."""
+    entries: dict = {}
+    for path in sorted(work.glob("tuning*/results.json")):
+        entries.update(json.loads(path.read_text())["policies"])
+    return entries
+
+
+def choose(entries: dict, tuned: dict[str, str]) -> dict:
     """Each family's candidate with the highest grid capacity in the worst class, then
-    overall, then mean attainment."""
+    overall, then mean attainment; ``edge`` when it sits at a bound of either axis."""
     choice = {}
     for family, spec in tuned.items():
         tried = {}
-        for candidate in candidates(spec):
-            entry = results["policies"][candidate]
+        listed = candidates(spec)
+        for candidate in listed:
+            entry = entries[candidate]
             grid = entry["capacity"][TARGET]
             tried[candidate] = (grid["worst_slo_class"].get("capacity") or 0.0,
                                 grid["overall"].get("capacity") or 0.0,
                                 mean(load["attainment"] for load in entry["loads"]))
         chosen = max(tried, key=tried.get)
-        choice[family] = {"chosen": chosen, "tried": {k: list(v) for k, v in tried.items()}}
+        index = listed.index(chosen)
+        budget, factor = divmod(index, len(TUNE_TIMEOUT_FACTORS))
+        edge = [axis for axis, at, size in (("budget", budget, len(TUNE_BUDGETS)),
+                                            ("timeout", factor, len(TUNE_TIMEOUT_FACTORS)))
+                if at in (0, size - 1)]
+        choice[family] = {"chosen": chosen, "tried": {k: list(v) for k, v in tried.items()},
+                          "edge": edge}
     return choice
 
 
@@ -203,7 +225,8 @@ def render(doc: dict) -> str:
               f"{doc['tuning']['rates']} req/s; worst-class / overall grid capacity):", ""]
     for family, entry in doc["tuning"]["families"].items():
         worst, overall, _ = entry["tried"][entry["chosen"]]
-        lines.append(f"- {family}: `{entry['chosen']}` ({worst:g} / {overall:g})")
+        edge = f"; at the edge of the {' and '.join(entry['edge'])} axis" if entry["edge"] else ""
+        lines.append(f"- {family}: `{entry['chosen']}` ({worst:g} / {overall:g}{edge})")
     for scenario in doc["scenarios"].values():
         for arrivals, condition in scenario["conditions"].items():
             lines += ["", f"## {scenario['title']}, {ARRIVALS[arrivals]}", "",
@@ -226,9 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     work = args.source or args.work
-    tuning_command, tuning = run_tuning(work, attainment_tuned(args.tuned_from), args.jobs)
+    commands, tuning = run_tuning(work, attainment_tuned(args.tuned_from), args.jobs)
     baselines = {family: entry["chosen"] for family, entry in tuning.items()}
-    commands = [tuning_command]
     if not args.source:
         commands += run_bisections(work, baselines, args.jobs)
     doc = collect(work, baselines)
