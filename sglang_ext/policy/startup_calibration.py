@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepModelError, StepModelFile, StepPredictor, fit_step_model
 from sglang_ext.policy.step_shape import StepShape
 
@@ -71,6 +72,14 @@ def calibration_plan(pool_tokens: int, context_len: int, vocab_size: int,
         ids = tuple(rng.randrange(1, max(2, vocab_size)) for _ in range(prompt))
         plan.append(CalibrationRequest(f"{CALIBRATION_RID_PREFIX}{index}", ids, output))
     return tuple(plan)
+
+
+def calibration_slo(default: Slo) -> Slo:
+    """The SLO every calibration request carries: the default class's TPOT, so that its
+    steps are shaped as serving steps, and a first-token target as long as the
+    calibration may last, so that none is ever hopeless or ended by admission ``defer``
+    however slow the device (no client waits for them)."""
+    return Slo(TIMEOUT_S, default.tpot_s)
 
 
 def is_calibration_rid(rid: object) -> bool:
@@ -136,4 +145,4 @@ def _median_error(model: StepPredictor, shapes: Sequence[StepShape], seconds: Se
 
 
 __all__ = ["CALIBRATION_RID_PREFIX", "Calibration", "CalibrationFit", "CalibrationRequest",
-           "StepModelError", "calibration_plan", "is_calibration_rid"]
+           "StepModelError", "calibration_plan", "calibration_slo", "is_calibration_rid"]

@@ -17,6 +17,7 @@ from sglang_ext.policy.startup_calibration import (
     Calibration,
     CalibrationFit,
     calibration_plan,
+    calibration_slo,
 )
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.profile import HardwareProfile
@@ -28,14 +29,16 @@ _VOCAB_SIZE = 2
 def calibrate_on_device(
     profile: HardwareProfile, policy: BatchPolicy, slo: Slo, seed: int = 0
 ) -> CalibrationFit | None:
-    """Run the plan through ``policy`` on ``profile``'s simulated GPU and adopt the fit;
-    None (the file's model kept) when the plan is empty or its steps cannot be fitted."""
+    """Run the plan through ``policy`` on ``profile``'s simulated GPU (its requests with
+    :func:`calibration_slo` of the default class's ``slo``) and adopt the fit; None (the
+    file's model kept) when the plan is empty or its steps cannot be fitted."""
     engine = SimEngine(profile, policy, seed=seed, record_steps=True)
     plan = calibration_plan(engine.kv_capacity, engine.kv_capacity, _VOCAB_SIZE)
     if not plan:
         return None
     for request in plan:
-        engine.submit(request.rid, 0.0, len(request.input_ids), request.max_new_tokens, slo)
+        engine.submit(request.rid, 0.0, len(request.input_ids), request.max_new_tokens,
+                      calibration_slo(slo))
     engine.run_until_idle(TIMEOUT_S)
     calibration = Calibration(set())
     for step in engine.step_log:

@@ -393,6 +393,39 @@ def test_start_up_calibration_fits_the_emulated_gpu(calibration_run: dict) -> No
     assert smallest == pytest.approx(truth.smallest_step_s, rel=0.25)
 
 
+@pytest.fixture(scope="module")
+def slow_device_calibration_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A device slower than the plan's TTFT allows (the emulated Qwen3-32B on an H100 NVL:
+    the plan's prompts take seconds to prefill), the H100 file, admission ``defer`` with a
+    short ``max_defer_s``: what ends requests still without a first token."""
+    tmp_path = tmp_path_factory.mktemp("slow-calibration")
+    config = tmp_path / "fb.toml"
+    config.write_text(
+        f'policy = "fb-steady"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
+        f'step_model = "{REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"}"\n'
+        'calibrate = true\n[admission]\nmode = "defer"\nmax_defer_s = 0.5\n')
+    scenario = {"requests": [{"rid": "client", "prompt_tokens": 100, "max_new_tokens": 8,
+                              "slo": {"class": "relaxed"}}],
+                "overlap": False, "timeout_s": 200, "config": str(config)}
+    return run_harness(tmp_path, "slow-calibration", scenario,
+                       env_extra={"FAIRBATCHING_EMULATED_GPU": "qwen3-32b-h100nvl",
+                                  "FAIRBATCHING_EMULATED_GPU_TIME_SCALE": "1"})
+
+
+def test_calibration_on_a_slow_device_is_never_ended_by_defer(slow_device_calibration_run: dict) -> None:
+    """Its requests carry a first-token target as long as the calibration may last: none
+    is ended past its TTFT, so the fit runs when the last one finishes, not at the
+    calibration's timeout, and the client's request is served after it."""
+    from sglang_ext.policy.startup_calibration import TIMEOUT_S
+
+    state = slow_device_calibration_run["fairbatching"]
+    assert state["calibration"] is not None
+    assert state["calibration"]["seconds"] < TIMEOUT_S / 2
+    assert state["counters"]["deferred_expired"] == 0
+    assert set(slow_device_calibration_run["outputs"]) == {"client"}
+    assert slow_device_calibration_run["kv_free_plus_evictable"] == slow_device_calibration_run["kv_total"]
+
+
 def test_calibration_requests_reach_no_client_and_leave_nothing_behind(calibration_run: dict) -> None:
     assert set(calibration_run["outputs"]) == {"client"}
     assert calibration_run["idle"]

@@ -13,7 +13,12 @@ from typing import Any
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_ext.policy.startup_calibration import Calibration, calibration_plan, is_calibration_rid
+from sglang_ext.policy.startup_calibration import (
+    Calibration,
+    calibration_plan,
+    calibration_slo,
+    is_calibration_rid,
+)
 from sglang_ext.adapter.scheduler.state import FairBatchingState
 
 logger = logging.getLogger("sglang_ext.fairbatching")
@@ -40,19 +45,26 @@ def start_calibration(scheduler: Any, state: FairBatchingState) -> None:
                        "none of its requests", scheduler.max_total_num_tokens)
         return
     state.calibration = Calibration({request.rid for request in plan})
+    state.records.hold_arrivals()
+    slo = calibration_slo(state.config.catalog.default).as_spec()
     for request in plan:
-        _submit(scheduler, request.rid, request.input_ids, request.max_new_tokens)
+        _submit(scheduler, request.rid, request.input_ids, request.max_new_tokens, slo)
     logger.info("FairBatching start-up calibration: %d synthetic requests (%d prompt tokens) queued "
                 "before traffic", len(plan), sum(len(r.input_ids) for r in plan))
 
 
 def note_finished(state: FairBatchingState, reqs: Iterable[Any]) -> None:
     """After a step's results: the calibration's requests that ended; the fit after the last."""
+    note_ended(state, [req.rid for req in reqs if req.finished()])
+
+
+def note_ended(state: FairBatchingState, rids: Iterable[Any]) -> None:
+    """Requests that ended, finished or aborted; the fit after the calibration's last."""
     calibration = state.calibration
     if calibration is None:
         return
-    for req in reqs:
-        if is_calibration_rid(req.rid) and req.finished() and calibration.finished(req.rid):
+    for rid in rids:
+        if is_calibration_rid(rid) and calibration.finished(rid):
             state.finish_calibration()
             return
 
@@ -72,11 +84,13 @@ def held_back(state: FairBatchingState, waiting_queue: list[Any]) -> list[Any]:
     return [req for req in waiting_queue if is_calibration_rid(req.rid)]
 
 
-def _submit(scheduler: Any, rid: str, input_ids: tuple[int, ...], max_new_tokens: int) -> None:
+def _submit(scheduler: Any, rid: str, input_ids: tuple[int, ...], max_new_tokens: int,
+            slo: dict[str, float]) -> None:
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True,
+                            custom_params={"slo": slo})
     params.normalize(None)
     scheduler.handle_generate_request(TokenizedGenerateReqInput(
         rid=rid, input_text=None, input_ids=array("q", input_ids), input_embeds=None,

@@ -33,6 +33,7 @@ from sglang_ext.adapter.extension_config import ExtensionConfig
 from sglang_ext.adapter.scheduler.calibration_hooks import (
     held_back,
     install_calibration_hooks,
+    note_ended,
     note_finished,
     start_calibration,
 )
@@ -456,6 +457,7 @@ def _poll_timeout_aborts(result: list[Any], self: Scheduler) -> list[Any]:
                         finished_reason={"type": "abort", "status_code": HTTPStatus.BAD_REQUEST,
                                          "message": why})
                for rid, why in state.take_refusals().items()]
+    note_ended(state, [abort.rid for abort in aborts])
     return [*result, *aborts]
 
 

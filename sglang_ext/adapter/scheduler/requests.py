@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Container, Iterable
 from typing import Any
 
@@ -19,6 +20,7 @@ from sglang_ext.adapter.custom_params import custom_param
 from sglang_ext.adapter.dp_pab import dispatch_seq_of
 from sglang_ext.adapter.ingress_time import arrival_time
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
+from sglang_ext.policy.startup_calibration import is_calibration_rid
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,12 @@ class LiveRequestView:
 
 
 class RequestRecords:
-    """Attaches a :class:`LiveRequestView` to each ``Req`` and refreshes it per step."""
+    """Attaches a :class:`LiveRequestView` to each ``Req`` and refreshes it per step.
+
+    While the start-up calibration runs (:meth:`hold_arrivals` until :meth:`ready`), the
+    server is not ready: a request that arrived meanwhile counts its deadlines from the
+    moment it became ready, so the wait for the calibration never makes it late or ends
+    it under admission ``defer`` (SGLang's own readiness warm-up is such a request)."""
 
     def __init__(self, catalog: SloCatalog) -> None:
         self.catalog = catalog
@@ -59,6 +66,23 @@ class RequestRecords:
         # per admission gate (its token), the highest admission number seen: echoed in the
         # load snapshot so the gate can end its debits (sglang_ext.adapter.admission_gate)
         self.admission_echo: dict[str, int] = {}
+        self.ready_at = -math.inf
+        self._calibrating = False
+        self._held: list[LiveRequestView] = []
+
+    def hold_arrivals(self) -> None:
+        """The calibration started: requests that arrive wait for :meth:`ready`."""
+        self._calibrating = True
+
+    def ready(self, at: float) -> None:
+        """The calibration ended at ``at``: requests that came during it, and still have
+        no token, arrived at ``at``."""
+        self._calibrating = False
+        self.ready_at = at
+        for view in self._held:
+            if view.next_output_index == 0 and view.arrival < at:
+                view.arrival = at
+        self._held = []
 
     def of(self, req: Any) -> LiveRequestView:
         view = getattr(req, RECORD_ATTR, None)
@@ -80,8 +104,13 @@ class RequestRecords:
         if dispatch_seq is not None:
             self.highest_dispatch_seq = max(self.highest_dispatch_seq, dispatch_seq)
         self._echo_admission(custom_param(req, ADMISSION_STAMP_KEY))
-        view = LiveRequestView(req.rid, arrival_time(req), slo,
+        arrival = arrival_time(req)
+        if arrival < self.ready_at:
+            arrival = self.ready_at
+        view = LiveRequestView(req.rid, arrival, slo,
                                next(self._sequence), dispatch_seq, len(req.origin_input_ids))
+        if self._calibrating and not is_calibration_rid(req.rid):
+            self._held.append(view)
         setattr(req, RECORD_ATTR, view)
         return view
 

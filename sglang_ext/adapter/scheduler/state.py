@@ -277,6 +277,7 @@ class FairBatchingState:
         calibration, self.calibration = self.calibration, None
         if calibration is None:
             return None
+        self.records.ready(time.perf_counter())
         current = self.policy.initial_step_model
         try:
             fit = calibration.fit(current.form, current)
