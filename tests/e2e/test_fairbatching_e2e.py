@@ -333,3 +333,32 @@ def test_dp2_with_the_pab_method(dp_server) -> None:
     assert all(len(r.token_times) == 12 and r.finish_reason == "length" for r in results)
     log = dp_server.log_text()
     assert "Traceback" not in log
+
+
+@pytest.fixture(scope="module")
+def slow_device_calibrated_server(sglang_server, tmp_path_factory):
+    """The shipped config (admission defer) with ``calibrate = true`` on an emulated device
+    whose decode-only step is about 20 ms (the Qwen3-32B on an H100 NVL), its step-model
+    file the H100's: the plan's prompts take seconds to prefill here."""
+    text = (REPO / "configs" / "fairbatching.toml").read_text()
+    for old, new in (('slo_file = "slo.toml"', f'slo_file = "{REPO / "configs" / "slo.toml"}"'),
+                     ('step_model = "step_models/', f'step_model = "{REPO / "configs" / "step_models"}/'),
+                     ("calibrate = false", "calibrate = true")):
+        assert old in text
+        text = text.replace(old, new)
+    config = tmp_path_factory.mktemp("calibrated") / "fairbatching.toml"
+    config.write_text(text)
+    env = {"FAIRBATCHING_EMULATED_GPU": "qwen3-32b-h100nvl", "FAIRBATCHING_EMULATED_GPU_TIME_SCALE": "1",
+           "FAIRBATCHING_CONFIG": str(config)}
+    return sglang_server(args=BASE_ARGS, env=env)
+
+
+def test_a_calibrated_server_on_a_slow_device_becomes_ready_and_serves(slow_device_calibrated_server) -> None:
+    """SGLang's readiness warm-up waits for the calibration and is not ended by admission
+    defer for that wait; the calibration ends when its requests do, not at its timeout."""
+    log = slow_device_calibrated_server.log_text()
+    assert "start-up calibration fitted the knee step model" in log
+    assert "start-up calibration timed out" not in log
+    stream = stream_generate(slow_device_calibrated_server.url, "after-calibration", 200, 16,
+                             {"class": "standard"})
+    assert stream.status == 200 and len(stream.token_times) == 16
