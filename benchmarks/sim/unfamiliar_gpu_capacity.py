@@ -39,7 +39,7 @@ from pathlib import Path
 from statistics import mean
 
 from benchmarks.sim.unfamiliar_gpu import DEVICE, FOREIGN_FILE, SCENARIOS
-from benchmarks.sim.unfamiliar_gpu_seeds import ARRIVALS, SEEDS, TUNED_FROM
+from benchmarks.sim.unfamiliar_gpu_seeds import ARRIVALS, SEEDS, TUNED_FROM, run_name, run_once
 from benchmarks.support.outputs import write_outputs
 from benchmarks.support.paths import DOCS_BENCH, REPO
 from sglang_ext.provenance import git_state
@@ -77,22 +77,15 @@ def candidates(spec: str) -> list[str]:
 def run_tuning(work: Path, tuned: dict[str, str], jobs: int) -> tuple[list[str], dict]:
     """The grid sweep of every candidate not yet swept in ``work/tuning*``; ``(commands,
     {family: {"chosen", "tried", "edge"}})`` over all of them."""
-    from sglang_ext.sim.commands import main as sim
-
     swept = _tuning_results(work)
     wanted = [c for spec in tuned.values() for c in candidates(spec)]
     missing = [c for c in wanted if c not in swept]
-    commands = []
+    commands: list[str] = []
     if missing:
-        out = work / f"tuning-{len(list(work.glob('tuning*')))}"
-        argv = ["sweep", "--profile", DEVICE, "--rates", TUNE_RATES, "--no-progress",
-                "--step-model", str(FOREIGN_FILE), "--seed", "0", "--jobs", str(jobs),
-                *SCENARIOS[SCENARIO][1], "--out", str(out)]
-        for candidate in missing:
-            argv += ["--policy", candidate]
-        commands.append("python -m sglang_ext.sim " + " ".join(argv))
-        if sim(argv) != 0:
-            raise SystemExit(f"tuning failed: {commands[-1]}")
+        common = ["sweep", "--profile", DEVICE, "--rates", TUNE_RATES, "--no-progress",
+                  "--step-model", str(FOREIGN_FILE), "--seed", "0", "--jobs", str(jobs),
+                  *SCENARIOS[SCENARIO][1]]
+        run_once(common, work / f"tuning-{len(list(work.glob('tuning*')))}", missing, commands)
         swept = _tuning_results(work)
     return commands, choose(swept, tuned)
 
@@ -129,33 +122,18 @@ def choose(entries: dict, tuned: dict[str, str]) -> dict:
     return choice
 
 
-def _run_name(scenario: str, arrivals: str, seed: int) -> str:
-    return f"{scenario}-{arrivals.replace(':', '')}-s{seed}"
-
-
 def run_bisections(work: Path, baselines: dict[str, str], jobs: int) -> list[str]:
-    from sglang_ext.sim.commands import main as sim
-
-    commands = []
+    commands: list[str] = []
     for scenario in (SCENARIO,):
         for arrivals in ARRIVALS:
             for seed in SEEDS:
-                name = _run_name(scenario, arrivals, seed)
+                name = run_name(scenario, arrivals, seed)
                 common = ["capacity", "--profile", DEVICE, "--target", TARGET, "--start", START,
                           "--min-rate", MIN_RATE, "--max-rate", MAX_RATE, "--tolerance", TOLERANCE,
                           "--step-model", str(FOREIGN_FILE), "--seed", str(seed),
                           "--arrivals", arrivals, "--jobs", str(jobs), *SCENARIOS[scenario][1]]
-                runs = ((name, [*FAIRBATCHING, *baselines.values()], []),
-                        (f"{name}-cal", list(CALIBRATED), ["--calibrate"]))
-                for out, policies, extra in runs:
-                    argv = [*common, *extra, "--out", str(work / out)]
-                    for spec in policies:
-                        argv += ["--policy", spec]
-                    commands.append("python -m sglang_ext.sim " + " ".join(argv))
-                    if (work / out / "results.json").exists():
-                        continue  # already run there
-                    if sim(argv) != 0:
-                        raise SystemExit(f"capacity failed: {commands[-1]}")
+                run_once(common, work / name, [*FAIRBATCHING, *baselines.values()], commands)
+                run_once([*common, "--calibrate"], work / f"{name}-cal", list(CALIBRATED), commands)
     return commands
 
 
@@ -167,7 +145,7 @@ def collect(work: Path, baselines: dict[str, str]) -> dict:
         for arrivals in ARRIVALS:
             seeds = []
             for seed in SEEDS:
-                name = _run_name(scenario, arrivals, seed)
+                name = run_name(scenario, arrivals, seed)
                 capacities = {}
                 for run, named in (
                     (name, [*((label, spec) for spec, label in FAIRBATCHING.items()), *baselines.items()]),

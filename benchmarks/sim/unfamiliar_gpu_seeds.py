@@ -13,9 +13,9 @@ arrivals (the seed also draws the arrivals). Configurations:
   scheduler's plan served on the device first, its fit adopted);
 - SGLang's orders on the Sarathi batch with SGLang's waiting timeout, from the settings
   ``benchmarks.sim.unfamiliar_gpu`` tuned (``docs/bench/unfamiliar_gpu.json``), each also
-  at half and twice its timeout; of the three, each family runs with the one whose mean
-  attainment over every load and seed is highest for these arrivals (one setting, as an
-  operator would choose it).
+  at half, twice, four and eight times its timeout; of these, each family runs with the
+  one whose mean attainment over every load and seed is highest for these arrivals (one
+  setting, as an operator would choose it; one at either end is marked).
 
 Every figure is requests on time (TTFT and TPOT met), the mean of the three seeds, with
 the worst seed's ratio to the best baseline beside it; per SLO class and per prompt-length
@@ -46,7 +46,7 @@ from sglang_ext.provenance import git_state
 SEEDS = (0, 1, 2)
 ARRIVALS = {"trace": "the trace's arrivals", "gamma:4": "gamma:4 arrivals"}
 TUNED_FROM = DOCS_BENCH / "unfamiliar_gpu.json"
-TIMEOUT_FACTORS = (0.5, 1.0, 2.0)
+TIMEOUT_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)
 SHIPPED = "fb-smooth+defer"
 GIVE_UPS = {"1": "longest (1, the default)", "0.75": "0.75", "0.5": "0.5", "0.25": "0.25",
             "0": "fair (0)", "latest": "latest"}
@@ -92,32 +92,41 @@ def _timeout_neighbours(spec: str) -> list[str]:
     return [f"{base}@{budget},timeout={timeout * factor:.4g}" for factor in TIMEOUT_FACTORS]
 
 
-def _run_name(scenario: str, arrivals: str, seed: int) -> str:
+def run_name(scenario: str, arrivals: str, seed: int) -> str:
+    """The directory of one condition's run."""
     return f"{scenario}-{arrivals.replace(':', '')}-s{seed}"
 
 
-def run_sweeps(work: Path, baselines: dict, jobs: int) -> list[str]:
+def run_once(common: list[str], out: Path, policies: Sequence[str], commands: list[str]) -> None:
+    """``python -m sglang_ext.sim COMMON --out OUT --policy ...``, recorded in ``commands``;
+    skipped when ``OUT`` already holds its results (a run resumed)."""
     from sglang_ext.sim.commands import main as sim
 
-    commands = []
+    argv = [*common, "--out", str(out)]
+    for spec in policies:
+        argv += ["--policy", spec]
+    commands.append("python -m sglang_ext.sim " + " ".join(argv))
+    if (out / "results.json").exists():
+        return
+    if sim(argv) != 0:
+        raise SystemExit(f"simulation failed: {commands[-1]}")
+
+
+def run_sweeps(work: Path, baselines: dict, jobs: int) -> list[str]:
+    commands: list[str] = []
     for scenario in SCENARIOS:
         specs = [*fairbatching_policies(), *(s for f in baselines[scenario].values() for s in f)]
         for arrivals in ARRIVALS:
             for seed in SEEDS:
-                name = _run_name(scenario, arrivals, seed)
+                name = run_name(scenario, arrivals, seed)
                 common = ["sweep", "--profile", DEVICE, "--rates", RATES, "--no-progress",
                           "--step-model", str(FOREIGN_FILE), "--seed", str(seed),
                           "--arrivals", arrivals, "--jobs", str(jobs), *SCENARIOS[scenario][1]]
-                runs = ((name, specs, []), (f"{name}-cal", list(CALIBRATED), ["--calibrate"]))
-                for out, policies, extra in runs:
-                    argv = [*common, *extra, "--out", str(work / out)]
-                    for spec in policies:
-                        argv += ["--policy", spec]
-                    commands.append("python -m sglang_ext.sim " + " ".join(argv))
-                    if (work / out / "results.json").exists():
-                        continue  # already run there
-                    if sim(argv) != 0:
-                        raise SystemExit(f"sweep failed: {commands[-1]}")
+                run_once(common, work / name, specs, commands)
+                missing = [spec for spec in specs if spec not in _policies(work / name)]
+                if missing:  # settings added since that run
+                    run_once(common, work / f"{name}-more", missing, commands)
+                run_once([*common, "--calibrate"], work / f"{name}-cal", list(CALIBRATED), commands)
     return commands
 
 
@@ -144,8 +153,8 @@ def collect(work: Path, baselines: dict) -> dict:
     for scenario, (title, _) in SCENARIOS.items():
         conditions = {}
         for arrivals in ARRIVALS:
-            runs = [_policies(work / _run_name(scenario, arrivals, seed)) for seed in SEEDS]
-            calibrated = [_policies(work / f"{_run_name(scenario, arrivals, seed)}-cal") for seed in SEEDS]
+            runs = [_policies(work / run_name(scenario, arrivals, seed)) for seed in SEEDS]
+            calibrated = [_policies(work / f"{run_name(scenario, arrivals, seed)}-cal") for seed in SEEDS]
             settings = {family: _best_setting(runs, specs) for family, specs in baselines[scenario].items()}
             per_seed = []
             for policies, calibrated_policies in zip(runs, calibrated, strict=True):
@@ -156,14 +165,21 @@ def collect(work: Path, baselines: dict) -> dict:
                 rows.update({family: [_point(x) for x in policies[spec]["loads"]]
                              for family, spec in settings.items()})
                 per_seed.append(rows)
+            edges = {family: spec for family, spec in settings.items()
+                     if spec in (baselines[scenario][family][0], baselines[scenario][family][-1])}
             conditions[arrivals] = {**_summarise(per_seed, list(settings), len(rates)),
-                                    "baseline_settings": settings}
+                                    "baseline_settings": settings, "baseline_at_edge": edges}
         doc["scenarios"][scenario] = {"title": title, "conditions": conditions}
     return doc
 
 
 def _policies(run: Path) -> dict:
-    return json.loads((run / "results.json").read_text())["policies"]
+    """The policies of a run, with those of its ``-more`` run (settings added later)."""
+    policies = dict(json.loads((run / "results.json").read_text())["policies"])
+    more = run.parent / f"{run.name}-more" / "results.json"
+    if more.exists():
+        policies.update(json.loads(more.read_text())["policies"])
+    return policies
 
 
 def _best_setting(runs: list[dict], specs: list[str]) -> str:
@@ -202,8 +218,8 @@ def render(doc: dict) -> str:
         "",
         f"Device `{doc['device']}` (simulated), FairBatching started from the H100 file (knee "
         "learned); SGLang's orders as tuned in [unfamiliar_gpu.md](unfamiliar_gpu.md), each at "
-        "whichever of its tuned timeout, half and twice it has the best mean over loads and "
-        "seeds for these arrivals (named in each table). Requests on time (TTFT and TPOT met), the "
+        "whichever of its tuned timeout and 0.5, 2, 4 and 8 times it has the best mean over "
+        "loads and seeds for these arrivals (named in each table). Requests on time (TTFT and TPOT met), the "
         f"mean of seeds {', '.join(map(str, doc['seeds']))}; ratios are to the best SGLang order "
         "at each point (of the means; in brackets the worst seed's own ratio). "
         "`python -m benchmarks.sim.unfamiliar_gpu_seeds`.",
@@ -211,7 +227,9 @@ def render(doc: dict) -> str:
     for scenario in doc["scenarios"].values():
         for arrivals, condition in scenario["conditions"].items():
             rows = condition["rows"]
-            settings = ", ".join(f"`{spec}`" for spec in condition["baseline_settings"].values())
+            settings = ", ".join(
+                f"`{spec}`" + (" (the edge of its timeouts)" if family in condition["baseline_at_edge"] else "")
+                for family, spec in condition["baseline_settings"].items())
             lines += ["", f"## {scenario['title']}, {ARRIVALS[arrivals]}", "",
                       f"SGLang's orders at {settings}.", "",
                       "| configuration | " + " | ".join(f"{r:g} req/s" for r in rates) + " |",
