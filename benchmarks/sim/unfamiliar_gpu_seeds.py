@@ -13,9 +13,11 @@ arrivals (the seed also draws the arrivals). Configurations:
   scheduler's plan served on the device first, its fit adopted);
 - SGLang's orders on the Sarathi batch with SGLang's waiting timeout, from the settings
   ``benchmarks.sim.unfamiliar_gpu`` tuned (``docs/bench/unfamiliar_gpu.json``), each also
-  at half, twice, four and eight times its timeout; of these, each family runs with the
-  one whose mean attainment over every load and seed is highest for these arrivals (one
-  setting, as an operator would choose it; one at either end is marked).
+  at half, twice, four and eight times its timeout and without one; of these, each family
+  runs with the one whose mean attainment over every load and seed is highest for these
+  arrivals (one setting, as an operator would choose it; the shortest timeout, an end of
+  the axis, is marked). The worst class is compared with each order at its setting best
+  for its worst class.
 
 Every figure is requests on time (TTFT and TPOT met), the mean of the three seeds, with
 the worst seed's ratio to the best baseline beside it; per SLO class and per prompt-length
@@ -85,11 +87,14 @@ def tuned_baselines(tuned_from: Path) -> dict[str, dict[str, list[str]]]:
 
 
 def _timeout_neighbours(spec: str) -> list[str]:
+    """The tuned ``spec`` at each of :data:`TIMEOUT_FACTORS` times its timeout, then the
+    same order without a timeout (the axis' limit)."""
     base, _, settings = spec.partition("@")
     parts = dict(part.partition("=")[::2] for part in settings.split(",") if "=" in part)
     budget = settings.split(",")[0]
     timeout = float(parts["timeout"])
-    return [f"{base}@{budget},timeout={timeout * factor:.4g}" for factor in TIMEOUT_FACTORS]
+    return [*(f"{base}@{budget},timeout={timeout * factor:.4g}" for factor in TIMEOUT_FACTORS),
+            f"{base.removesuffix('-queue-timeout')}@{budget}"]
 
 
 def run_name(scenario: str, arrivals: str, seed: int) -> str:
@@ -125,7 +130,8 @@ def run_sweeps(work: Path, baselines: dict, jobs: int) -> list[str]:
                 run_once(common, work / name, specs, commands)
                 missing = [spec for spec in specs if spec not in _policies(work / name)]
                 if missing:  # settings added since that run
-                    run_once(common, work / f"{name}-more", missing, commands)
+                    added = len(list(work.glob(f"{name}-more*/results.json")))
+                    run_once(common, work / f"{name}-more{added or ''}", missing, commands)
                 run_once([*common, "--calibrate"], work / f"{name}-cal", list(CALIBRATED), commands)
     return commands
 
@@ -156,6 +162,7 @@ def collect(work: Path, baselines: dict) -> dict:
             runs = [_policies(work / run_name(scenario, arrivals, seed)) for seed in SEEDS]
             calibrated = [_policies(work / f"{run_name(scenario, arrivals, seed)}-cal") for seed in SEEDS]
             settings = {family: _best_setting(runs, specs) for family, specs in baselines[scenario].items()}
+            worst_class = _worst_class_baseline(runs, baselines[scenario], len(rates))
             per_seed = []
             for policies, calibrated_policies in zip(runs, calibrated, strict=True):
                 rows = {label: [_point(x) for x in policies[spec]["loads"]]
@@ -166,18 +173,22 @@ def collect(work: Path, baselines: dict) -> dict:
                              for family, spec in settings.items()})
                 per_seed.append(rows)
             edges = {family: spec for family, spec in settings.items()
-                     if spec in (baselines[scenario][family][0], baselines[scenario][family][-1])}
-            conditions[arrivals] = {**_summarise(per_seed, list(settings), len(rates)),
-                                    "baseline_settings": settings, "baseline_at_edge": edges}
+                     if spec == baselines[scenario][family][0]}
+            summary = _summarise(per_seed, list(settings), len(rates))
+            summary["worst_class"] = {
+                "best_baseline": worst_class,
+                "ratios": {label: [min(summary["rows"][label][i]["by_slo_class"].values())
+                                   / worst_class[i]["attainment"] for i in range(len(rates))]
+                           for label in summary["ratios"]}}
+            conditions[arrivals] = {**summary, "baseline_settings": settings, "baseline_at_edge": edges}
         doc["scenarios"][scenario] = {"title": title, "conditions": conditions}
     return doc
 
 
 def _policies(run: Path) -> dict:
-    """The policies of a run, with those of its ``-more`` run (settings added later)."""
+    """The policies of a run, with those of its ``-more`` runs (settings added later)."""
     policies = dict(json.loads((run / "results.json").read_text())["policies"])
-    more = run.parent / f"{run.name}-more" / "results.json"
-    if more.exists():
+    for more in sorted(run.parent.glob(f"{run.name}-more*/results.json")):
         policies.update(json.loads(more.read_text())["policies"])
     return policies
 
@@ -187,6 +198,23 @@ def _best_setting(runs: list[dict], specs: list[str]) -> str:
     mean attainment over every load and seed."""
     return max(specs, key=lambda spec: mean(load["attainment"] for policies in runs
                                             for load in policies[spec]["loads"]))
+
+
+def _worst_class_baseline(runs: list[dict], families: dict[str, list[str]], n_rates: int) -> list[dict]:
+    """At each load, the best worst-class attainment (mean of the seeds) of SGLang's orders,
+    each at its setting with the best worst class over every load and seed: the baseline
+    of the worst-class target, tuned for it."""
+    def worst(spec: str, index: int) -> float:
+        return mean(min(v["attainment"] for v in policies[spec]["loads"][index]["by_slo_class"].values())
+                    for policies in runs)
+
+    tuned = {family: max(specs, key=lambda spec: mean(worst(spec, i) for i in range(n_rates)))
+             for family, specs in families.items()}
+    out = []
+    for index in range(n_rates):
+        family = max(tuned, key=lambda f: worst(tuned[f], index))
+        out.append({"attainment": worst(tuned[family], index), "policy": tuned[family]})
+    return out
 
 
 def _summarise(per_seed: list[dict], families: list[str], n_rates: int) -> dict:
@@ -218,8 +246,8 @@ def render(doc: dict) -> str:
         "",
         f"Device `{doc['device']}` (simulated), FairBatching started from the H100 file (knee "
         "learned); SGLang's orders as tuned in [unfamiliar_gpu.md](unfamiliar_gpu.md), each at "
-        "whichever of its tuned timeout and 0.5, 2, 4 and 8 times it has the best mean over "
-        "loads and seeds for these arrivals (named in each table). Requests on time (TTFT and TPOT met), the "
+        "whichever of its tuned timeout, 0.5, 2, 4 and 8 times it and no timeout has the best "
+        "mean over loads and seeds for these arrivals (named in each table). Requests on time (TTFT and TPOT met), the "
         f"mean of seeds {', '.join(map(str, doc['seeds']))}; ratios are to the best SGLang order "
         "at each point (of the means; in brackets the worst seed's own ratio). "
         "`python -m benchmarks.sim.unfamiliar_gpu_seeds`.",
@@ -228,7 +256,7 @@ def render(doc: dict) -> str:
         for arrivals, condition in scenario["conditions"].items():
             rows = condition["rows"]
             settings = ", ".join(
-                f"`{spec}`" + (" (the edge of its timeouts)" if family in condition["baseline_at_edge"] else "")
+                f"`{spec}`" + (" (its shortest timeout tried)" if family in condition["baseline_at_edge"] else "")
                 for family, spec in condition["baseline_settings"].items())
             lines += ["", f"## {scenario['title']}, {ARRIVALS[arrivals]}", "",
                       f"SGLang's orders at {settings}.", "",
@@ -243,6 +271,14 @@ def render(doc: dict) -> str:
                         cell += f" ({ratio[i]['of_means']:.2f}x [{ratio[i]['worst_seed']:.2f}x])"
                     cells.append(cell)
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            worst = condition["worst_class"]
+            if len(next(iter(rows.values()))[0]["by_slo_class"]) > 1:
+                lines += ["", "Worst class against the best worst class of SGLang's orders, each "
+                          "order at its setting best for its worst class ("
+                          + ", ".join(f"{rate:g} req/s: `{w['policy']}` {w['attainment']:.2f}"
+                                      for rate, w in zip(rates, worst["best_baseline"])) + "):", ""]
+                for label, ratios in worst["ratios"].items():
+                    lines.append(f"- {label}: " + " / ".join(f"{r:.2f}x" for r in ratios))
             lines += ["", "Who pays (mean of the seeds), per SLO class and per prompt-length bucket "
                       "(<512 / 512-1023 / 1024-2047 / 2048-4095 / >=4096):", ""]
             for i, rate in enumerate(rates):

@@ -9,7 +9,8 @@ import benchmarks.sim.unfamiliar_gpu_seeds as seeds
 
 def test_the_timeout_neighbours_span_the_tuned_one() -> None:
     specs = seeds._timeout_neighbours("sarathi-hrrn-queue-timeout@256,timeout=1.25")
-    assert specs == [f"sarathi-hrrn-queue-timeout@256,timeout={t:g}" for t in (0.625, 1.25, 2.5, 5, 10)]
+    assert specs == [*(f"sarathi-hrrn-queue-timeout@256,timeout={t:g}" for t in (0.625, 1.25, 2.5, 5, 10)),
+                     "sarathi-hrrn@256"]
 
 
 def test_one_setting_per_family_the_best_mean_over_loads_and_seeds() -> None:
