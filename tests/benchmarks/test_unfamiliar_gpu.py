@@ -9,7 +9,7 @@ import benchmarks.sim.unfamiliar_gpu_seeds as seeds
 
 def test_the_timeout_neighbours_span_the_tuned_one() -> None:
     specs = seeds._timeout_neighbours("sarathi-hrrn-queue-timeout@256,timeout=1.25")
-    assert specs == [*(f"sarathi-hrrn-queue-timeout@256,timeout={t:g}" for t in (0.15625, 0.3125, 0.625, 1.25, 2.5, 5, 10)),
+    assert specs == [*(f"sarathi-hrrn-queue-timeout@256,timeout={t:g}" for t in (0.1562, 0.3125, 0.625, 1.25, 2.5, 5, 10)),
                      "sarathi-hrrn@256"]
 
 
