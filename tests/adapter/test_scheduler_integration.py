@@ -357,6 +357,12 @@ def test_a_request_the_pool_can_never_hold_is_refused_and_the_queue_moves(never_
 
 
 # ------------------------------------------------------------------ start-up calibration
+#: The calibration scenario's emulated GPU runs this many times slower than the profile, so
+#: that a step's host-side delays on a busy machine (the wake-up after the emulated device
+#: time, a few ms) stay a small share of it: the fit is held to the profile's own figures.
+CALIBRATION_TIME_SCALE = 12.0
+
+
 @pytest.fixture(scope="module")
 def calibration_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The shipped file 3x too slow for this emulated GPU, ``calibrate = true``, and one
@@ -365,16 +371,16 @@ def calibration_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     tmp_path = tmp_path_factory.mktemp("calibration")
     shipped = StepModelFile.load(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml")
-    shipped.scaled(TIME_SCALE * WRONG_BY).save(tmp_path / "wrong.toml")
+    shipped.scaled(CALIBRATION_TIME_SCALE * WRONG_BY).save(tmp_path / "wrong.toml")
     config = tmp_path / "fb.toml"
     config.write_text(f'policy = "fb-smooth"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
                       f'step_model = "{tmp_path / "wrong.toml"}"\ncalibrate = true\n')
     scenario = {"requests": [{"rid": "client", "prompt_tokens": 100, "max_new_tokens": 20,
-                              "slo": {"class": "standard"}}],
+                              "slo": {"class": "relaxed"}}],
                 "overlap": False, "timeout_s": 200, "config": str(config)}
     result = run_harness(tmp_path, "calibration", scenario,
-                         env_extra={"FAIRBATCHING_EMULATED_GPU_TIME_SCALE": str(TIME_SCALE)})
-    result["emulated_file"] = shipped.scaled(TIME_SCALE).model
+                         env_extra={"FAIRBATCHING_EMULATED_GPU_TIME_SCALE": str(CALIBRATION_TIME_SCALE)})
+    result["emulated_file"] = shipped.scaled(CALIBRATION_TIME_SCALE).model
     return result
 
 
