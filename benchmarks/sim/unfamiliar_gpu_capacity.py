@@ -122,10 +122,11 @@ def choose(entries: dict, tuned: dict[str, str]) -> dict:
     return choice
 
 
-def run_bisections(work: Path, baselines: dict[str, str], jobs: int) -> list[str]:
+def run_bisections(work: Path, baselines: dict[str, str], jobs: int,
+                   arrival_processes: Sequence[str] = tuple(ARRIVALS)) -> list[str]:
     commands: list[str] = []
     for scenario in (SCENARIO,):
-        for arrivals in ARRIVALS:
+        for arrivals in arrival_processes:
             for seed in SEEDS:
                 name = run_name(scenario, arrivals, seed)
                 common = ["capacity", "--profile", DEVICE, "--target", TARGET, "--start", START,
@@ -137,12 +138,13 @@ def run_bisections(work: Path, baselines: dict[str, str], jobs: int) -> list[str
     return commands
 
 
-def collect(work: Path, baselines: dict[str, str]) -> dict:
+def collect(work: Path, baselines: dict[str, str],
+            arrival_processes: Sequence[str] = tuple(ARRIVALS)) -> dict:
     doc: dict = {"device": DEVICE, "seeds": list(SEEDS), "target": float(TARGET), "scenarios": {}}
     for scenario in (SCENARIO,):
         title = SCENARIOS[scenario][0]
         conditions = {}
-        for arrivals in ARRIVALS:
+        for arrivals in arrival_processes:
             seeds = []
             for seed in SEEDS:
                 name = run_name(scenario, arrivals, seed)
@@ -223,15 +225,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=REPO / "out" / "unfamiliar_gpu_capacity")
     parser.add_argument("--tuned-from", type=Path, default=TUNED_FROM)
     parser.add_argument("--jobs", type=int, default=2, help="policies bisected at once")
+    parser.add_argument("--arrivals", default=",".join(ARRIVALS),
+                        help=f"arrival processes, comma-separated (default {','.join(ARRIVALS)})")
     parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     args = parser.parse_args(argv)
+    arrival_processes = [a for a in args.arrivals.split(",") if a]
+    unknown = set(arrival_processes) - set(ARRIVALS)
+    if unknown or not arrival_processes:
+        parser.error(f"--arrivals takes some of {', '.join(ARRIVALS)}")
     started = time.monotonic()
     work = args.source or args.work
     commands, tuning = run_tuning(work, attainment_tuned(args.tuned_from), args.jobs)
     baselines = {family: entry["chosen"] for family, entry in tuning.items()}
     if not args.source:
-        commands += run_bisections(work, baselines, args.jobs)
-    doc = collect(work, baselines)
+        commands += run_bisections(work, baselines, args.jobs, arrival_processes)
+    doc = collect(work, baselines, arrival_processes)
     doc["tuning"] = {"rates": TUNE_RATES, "families": tuning}
     doc["provenance"] = {**git_state(REPO), "wall_s": round(time.monotonic() - started),
                          "commands": commands or ["(rendered from bisections already run)"]}
