@@ -152,14 +152,22 @@ def render(doc: dict) -> str:
         lines += ["", "Against the best tuned baseline at each load: " + "; ".join(ratios) + "."]
         lines += ["", "Who pays, per SLO class and per prompt-length bucket (<512 / 512-1023 / "
                   "1024-2047 / 2048-4095 / >=4096), at each load:", ""]
-        for index, rate in enumerate(doc["rates"]):
-            lines.append(f"- {rate:g} req/s:")
-            for name, row in rows.items():
-                point = row["loads"][index]
-                classes = ", ".join(f"{k} {v:.2f}" for k, v in point["by_slo_class"].items())
-                buckets = " / ".join(f"{v:.2f}" for v in point["by_prompt_tokens"].values())
-                lines.append(f"  - {name}: {classes}; {buckets}")
+        lines += who_pays_lines(doc["rates"], {name: row["loads"] for name, row in rows.items()})
     return "\n".join(lines) + "\n"
+
+
+def who_pays_lines(rates: Sequence[float], rows: dict[str, list[dict]]) -> list[str]:
+    """Per load, each row's attainment per SLO class and per prompt-length bucket
+    (``rows``: label -> one point per rate, as :func:`_point` keeps them)."""
+    lines = []
+    for index, rate in enumerate(rates):
+        lines.append(f"- {rate:g} req/s:")
+        for label, points in rows.items():
+            point = points[index]
+            classes = ", ".join(f"{k} {v:.2f}" for k, v in point["by_slo_class"].items())
+            buckets = " / ".join(f"{v:.2f}" for v in point["by_prompt_tokens"].values())
+            lines.append(f"  - {label}: {classes}; {buckets}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

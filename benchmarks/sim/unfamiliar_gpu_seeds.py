@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from statistics import mean
 
-from benchmarks.sim.unfamiliar_gpu import DEVICE, FOREIGN_FILE, RATES, SCENARIOS
+from benchmarks.sim.unfamiliar_gpu import DEVICE, FOREIGN_FILE, RATES, SCENARIOS, who_pays_lines
 from benchmarks.support.outputs import write_outputs
 from benchmarks.support.paths import DOCS_BENCH, REPO
 from sglang_ext.provenance import git_state
@@ -286,13 +286,7 @@ def render(doc: dict) -> str:
                     lines.append(f"- {label}: " + " / ".join(f"{r:.2f}x" for r in ratios))
             lines += ["", "Who pays (mean of the seeds), per SLO class and per prompt-length bucket "
                       "(<512 / 512-1023 / 1024-2047 / 2048-4095 / >=4096):", ""]
-            for i, rate in enumerate(rates):
-                lines.append(f"- {rate:g} req/s:")
-                for label, loads in rows.items():
-                    point = loads[i]
-                    classes = ", ".join(f"{k} {v:.2f}" for k, v in point["by_slo_class"].items())
-                    buckets = " / ".join(f"{v:.2f}" for v in point["by_prompt_tokens"].values())
-                    lines.append(f"  - {label}: {classes}; {buckets}")
+            lines += who_pays_lines(rates, rows)
     return "\n".join(lines) + "\n"
 
 
