@@ -8,9 +8,15 @@ policy decides:
 - decodes it defers are *parked*: removed from the running batch with their KV kept,
   merged back at the start of the next step;
 - its prefill chunks are realised by SGLang's own ``PrefillAdder`` restricted to the
-  plan (:mod:`sglang_ext.adapter.scheduler.prefill_adder`), mixed with the chosen decodes in one
-  hybrid batch (``ForwardMode.MIXED``);
+  plan (:mod:`sglang_ext.adapter.scheduler.prefill_plan`), mixed with the chosen decodes in
+  one hybrid batch (``ForwardMode.MIXED``);
 - with no prefill planned, the chosen decodes run as SGLang's decode batch.
+
+While SGLang's ``get_new_batch_prefill`` runs, the plan is the rank state's
+``active_plan`` (:class:`~sglang_ext.adapter.scheduler.state.FairBatchingState`, held on
+the scheduler as ``scheduler.fairbatching`` and on its ``SchedulePolicy`` as
+``policy.fairbatching``): the adder-class hook and the waiting-queue ordering hook read it
+there.
 
 Everything that must see every request of the rank sees parked ones too: the KV
 reservation of prefill admission, decode retraction (parked requests rejoin before
@@ -49,12 +55,6 @@ logger = logging.getLogger("sglang_ext.fairbatching")
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 SCHEDULE_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
-
-# The plan being realised right now (the scheduler process is single-threaded); read by
-# the adder-class hook and by the waiting-queue ordering hook, which SGLang calls on its
-# SchedulePolicy, not the Scheduler.
-_active_plan: PrefillPlan | None = None
-
 
 def install_scheduler_hooks(config: ExtensionConfig) -> None:
     hooks: dict[str, tuple[Callable[..., Any], HookType]] = {
@@ -107,6 +107,11 @@ def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
     if getattr(getattr(scheduler, "server_args", None), "load_balance_method", None) == "pab":
         state.publishes_budgets = True  # the DP controller routes on each class's budget
     scheduler.fairbatching = state
+    schedule_policy = getattr(scheduler, "policy", None)
+    if schedule_policy is not None:
+        # SGLang calls the waiting-queue ordering hook on its SchedulePolicy, which holds
+        # no reference to its scheduler: the state rides on it too.
+        schedule_policy.fairbatching = state
     # FairBatching's batches are hybrid: chosen decodes ride along with prefill chunks.
     scheduler.is_mixed_chunk = True
     for component in ("load_inquirer", "invariant_checker"):
@@ -218,12 +223,11 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         state.parked_reqs,
     )
     state.counters.planned_prefill_tokens += plan.total_tokens
-    global _active_plan
-    _active_plan = plan
+    state.active_plan = plan
     try:
         result = orig(self, running_batch)
     finally:
-        _active_plan = None
+        state.active_plan = None
     if result.batch_to_run is None and result.running_batch.is_empty() and state.parked is None \
             and self.chunked_req is None:
         _refuse_what_never_fits(self, state, plan)
@@ -323,7 +327,8 @@ def _realise_decodes(scheduler: Scheduler, state: FairBatchingState, running: An
 def _planned_first(result: Any, policy: Any, waiting_queue: list[Any], *args: Any, **kwargs: Any) -> Any:
     """Put the planned requests first (stable), so SGLang's admission loop reaches them
     at once instead of walking, and prefix-matching, the whole queue."""
-    plan = _active_plan
+    state: FairBatchingState | None = getattr(policy, "fairbatching", None)
+    plan = state.active_plan if state is not None else None
     if plan is not None:
         planned = plan.tokens_by_rid
         waiting_queue.sort(key=lambda req: req.rid not in planned)
@@ -332,7 +337,7 @@ def _planned_first(result: Any, policy: Any, waiting_queue: list[Any], *args: An
 
 def _get_prefill_adder_class(orig: Callable[..., Any], self: Scheduler) -> Any:
     base = orig(self)
-    plan = _active_plan
+    plan = self.fairbatching.active_plan
     return base if plan is None else adder_factory(base, plan)
 
 
@@ -405,11 +410,11 @@ def _takes_attributes(result: Any) -> bool:
     split prefill, PD prefill, and PD decode's prebuilt placeholder) and an
     ``EmbeddingBatchResult`` for embedding and reward models, both plain dataclasses
     (no ``__slots__``, not frozen); the emulated GPU's result subclasses the first. The
-    case handled here is a future result type with ``__slots__`` or a frozen dataclass
-    (whose ``FrozenInstanceError`` is an ``AttributeError``: an ``except AttributeError:
-    pass`` stood here before and would have silently stopped every step-model
-    observation, and left the in-flight step count, hence the predicted device-free
-    time, never returning to zero)."""
+    case handled here is a future result type with ``__slots__`` or a frozen dataclass.
+    It is checked, not caught: a frozen dataclass raises ``FrozenInstanceError``, an
+    ``AttributeError``, and swallowing it would silently stop every step-model
+    observation and leave the in-flight step count, hence the predicted device-free
+    time, never returning to zero; such a step is recorded as a handled error instead."""
     if not hasattr(result, "__dict__"):
         return False
     params = getattr(type(result), "__dataclass_params__", None)

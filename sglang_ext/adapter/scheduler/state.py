@@ -14,7 +14,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane.protocol import budget_tokens
 from controlplane.ratelimited_log import RateLimitedLog
@@ -29,6 +29,9 @@ from sglang_ext.policy.gc import should_collect
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
+
+if TYPE_CHECKING:
+    from sglang_ext.adapter.scheduler.prefill_plan import PrefillPlan
 
 logger = logging.getLogger("sglang_ext.fairbatching")
 
@@ -127,6 +130,9 @@ class FairBatchingState:
         self.admission_echo: dict[str, int] = {}  # the admissions admission_budgets count
         self.publishes_budgets = self.admission.mode is AdmissionMode.REJECT
         self.last_decision: BatchDecision | None = None
+        # the prefill plan SGLang's get_new_batch_prefill is realising, set only while it
+        # runs; read by the adder-class and waiting-queue ordering hooks
+        self.active_plan: PrefillPlan | None = None
         # rids the policy ended (defer), aborted at the scheduler's next request poll;
         # at most one entry per live request (each is ended once)
         self.pending_aborts: list[Any] = []
