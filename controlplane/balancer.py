@@ -4,8 +4,9 @@ The caller passes only the ranks it considers fresh (stale means unknown, never 
 as :class:`RankView` values built from the last reports plus its own dispatches since
 (see ``docs/controlplane.md``). A balancer may keep a little state of its own (a cursor,
 a seeded RNG) but does no I/O. ``choose`` returns a rank name, or None when the policy
-declines: no rank given, or (the ``pab`` policies only) no rank's budget covers the
-prompt (``pab_least_loaded`` and ``pab_cache_aware``: the part of it the rank does not hold).
+declines: no rank given, or (the balancers that route on budget, ``routes_on_budget``:
+the ``pab`` policies) no rank's budget covers the prompt (``pab_least_loaded`` and
+``pab_cache_aware``: the part of it the rank does not hold).
 
 ``slo_class`` names the SLO class whose budget a request is judged by (the ``pab``
 policies; :func:`routing_class` maps a request's SLO onto one); None, or a class a
@@ -82,6 +83,11 @@ def routing_class(class_ttfts: Mapping[str, float], slo_class: str | None,
 
 class Balancer(Protocol):
     name: str
+    #: Whether a rank is eligible only when its budget covers the prompt (the ``pab``
+    #: policies): then ``choose`` declines when no rank's budget does, the dispatcher
+    #: answers ``no_budget`` (HTTP 429) or queues the request, and ranks report each SLO
+    #: class's budget for it to judge by. False: ``choose`` declines only an empty list.
+    routes_on_budget: bool
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
                slo_class: str | None = None, prompt: Prompt | None = None) -> str | None: ...
@@ -91,6 +97,8 @@ class Balancer(Protocol):
 
 class _Oblivious:
     """A policy that keeps no record of what it routed where."""
+
+    routes_on_budget = False
 
     def record(self, rank: str, prompt: Prompt | None, prompt_tokens: int) -> int:
         return 0
@@ -102,6 +110,7 @@ class PabBalancer(_Oblivious):
     caller queues or rejects)."""
 
     name = "pab"
+    routes_on_budget = True
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
                slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
@@ -193,6 +202,8 @@ class _AffinityPolicy:
     """The prefix tree and the last prompt's match, kept so that ``record`` after
     ``choose`` does not hash the prompt again."""
 
+    routes_on_budget = False
+
     def __init__(self, settings: CacheAwareSettings) -> None:
         self.settings = settings
         self.affinity = PrefixAffinity(settings.block_size, settings.max_blocks_per_rank)
@@ -272,6 +283,7 @@ class PabLeastLoadedBalancer(_AffinityPolicy):
     them), and debiting it understates the rank's budget until its next report."""
 
     name = "pab_least_loaded"
+    routes_on_budget = True
     prefers_cached = False  # pab_cache_aware: the longest match above the threshold first
 
     def __init__(self, settings: CacheAwareSettings) -> None:

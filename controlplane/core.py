@@ -312,7 +312,7 @@ class DispatcherCore:
             return self._dispatch(request_id, pending, rank)
         if not views:
             reason, detail = RejectReason.NO_RANKS, "no reachable rank that is not draining"
-        elif fresh and self.config.policy.startswith("pab"):  # the policies that decline
+        elif fresh and self.balancer.routes_on_budget:
             of_class = "" if slo_class is None else f" of SLO class {slo_class}"
             uncached = " (less what it holds of the prompt)" if self._routes_on_prompt else ""
             detail = (f"no rank's budget{of_class} covers {pending.prompt_tokens} prompt "

@@ -200,7 +200,10 @@ class ClusterSimulation:
             raise ClusterConfigError(
                 f"{len(prefixes)} prefixes for {len(scenario.workload.requests)} requests")
         self.prefixes = prefixes
-        classes = scenario.catalog.classes if cluster.balancer.startswith("pab") else {}
+        self.balancer = make_balancer(cluster.balancer, scenario.seed,
+                                      CacheAwareSettings(block_size=1))
+        # a balancer that routes on budget judges a request by its SLO class's budget
+        classes = scenario.catalog.classes if self.balancer.routes_on_budget else {}
         cache_bound = scenario.profile.kv_capacity_tokens if cluster.rank_cache_tokens is None \
             else cluster.rank_cache_tokens
         self.ranks = [
@@ -210,8 +213,6 @@ class ClusterSimulation:
             for i in range(cluster.ranks)
         ]
         self.ledger = DispatchLedger()
-        self.balancer = make_balancer(cluster.balancer, scenario.seed,
-                                      CacheAwareSettings(block_size=1))
         self.full_prompt_tokens: dict[int, int] = {}  # requests prefilled past a cached prefix
         self.queue: deque[_Queued] = deque()
         self.placement: dict[int, int] = {}
@@ -315,7 +316,7 @@ class ClusterSimulation:
 
     def _choose(self, views: list[RankView], queued: _Queued) -> str | None:
         request = queued.request
-        if queued.prompt is None:  # a balancer written before prompts still works
+        if queued.prompt is None:  # no prompt: the call every balancer takes
             return self.balancer.choose(views, request.prompt_tokens, request.slo_class or None)
         return self.balancer.choose(views, request.prompt_tokens, request.slo_class or None,
                                     queued.prompt)

@@ -26,6 +26,15 @@ def test_the_names_are_the_configs_policies() -> None:
         assert make_balancer(name).name == name
 
 
+def test_only_the_pab_policies_route_on_budget() -> None:
+    routes = {name for name in BALANCERS if make_balancer(name).routes_on_budget}
+    assert routes == {"pab", "pab_least_loaded", "pab_cache_aware"}
+    empty_budgets = [view("a", pab=10.0), view("b", pab=5.0)]
+    for name in BALANCERS:
+        declined = make_balancer(name).choose(empty_budgets, 100) is None
+        assert declined == (name in routes), name
+
+
 def test_unknown_name_lists_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="unknown balancer 'least_loaded'") as error:
         make_balancer("least_loaded")
