@@ -2,7 +2,7 @@
 their relative links resolve, and the README keeps the two set-up commands CI depends on.
 
 The rule for a cheap command: a fenced block whose opening line is exactly ```bash and
-whose previous line is exactly `<!-- cheap -->`, in README.md or docs/*.md (the pages, not
+whose previous line is exactly `<!-- cheap -->`, in README.md, docs/*.md or docs/results/*.md (the pages, not
 the generated docs/report/ and docs/bench/). Mark a block cheap only when every line runs
 in seconds on a CPU, needs no server, GPU or network, and writes only to new paths
 relative to the working directory (e.g. the simulator's default `out/run-<time>/`).
@@ -50,7 +50,8 @@ scripts/test.sh    # the whole test suite (what CI runs; `scripts/test.sh -m "no
 
 
 def doc_pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+            *sorted((ROOT / "docs" / "results").glob("*.md"))]
 
 
 def cheap_blocks(path: Path) -> list[tuple[int, str]]:
@@ -429,6 +430,13 @@ def test_readme_links_every_docs_page():
     linked = {(ROOT / t).resolve() for t in relative_links(ROOT / "README.md")}
     unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def test_results_index_links_every_results_page():
+    linked = {(ROOT / "docs" / t).resolve() for t in relative_links(ROOT / "docs" / "results.md")}
+    unlinked = [p.name for p in sorted((ROOT / "docs" / "results").glob("*.md"))
+                if p.resolve() not in linked]
+    assert not unlinked, f"results pages docs/results.md does not link: {unlinked}"
 
 
 def test_readme_keeps_the_two_setup_commands():
