@@ -1,9 +1,9 @@
 """The adapter's memory contract (docs/sglang.md, *Memory contract*) on a real SGLang
 ``Scheduler``: a fast seeded subset of :mod:`benchmarks.server.kv_campaign`, checked
-after every step. The seeds include scenarios that crashed the scheduler for lack of
-KV before the planned adder held a cut prompt's remainder (a long prompt cut beside
-short ones admitted whole), and one that stalled the queue behind a request no pool
-could hold."""
+after every step. The seeds include scenarios where the scheduler runs out of KV unless
+the planned adder holds a cut prompt's remainder in its budget (a long prompt cut beside
+short ones admitted whole), and one whose queue stalls behind a request no pool can hold
+unless that request is refused."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ pytest.importorskip("sglang")
 
 pytestmark = pytest.mark.sglang
 
-#: 114, 128 and 139 crashed for lack of KV; 1168 stalled behind a request no pool could
-#: hold; 1107 asks for more output than the model's context leaves
+#: 114, 128 and 139 need a cut prompt's remainder held for KV to suffice; 1168 queues a
+#: request no pool can hold; 1107 asks for more output than the model's context leaves
 SEEDS = (114, 128, 139, 1168, 1107, 3)
 
 

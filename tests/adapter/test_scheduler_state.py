@@ -121,8 +121,8 @@ def test_pab_read_later_is_the_decisions_pab(state):
 
 
 def reference_kv_outlook(free_and_evictable, new_token_ratio, decoding, queued):
-    """``kv_outlook`` as written before its loop was inlined: output_reserve and
-    last_token_due called per request, releases sorted as tuples."""
+    """``kv_outlook`` written plainly: output_reserve and last_token_due called per
+    request, releases sorted as tuples."""
     import statistics
 
     from sglang_ext.adapter.scheduler.kv_outlook import output_reserve
@@ -149,7 +149,7 @@ def reference_kv_outlook(free_and_evictable, new_token_ratio, decoding, queued):
                      float(statistics.median(initial) if initial else 0.0))
 
 
-def test_kv_outlook_is_what_it_was_before_its_loop_was_inlined():
+def test_kv_outlook_matches_its_plain_reference():
     from sglang_ext.adapter.scheduler.kv_outlook import kv_outlook
     from sglang_ext.policy.slo import Slo
     from sglang_ext.policy.view import RequestView

@@ -775,7 +775,8 @@ def test_pab_cache_aware_leaves_the_holder_when_its_budget_cannot_cover_the_rest
 
 def test_pab_least_loaded_admits_and_debits_the_part_of_a_shared_prefix_a_rank_lacks():
     """pab_least_loaded judges and debits a prompt less what the rank holds of it, and still
-    chooses by load among the ranks that can take it (issue 29: it collapsed on shared prefixes)."""
+    chooses by load among the ranks that can take it, so requests sharing a prefix do not all
+    go to the rank that holds it."""
     core, shared, first, holder, other = two_ranks_after_a_shared_prefix("pab_least_loaded")
     assert 100_000 - core.ledger.effective_budget(holder) == 1_100  # nothing cached yet: all of it
     (second,) = dispatches(text_submit(core, "second", shared + "r" * 400))
