@@ -40,7 +40,7 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     curve_secret_key_file: str | None = None  # the daemon's .key_secret: CURVE on every socket
     curve_authorized_keys_dir: str | None = None  # the .key files of every peer let in
 
-    policy: PolicyName = "pab_cache_aware"  # pab_least_loaded: the default before issue 29
+    policy: PolicyName = "pab_cache_aware"  # prefix affinity within each rank's PAB
     on_no_budget: Literal["reject", "queue"] = "reject"
     retry_after_s: PositiveFloat = 0.25
     queue_ttl_s: PositiveFloat = 5.0  # the longest wait; a request with a TTFT target waits at most that

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fair capacity in the real server on the emulated GPU (issue 28, item 5): FairBatching's
+# Fair capacity in the real server on the emulated GPU: FairBatching's
 # shipped fb-defer against stock SGLang at its best (mixed chunk with its queue limit or
 # waiting timeout, priority scheduling by class or shortest prompt first), capacity at
 # 90%/99% by bisection and overload at 1.5x/2x (see benchmarks/server/fair_capacity.py).

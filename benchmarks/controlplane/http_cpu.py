@@ -8,10 +8,10 @@ token and per 1,000 requests of the processes between an HTTP client and the ran
 One machine, loopback: one process of two simulated ranks in real time
 (``python -m sglang_ext.sim.rank``), the control plane in front of them, and the load
 generator (this process, aiohttp): Poisson arrivals at ``RATE`` req/s (``--rate``) of
-streamed completions, 100-200 output tokens each (``ignore_eos``), a 64-token prompt, the
-setup issue 29's profile used; or (``--workload prefix``) the router benchmark's shared
-prefixes (about 4,200-token text prompts, 32-128 output tokens), where a request's own
-handling weighs more against its tokens. Modes:
+streamed completions, 100-200 output tokens each (``ignore_eos``), a 64-token prompt, as
+in ``benchmarks.controlplane.cpu_cost``'s streamed part; or (``--workload prefix``) the
+router benchmark's shared prefixes (about 4,200-token text prompts, 32-128 output tokens),
+where a request's own handling weighs more against its tokens. Modes:
 
 - ``gateway``: the daemon (``serve``) and the gateway (``gateway``), two processes;
 - ``embedded``: ``serve --http``, one process.

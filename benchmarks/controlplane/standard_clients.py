@@ -1,4 +1,4 @@
-"""Standard clients against the OpenAI-compatible gateway, unmodified (issue 15, item 2):
+"""Standard clients against the OpenAI-compatible gateway, unmodified:
 SGLang's own serving benchmark, ``python -m sglang.benchmark.serving`` (SGLang 0.5.23),
 with its OpenAI completions backend (``--backend sglang-oai``, ``POST /v1/completions``)
 and chat backend (``--backend sglang-oai-chat``, ``POST /v1/chat/completions``), each

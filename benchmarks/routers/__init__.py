@@ -15,12 +15,12 @@ at one rate before the next rate, so the machine's drift touches all alike):
   or halved at an edge, at most ``MAX_EXTENSIONS`` times; ``Bench.sweep``), plus the fixed
   flags of ``SMG_CA_EXTRA`` (worker overload protection and the warm-up slice off; why:
   beside it);
-* ``cp-default``   -- the daemon with its default balancer (``policy`` not set: since issue 29
+* ``cp-default``   -- the daemon with its default balancer (``policy`` not set:
   ``pab_cache_aware``, prefix affinity within each rank's PAB; the prefix tree's knobs smg
   ``cache_aware``'s defaults) behind its OpenAI gateway (``fairbatching-controlplane gateway``);
 * ``cp-pab``       -- the daemon with ``policy = "pab"``;
 * ``cp-least``     -- the daemon with ``policy = "pab_least_loaded"`` (PAB admits, the least
-  loaded rank is chosen; the default before issue 29, measured then as ``cp-default``).
+  loaded rank is chosen).
 
 The daemon (with its gateway) restarts for every run, as smg does: a prefix-tree balancer's
 tree starts empty like the servers' flushed caches.
@@ -73,7 +73,7 @@ Every finished run is appended to ``out/bench_routers/points.jsonl`` (raw logs b
 ``docs/bench/routers.md`` and ``routers.json`` are rendered from the points::
 
     scripts/bench_routers.sh                  # the full run (about 40 min on 2 vCPUs with
-                                              # four routers, before a fifth joined)
+                                              # four routers)
     scripts/bench_routers.sh --quick          # one rate per workload, 12 s runs, 3-point sweep (~8 min)
     scripts/bench_routers.sh --render-only    # re-render docs/bench/routers.* from the points
     scripts/bench_routers.sh --workloads prefix --azure-rates 6 --prefix-rates 8,12

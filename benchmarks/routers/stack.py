@@ -49,7 +49,7 @@ DAEMON_POLICY = {"cp-default": None, "cp-one": None, "cp-pab": "pab", "cp-least"
 #: The daemon's routers whose gateway runs in the daemon's process (``serve --http``);
 #: the others run ``gateway`` as a second process.
 EMBEDDED_ROUTERS = frozenset({"cp-one"})
-#: What ``cp-default`` runs: the daemon's own default (``pab_cache_aware`` since issue 29).
+#: What ``cp-default`` runs: the daemon's own default (``pab_cache_aware``).
 DAEMON_DEFAULT_POLICY: str = DaemonConfig().policy
 
 

@@ -14,7 +14,7 @@ once as a single rank and once publishing its class budgets at every decision
 (``fairbatching-publishing``: behind the control plane, or with DP's pab method). Only
 busy steps count (at least 128 decoding or parked requests). The four run in ``--rounds``
 interleaved rounds (each in a fresh interpreter) and the samples of all rounds are
-pooled, so a slow stretch of a shared machine hits all alike. The issue's check: FairBatching's
+pooled, so a slow stretch of a shared machine hits all alike. The check: FairBatching's
 adapter plus policy no slower than stock's own ``get_next_batch_to_run`` at the same load.
 Writes ``docs/bench/adapter.json``. Run pinned to one core with the test environment's
 Python (``FB_EXTRAS=dev,sglang source scripts/_env.sh``)::
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         "note": "get_next_batch_us: SGLang's Scheduler.get_next_batch_to_run per step (with "
                 "FairBatching: its hooks included, and SGLang's own prefill admission of the "
                 "planned chunks); decision_us: FairBatching's adapter and policy alone (request "
-                "views, PAB, form_batch, parking), the issue's 'adapter plus policy'; "
+                "views, PAB, form_batch, parking), the 'adapter plus policy' of the check; "
                 "fairbatching-publishing: the same rank publishing its class budgets at every "
                 "decision, as behind the control plane or DP's pab method.",
         "adapter_plus_policy_vs_stock_get_next_batch": {

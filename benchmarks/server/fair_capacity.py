@@ -1,4 +1,4 @@
-"""Benchmark: fair capacity in the real server (issue 28, item 5): FairBatching's shipped
+"""Benchmark: fair capacity in the real server: FairBatching's shipped
 configuration against stock SGLang at its best, by the simulator's measures
 (``benchmarks.sim.fair_capacity``), on the emulated GPU.
 
@@ -591,8 +591,8 @@ def render(document: dict) -> str:
         "## Summary: the shipped configuration over the best stock configuration", "",
         ("Each measure divided by the best stock configuration for that measure (any of "
          "them). Overload cells: the effective RPS ratio, then the worst-bucket attainment of "
-         f"`{SHIPPED}` against the highest of any stock configuration at that load. Issue "
-         "28's targets: capacity at 90% >= 1.2x in the worst bucket and the worst class; "
+         f"`{SHIPPED}` against the highest of any stock configuration at that load. The "
+         "targets: capacity at 90% >= 1.2x in the worst bucket and the worst class; "
          "overload effective RPS >= 1.2x."), "",
         "| setting | " + " | ".join(_measure_title(t, m) for t in plan.targets for m in MEASURES)
         + " | " + " | ".join(f"overload {share:g}x eff RPS" for share in plan.overloads)
@@ -682,7 +682,8 @@ def _overload_ratio(entry: dict, name: str, ratios: dict) -> str:
 
 
 def _targets_met(ratios: dict[str, float | None]) -> str:
-    """Issue 28 item 5's targets: which hold, which do not, which are not measured."""
+    """The targets (1.2x the best stock configuration): which hold, which do not, which are
+    not measured."""
     checks = {"cap90 worst bucket": ratios.get("0.9 worst_prompt_bucket"),
               "cap90 worst class": ratios.get("0.9 worst_slo_class"),
               **{f"overload {name}": value for name, value in ratios.items() if name.endswith("x")}}

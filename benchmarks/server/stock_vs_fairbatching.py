@@ -531,7 +531,7 @@ RANDOM_METRICS = (
     Metric("throughput", "throughput (req/s)", _dig("request_throughput"), "rate", 2),
     Metric("output_tok_s", "output tok/s", _dig("output_throughput"), "rate", 0, compare=True),
     Metric("completed", "completed", _dig("completed"), "count"),
-    # issue 28, from the per-request records (random_groups): one SLO, so its worst class is all
+    # from the per-request records (random_groups): one SLO, so its worst class is all
     *(Metric(f"bucket:{label}", f"{label} tokens attainment",
              _dig("groups", "by_prompt_tokens", label, "attainment"), "share") for label in PROMPT_BUCKETS),
     Metric("worst_bucket_attainment", "worst prompt bucket attainment",
@@ -560,7 +560,7 @@ REPLAY_METRICS = (
     )),
     Metric("output_tok_s", "output tok/s", _dig("output_tokens_per_s"), "rate", 0, compare=True),
     Metric("requests", "requests", _dig("requests"), "count"),
-    # issue 28: who pays -- per prompt-length bucket and SLO class, the worst of each, and
+    # who pays -- per prompt-length bucket and SLO class, the worst of each, and
     # token goodput (the simulator's definitions, sglang_ext.sim.metrics)
     *(m for label in PROMPT_BUCKETS for m in (
         Metric(f"bucket:{label}", f"{label} tokens attainment",
@@ -710,7 +710,7 @@ def comparisons(cells: Cells, best_mixed: dict[tuple[str, float], str]) -> list[
 
 
 def targets(cells: Cells, best_mixed: dict[tuple[str, float], str]) -> list[dict]:
-    """The issue-12 targets on the replay workload, each PASS (every rate with data passes
+    """The three targets on the replay workload, each PASS (every rate with data passes
     and no rate lacks data), MISS (some rate misses) or n/a (no rate has data)."""
     rates = rates_of(cells, "replay")
 
@@ -1229,7 +1229,7 @@ def render(doc: dict) -> str:
             "",
         ]
     lines += [
-        "## Targets (issue 12)",
+        "## Targets on the replay workload",
         "",
         "Computed from the replay points above (means over seeds). The best stock configuration "
         "at a rate is the one with the best mean attainment among all stock configurations "

@@ -1,5 +1,5 @@
 """Benchmark: is a worst-bucket capacity of ``fair_capacity`` decided by a handful of
-requests? (issue 28)
+requests?
 
 ``fair_capacity`` runs the H20 on each workload's first 150 s, so its worst prompt-length
 bucket holds a few dozen requests (38 prompts >= 4096 tokens in the Azure trace's window,

@@ -1,5 +1,5 @@
-"""Benchmark: routers x rank policies at data-parallel size 8, in the cluster simulator
-(issue 29, item 6): capacity overall, in the worst prompt bucket and the worst SLO class,
+"""Benchmark: routers x rank policies at data-parallel size 8, in the cluster simulator:
+capacity overall, in the worst prompt bucket and the worst SLO class,
 and goodput under overload.
 
 What: ``sglang_ext.sim.cluster`` (8 simulated ranks behind one dispatcher that uses the
@@ -331,7 +331,7 @@ def verdicts(results: dict) -> dict:
 
 def markdown(doc: dict, command: str) -> str:
     lines = [
-        "# Cluster simulation: routers x rank policies at DP=8 (issue 29, item 6)",
+        "# Cluster simulation: routers x rank policies at DP=8",
         "",
         (f"Machine: {machine_line(doc['machine'])}. Wall time {doc['wall_s']:.0f} s on "
          f"{doc['jobs']} worker processes ({doc['simulation_cpu_s']:.0f} s of simulation)."),

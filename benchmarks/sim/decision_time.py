@@ -4,7 +4,7 @@ What: for every registered batch policy (and the shipped config's policy with it
 admission mode, e.g. ``fb-smooth+defer``, whose forecast runs at every decision), the
 time ``policy.form_batch(requests, now)`` takes at 64, 256 and 1024 running decodes
 plus 64 waiting prefills (p50 / p99 in microseconds, ``time.perf_counter_ns`` around
-each call, the garbage collector enabled with its default thresholds). The issue's goal: p99 <= 100 us at 256 + 64 (SGLang's
+each call, the garbage collector enabled with its default thresholds). The goal: p99 <= 100 us at 256 + 64 (SGLang's
 own per-step batch formation costs ~1-3 ms on this kind of CPU).
 
 How the states are built:
@@ -48,7 +48,7 @@ Knee against linear: every FairBatching-family policy whose step model is the kn
 second time as ``LABEL [linear]``, the same policy started from the profile's linear fit
 and trained on the same 200 steps, in the same interleaved rounds. Their p50 ratio is the
 median of paired block ratios (each block's median over its twin's block of the same
-round), their p99 ratio that of all runs' samples pooled; the table checks the issue's
+round), their p99 ratio that of all runs' samples pooled; the table checks the
 limits (p50 at most +5 %, p99 at most +10 % against the linear model).
 
 Run pinned to one core, e.g.::
@@ -106,7 +106,7 @@ SHIPPED_CONFIG = REPO / "configs" / "fairbatching.toml"
 
 
 LINEAR_TWIN = " [linear]"  # label suffix: the same policy on the linear step model
-FORM_LIMITS = {"p50": 1.05, "p99": 1.10}  # the issue's limits against the linear model
+FORM_LIMITS = {"p50": 1.05, "p99": 1.10}  # the limits against the linear model
 
 
 # ------------------------------------------------------------------ machine
@@ -394,7 +394,7 @@ def form_table(doc: dict) -> list[str]:
         "median over its twin's block of the same round: both ran within seconds, so a slow "
         "stretch of this VM cancels out; the main table's cells, taken from one run each, do "
         "not pair and swing by +-10% between runs), and at p99, of every run's samples "
-        "pooled. Limits (issue): "
+        "pooled. Limits: "
         f"p50 at most {limits['p50'] - 1:+.0%}, p99 at most {limits['p99'] - 1:+.0%}.", "",
         "| policy | " + " | ".join(f"{state} p50 / p99" for state in states)
         + " | within limits |",
@@ -425,7 +425,7 @@ def markdown(doc: dict) -> str:
         f"rounds of {doc['block']}-call blocks, shuffled order per round, one untimed call "
         "opening each block (so noise hits all alike and no policy pays for the switch); "
         f"{doc['repeats']} runs of the whole table, each cell shows the run with the median p99 "
-        "(all runs in `decision_time.json`). Goal (issue): "
+        "(all runs in `decision_time.json`). Goal: "
         f"p99 <= {GOAL_P99_US:g} us at {goal_col}. Budgeted policies at a 1024-token budget. "
         f"CPU use while timing ({doc['timing_wall_s']:.0f} s): "
         + ", ".join(f"{cpu} busy {u['busy_pct']:.0f}% (steal {u['steal_pct']:.0f}%)"

@@ -1,4 +1,4 @@
-"""Benchmark: fair capacity (issue 28, items 3 and 4): FairBatching's shipped policy against
+"""Benchmark: fair capacity: FairBatching's shipped policy against
 every baseline users can configure, tuned where it runs and tuned elsewhere.
 
 Scenarios: two workloads (the bundled Azure sample, its first 300 s; the shared one-hour

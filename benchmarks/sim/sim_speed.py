@@ -8,7 +8,7 @@ conversation trace (``../shared/data/traces/azure_conv_2023.csv``, 19,366 reques
 offline-fitted initial step model). Reported per policy: wall seconds of ``simulate``
 (loading the trace is timed separately), simulated steps, steps per wall second,
 simulated seconds per wall second, and the wall time scaled to exactly one hour of
-trace (wall x 3600 / trace duration). The issue's goal: <= 30 s per hour of trace on one
+trace (wall x 3600 / trace duration). The goal: <= 30 s per hour of trace on one
 core.
 
 If the trace is missing, the bundled 600 s sample (``bundled_sample()``) is timed
@@ -119,7 +119,7 @@ def markdown(doc: dict) -> str:
         f"MAX_TOKEN_BUDGET 8192). Loading and parsing the trace: {workload['load_s']:.2f} s "
         "(not in the table). Wall time is `simulate()` alone; "
         f"{doc['repeats']} runs per policy in rounds, the table shows the run with the median "
-        "wall time (all runs in `sim_speed.json`). Goal (issue): <= "
+        "wall time (all runs in `sim_speed.json`). Goal: <= "
         f"{GOAL_S_PER_HOUR:g} s per hour of trace on one core. CPU use while timing "
         f"({doc['timing_wall_s']:.0f} s): "
         + ", ".join(f"{cpu} busy {u['busy_pct']:.0f}% (steal {u['steal_pct']:.0f}%)"

@@ -13,7 +13,7 @@ Resolutions of the printed algorithm's ambiguities (each covered by a test):
 
 Deviation from the paper (every policy runs with it; ``triage`` without a
 :class:`ServiceFloor` is the printed algorithm, kept as the reference): a request that
-is already late, or whose TPOT no rank can honour, no longer sets the time budget.
+is already late, or whose TPOT no rank can honour, does not set the time budget.
 In the printed algorithm one late request makes the budget ``min TPOT`` for good (a
 late prefill keeps ``min slack`` negative), and a client-chosen TPOT below the step's
 fixed cost then leaves no time for any prefill: one request stops every other
@@ -21,7 +21,7 @@ request's prefill. With a floor, the budget and the urgent threshold come from t
 *in-time* requests (TPOT at least :data:`MIN_TPOT_STEP_MULTIPLE` x the smallest
 step, and slack >= 0); late requests are served best-effort from what is left: their
 decodes ride every step (one token each, as urgent ones do), their prefills follow
-the in-time prefills in arrival order, so a tiny TTFT no longer jumps every queue.
+the in-time prefills in arrival order, so a tiny TTFT does not jump every queue.
 With no in-time request the budget is the floor's fallback (the default class's
 TPOT, never below the serviceable minimum).
 """

@@ -1,4 +1,4 @@
-"""Issue 28 on the real-server side, without a server: SGLang's per-request priority (the
+"""Who pays, on the real-server side, without a server: SGLang's per-request priority (the
 server flags of each mode, the priority each request is sent with, SGLang's own order of
 those priorities) and the summary columns of the real-server tables (attainment per
 prompt-length bucket and SLO class, the worst of each, token goodput) from synthetic

@@ -1,6 +1,6 @@
 """The resumable-points machinery of the real-server benchmarks (:mod:`benchmarks.support.points`,
 :mod:`benchmarks.server.stock_vs_fairbatching`): saving and resuming points, picking the best stock-mixed chunk,
-mean and spread over seeds, the issue-12 target verdicts and the rendered table -- all from
+mean and spread over seeds, the replay targets' verdicts and the rendered table -- all from
 synthetic points, no server."""
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def test_render_from_synthetic_points(tmp_path: Path) -> None:
     points.append(point("fairbatching", "replay", 4.0, 3, error="exit code 1; see x.log"))
     doc = bs.build_doc(points, tmp_path / "points.jsonl")
     text = bs.render(doc)
-    for needle in ("## (a) `sglang.benchmark.serving`", "## (b) `benchmarks.server.trace_replay`", "## Targets (issue 12)",
+    for needle in ("## (a) `sglang.benchmark.serving`", "## (b) `benchmarks.server.trace_replay`", "## Targets on the replay workload",
                    "- (i) **MISS**", "## Where FairBatching loses", "*within noise*", "## Caveats",
                    "## Runs: exact commands and machine load", "## Failed points",
                    "stock-mixed-512 *(best mixed)*", "Best stock-mixed chunk per rate (by mean attainment",

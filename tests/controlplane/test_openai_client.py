@@ -1,4 +1,4 @@
-"""The ``openai`` package's clients, unmodified, against the gateway (issue 15, item 2).
+"""The ``openai`` package's clients, unmodified, against the gateway.
 
 ``OpenAI`` and ``AsyncOpenAI`` get only ``base_url``, ``api_key`` and a ``timeout`` (so a
 broken gateway fails the test instead of hanging it); no custom HTTP client, no patched

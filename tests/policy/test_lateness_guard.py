@@ -1,5 +1,5 @@
 """The lateness guard (``batch_former`` module docstring): a late request, or one whose
-TPOT no rank can honour, no longer sets the time budget; it is served best-effort.
+TPOT no rank can honour, does not set the time budget; it is served best-effort.
 
 Coefficients as in ``policy_helpers``: a = 5 ms, b = 0.1 ms/token, so the smallest step
 is 5.1 ms and the smallest serviceable TPOT 10.2 ms.
@@ -84,7 +84,7 @@ def test_an_unserviceable_late_decode_paces_the_step_no_faster_than_the_floor() 
 
 
 def test_late_prefills_are_served_after_in_time_ones_in_arrival_order() -> None:
-    """A tiny TTFT no longer jumps every queue."""
+    """A tiny TTFT does not jump every queue."""
     jumper = request("jumper", -0.001, prefill=100, slo=Slo(0.001, 0.05), arrival_seq=9)
     older_late = request("older", -0.2, prefill=100, arrival_seq=1)
     in_time = request("in_time", 0.5, prefill=100, arrival_seq=5)

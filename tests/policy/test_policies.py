@@ -146,7 +146,7 @@ def test_fb_tb_derives_its_token_budget_from_the_time_budget() -> None:
 
 
 def test_fb_tb_budget_never_below_the_serviceable_floor() -> None:
-    # a' = 100 ms exceeds the 50 ms TPOT: unserviceable, so the request no longer sets the
+    # a' = 100 ms exceeds the 50 ms TPOT: unserviceable, so the request does not set the
     # budget (the paper's fb-tb derived 1 token per step from it); the fallback budget is
     # the floor 2 x (a + b) = 200.3 ms -> (0.20032 - 0.1) / 1.6e-4 = 627 tokens >= 500
     policy = make("fb-tb", initial_step_model=StepCoefficients(0.1, 1.6e-4, 0.0))

@@ -1,4 +1,4 @@
-"""Fairness measured everywhere (issue 28): the worst prompt bucket and SLO class of a load
+"""Fairness measured everywhere: the worst prompt bucket and SLO class of a load
 point, token goodput, capacity from a sweep's grid and by bisection, the `capacity`
 subcommand, the sweep's capacity summary and its fairness plot."""
 

@@ -382,8 +382,8 @@ def test_blocked_prompt_does_not_starve_a_started_prefill():
 
 @pytest.mark.parametrize("policy_name, kv, seed", [("fb-fb", 3500, 1), ("fb-pab", 5000, 13)])
 def test_memory_pressure_runs_drain_without_idling(policy_name, kv, seed):
-    """Found by a random search: these runs used to idle until the drain deadline with
-    a blocked prompt queued behind a started prefill and nothing to decode."""
+    """Runs found by a random search: they drain instead of idling until the drain deadline
+    with a blocked prompt queued behind a started prefill and nothing to decode."""
     requests = synthetic_requests(60, rate=16.0, seed=seed)
     eng = engine(policy_name, profile=small_kv_profile(kv), check_invariants=True)
     for req in requests:
