@@ -1,5 +1,7 @@
 """``fairbatching-controlplane`` (also ``python -m controlplane``): run the daemon, ask a
-running one for its status and its ranks, drain and resume a rank, write CURVE keys."""
+running one for its status and its ranks, drain and resume a rank, serve the
+OpenAI-compatible HTTP gateway (``gateway``, ``serve --http``: its options and
+:func:`parse_listen`), write CURVE keys."""
 
 from __future__ import annotations
 
@@ -214,11 +216,24 @@ def _http_settings(args: argparse.Namespace, listen: str, flag: str = "--listen"
         from controlplane import gateway
     except ImportError as error:
         raise ImportError(f"the gateway needs aiohttp ({error})") from None
-    host, port = gateway.parse_listen(listen, args.allow_non_loopback, flag)
+    host, port = parse_listen(listen, args.allow_non_loopback, flag)
     api_key = _read_api_key(args.api_key_file) if args.api_key_file else None
     settings = gateway.GatewaySettings(model=args.model, api_key=api_key, chat_max_tokens=args.chat_max_tokens,
                                        max_in_flight=args.max_in_flight)
     return gateway, settings, host, port
+
+
+def parse_listen(text: str, allow_non_loopback: bool, flag: str = "--listen") -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 in brackets); loopback unless ``allow_non_loopback``. ``flag``
+    names the option in the errors."""
+    host, _, port_text = text.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"{flag} {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    if host not in ("127.0.0.1", "localhost", "::1") and not allow_non_loopback:
+        raise ValueError(f"{flag} {text!r} is not loopback; the gateway speaks plain HTTP, so say "
+                         "--allow-non-loopback (and set --api-key-file) to expose it")
+    return host, int(port_text)
 
 
 def _to_stderr(line: str) -> None:

@@ -17,11 +17,12 @@ from live import thread_daemon
 from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
 from benchmarks.support.paths import REPO
 from benchmarks.support.ports import free_ports
+from controlplane.cli import parse_listen
 from controlplane.client import AsyncClient
 from controlplane.config import DaemonConfig
 from controlplane.daemon import Daemon
 from controlplane.embedded import serve_daemon_and_gateway
-from controlplane.gateway import GatewaySettings, parse_listen, serve
+from controlplane.gateway import GatewaySettings, serve
 from controlplane.openai_api import DEFAULT_CHAT_MAX_TOKENS
 
 MODEL = "test-model"
@@ -444,26 +445,26 @@ def test_listen_addresses_are_loopback_unless_allowed():
 # ---------------------------------------------------------------------- a stream read in two halves
 @pytest.mark.parametrize("text", ["", " tok", 'a "quoted" \\ line\n', "\x00text\x00", "é ✓ 🙂"])
 def test_a_spliced_event_is_the_encoded_chunk_byte_for_byte(text):
-    from controlplane.gateway import _ChatEvents, _sse, _TextEvents
+    from controlplane.gateway_sse import ChatEvents, TextEvents, sse
     from controlplane.openai_api import chat_chunk, text_chunk
 
     odd_model = 'm "\x00text\x00"'
     for include_usage in (True, False):
         usage = {"usage": None} if include_usage else {}
-        completion = _TextEvents("r-1", odd_model, 7, include_usage)
-        assert completion.piece(text) == _sse({**text_chunk("r-1", odd_model, 7, text), **usage})
-        chat = _ChatEvents("r-2", odd_model, 7, include_usage)
+        completion = TextEvents("r-1", odd_model, 7, include_usage)
+        assert completion.piece(text) == sse({**text_chunk("r-1", odd_model, 7, text), **usage})
+        chat = ChatEvents("r-2", odd_model, 7, include_usage)
         first, second = chat.piece(text), chat.piece(text)
-        assert first == _sse({**chat_chunk("r-2", odd_model, 7, {"role": "assistant", "content": text}), **usage})
-        assert second == _sse({**chat_chunk("r-2", odd_model, 7, {"content": text}), **usage})
+        assert first == sse({**chat_chunk("r-2", odd_model, 7, {"role": "assistant", "content": text}), **usage})
+        assert second == sse({**chat_chunk("r-2", odd_model, 7, {"content": text}), **usage})
 
 
 def test_a_stream_step_run_until_it_waits_then_resumed_cancelled_or_unwound():
-    """How the gateway takes a stream's next chunk (``_next_chunk``): run at once when it
+    """How the gateway takes a stream's next chunk (``gateway_sse.relay``): run at once when it
     is ready, else stopped at its first wait, the events held written, and then resumed;
     a cancellation meanwhile, or a write that fails, unwinds it as an ``await`` would.
     The source waits as the SDK's inbox does (``asyncio.wait_for`` on an event)."""
-    from controlplane.gateway import _resume, _run_until_wait, _unwind, _Waiting
+    from controlplane.stepped_await import Waiting, resume, run_until_wait, unwind
 
     async def main():
         gate = asyncio.Event()
@@ -484,14 +485,14 @@ def test_a_stream_step_run_until_it_waits_then_resumed_cancelled_or_unwound():
             return asyncio.all_tasks() - {asyncio.current_task()}
 
         items = source()
-        assert _run_until_wait(anext(items)) == "ready"
-        waiting = _run_until_wait(anext(items))
-        assert isinstance(waiting, _Waiting)
+        assert run_until_wait(anext(items)) == "ready"
+        waiting = run_until_wait(anext(items))
+        assert isinstance(waiting, Waiting)
         asyncio.get_running_loop().call_later(0.01, gate.set)
-        assert await _resume(waiting) == "after a wait"
+        assert await resume(waiting) == "after a wait"
 
-        waiting = _run_until_wait(anext(items))
-        reader = asyncio.create_task(_resume(waiting))
+        waiting = run_until_wait(anext(items))
+        reader = asyncio.create_task(resume(waiting))
         await asyncio.sleep(0)
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -500,8 +501,8 @@ def test_a_stream_step_run_until_it_waits_then_resumed_cancelled_or_unwound():
 
         finished.clear()
         items = source()
-        assert _run_until_wait(anext(items)) == "ready"
-        await _unwind(_run_until_wait(anext(items)))
+        assert run_until_wait(anext(items)) == "ready"
+        await unwind(run_until_wait(anext(items)))
         assert finished == [True] and not await left_behind()
         with pytest.raises(StopAsyncIteration):
             await anext(items)
