@@ -291,7 +291,7 @@ def render(results: dict) -> str:
         f"compatible gateway: the daemon, {setup['ranks']} simulated ranks (`{PROFILE}` in real time, "
         f"`{POLICY}`) and the gateway on one machine ({results['machine'].get('logical_cpus')} CPUs: "
         f"{results['machine'].get('cpu_model', '?')}), loopback. The `openai` package's own clients "
-        "are covered by `tests/controlplane/test_openai_client.py`.",
+        "are covered by `tests/controlplane/processes/test_openai_client.py`.",
         "",
         "## Command lines",
         "",

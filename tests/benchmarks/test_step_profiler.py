@@ -31,6 +31,7 @@ def write_config(tmp_path: Path, **changes) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_tiny_cpu_grid_reads_back_with_every_kind(tmp_path: Path, capsys) -> None:
     out = tmp_path / "grid.csv"
     assert pg.main([*SMALL, "--out", str(out)]) == 0

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.server.stress import UNMEETABLE, schedule, summarise
 
 
+@pytest.mark.slow
 def test_schedules_are_seeded_and_hostile() -> None:
     assert schedule(3, 8192, 1024) == schedule(3, 8192, 1024)
     runs = [schedule(seed, 8192, 1024) for seed in range(60)]

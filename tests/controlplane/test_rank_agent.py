@@ -616,6 +616,7 @@ def test_sim_engine_abort_releases_kv_exactly_once():
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_the_sim_rank_process_drains_says_goodbye_and_exits_0_on_sigterm():
     async def scenario():
         async with scripted() as daemon:

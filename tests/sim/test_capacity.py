@@ -201,6 +201,7 @@ def test_bisection_stops_at_the_rate_bounds_unresolved():
 
 
 # ------------------------------------------------------------------ CLI, sweep, plot
+@pytest.mark.slow
 def test_capacity_subcommand_end_to_end(tmp_path, capsys):
     out = tmp_path / "cap"
     code = main(["capacity", "--policy", "fb-anchor-margin", "--policy", "sarathi@1024",

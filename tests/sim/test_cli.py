@@ -48,6 +48,7 @@ def _check_policy_entry(entry: dict, rates: list[float]) -> None:
 
 
 # ------------------------------------------------------------------ help
+@pytest.mark.slow
 def test_module_help_in_a_subprocess():
     done = subprocess.run(
         [sys.executable, "-m", "sglang_ext.sim", "--help"],
@@ -84,6 +85,7 @@ def test_run_writes_results_json(tmp_path, capsys):
     assert document["scenario"]["slo"]["ttft_ms"] == 2000.0
 
 
+@pytest.mark.slow
 def test_a_margin_policy_reports_its_mean_margin_on_the_form_asked_for(tmp_path):
     margins = {}
     for form in ("linear", "knee"):
@@ -130,6 +132,7 @@ def _table_rows(stdout: str) -> list[str]:
     return rows
 
 
+@pytest.mark.slow
 def test_run_takes_several_policies_at_one_rate(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["run", "--policy", "fb-anchor-margin", "--policy", "sarathi@1024", "--rate", "12",
@@ -215,6 +218,7 @@ def test_a_repeated_single_valued_option_is_refused(argv, option, hint, capsys):
 
 
 # ------------------------------------------------------------------ sweep
+@pytest.mark.slow
 def test_sweep_writes_results_plots_and_table(tmp_path, capsys):
     out = tmp_path / "sweep"
     argv = ["sweep", "--policy", "fb", "--policy", "sarathi", "--budgets", "256,1024",
@@ -432,6 +436,7 @@ def test_unwritable_out_is_a_clean_error(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ admission and classes
+@pytest.mark.slow
 def test_admission_applies_to_the_fairbatching_family_only(tmp_path, capsys):
     out = tmp_path / "sweep"
     argv = ["sweep", "--policy", "fb-anchor-margin", "--policy", "sarathi@512",

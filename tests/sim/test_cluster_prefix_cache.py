@@ -60,6 +60,7 @@ def test_every_request_is_served_with_its_whole_prompt_on_record(balancer: str) 
     assert simulation.counters["prompt_tokens_dispatched"] == 120 * (4096 + 64)
 
 
+@pytest.mark.slow
 def test_affinity_prefills_each_prefix_about_once_where_round_robin_prefills_it_per_rank() -> None:
     affine = run("cache_aware").counters
     spread = run("round_robin").counters
@@ -68,6 +69,7 @@ def test_affinity_prefills_each_prefix_about_once_where_round_robin_prefills_it_
     assert affine["prompt_tokens_cached"] > spread["prompt_tokens_cached"]
 
 
+@pytest.mark.slow
 def test_a_small_rank_cache_evicts_and_misses() -> None:
     roomy = run("round_robin").counters["prompt_tokens_cached"]
     tight = run("round_robin", rank_cache_tokens=4096).counters["prompt_tokens_cached"]

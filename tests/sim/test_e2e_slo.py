@@ -223,6 +223,7 @@ def test_cli_e2e_ms_must_be_a_positive_number(capsys, value):
     assert "--e2e-ms" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_latency_cdfs_add_an_e2e_panel_for_an_e2e_class(tmp_path):
     scenario = _scenario(n=20)
     result = simulate(scenario, parse_policy("fb"), 8.0, keep_samples=True)

@@ -381,6 +381,7 @@ def test_blocked_prompt_does_not_starve_a_started_prefill():
 
 
 @pytest.mark.parametrize("policy_name, kv, seed", [("fb-fb", 3500, 1), ("fb-pab", 5000, 13)])
+@pytest.mark.slow
 def test_memory_pressure_runs_drain_without_idling(policy_name, kv, seed):
     """Runs found by a random search: they drain instead of idling until the drain deadline
     with a blocked prompt queued behind a started prefill and nothing to decode."""

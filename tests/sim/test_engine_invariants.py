@@ -205,6 +205,7 @@ def test_invariants_under_load(policy_name):
 
 
 @pytest.mark.parametrize("policy_name", ALL_POLICIES)
+@pytest.mark.slow
 def test_invariants_under_memory_pressure(policy_name):
     profile = small_kv_profile(TINY_KV)
     requests = synthetic_requests(60, rate=16.0, seed=2)

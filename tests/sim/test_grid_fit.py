@@ -24,6 +24,7 @@ NEMO = {"layers": 40, "hidden": 5120, "heads": 32, "kv_heads": 8, "head_dim": 12
         "inter": 14336, "vocab": 131072, "tied": False}
 
 
+@pytest.mark.slow
 def test_the_bundled_measured_profile_is_what_fit_grid_writes(tmp_path, capsys) -> None:
     profile_path, step_path = tmp_path / "p.toml", tmp_path / "s.toml"
     argv = ["fit-grid", "--grid", str(GRID), "--base", "llama3.1-8b-h100",

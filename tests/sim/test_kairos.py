@@ -277,6 +277,7 @@ def _decode_steps(name: str, rate: float) -> tuple[int, int]:
     return rank.steps, rank.partial_steps
 
 
+@pytest.mark.slow
 def test_slack_guided_decode_is_continuous_batching_while_slack_is_abundant():
     # at 2 req/s every step is far shorter than a TPOT: the whole batch always fits
     assert _decode_steps("kairos", 2.0) == _decode_steps("kairos-fcfs", 2.0)
@@ -296,6 +297,7 @@ def _scenario(**fields) -> Scenario:
     return Scenario(workload=workload, profile=llama(), catalog=CATALOG, **fields)
 
 
+@pytest.mark.slow
 def test_simulate_routes_disaggregated_policies_and_reports_per_gpu():
     scenario = _scenario(disagg=DisaggConfig(2, 2))
     assert POLICIES.get("kairos").disaggregated and not POLICIES.get("fb").disaggregated

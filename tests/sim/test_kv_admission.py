@@ -47,6 +47,7 @@ def _admitted_ttft_misses(profile, share_kv: bool) -> tuple[int, int]:
     return len(admitted), misses
 
 
+@pytest.mark.slow
 def test_on_a_memory_bound_rank_admitted_requests_meet_their_ttft():
     profile = small_kv_profile(40_000)
     admitted, misses = _admitted_ttft_misses(profile, share_kv=True)

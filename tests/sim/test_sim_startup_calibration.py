@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from sglang_ext.policy.policies import PolicyContext
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepModelFile
@@ -34,6 +36,7 @@ def test_calibration_starts_the_policy_from_the_device_not_the_file() -> None:
     assert abs(FOREIGN.model.smallest_step_s - own) > 0.5 * own
 
 
+@pytest.mark.slow
 def test_the_cli_flag_calibrates_fairbatching_and_records_it(tmp_path: Path) -> None:
     common = ["run", "--profile", "qwen3-32b-h100nvl", "--head-seconds", "20", "--rate", "3",
               "--step-model", str(REPO / "configs" / "step_models" / "llama3.1-8b-h100.toml"),

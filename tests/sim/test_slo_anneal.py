@@ -293,6 +293,7 @@ def test_replans_on_arrival_and_when_the_annealed_part_has_started():
     assert policy.plans == 3  # the annealed part has all started while others wait
 
 
+@pytest.mark.slow
 def test_same_seed_same_decisions():
     def decisions(seed):
         policy = make_policy("slo-anneal", llama(), settings=(("seed", float(seed)),))
@@ -351,6 +352,7 @@ def test_a_sweep_tunes_the_budget_and_batch_only():
 
 
 # ------------------------------------------------------------------ engine runs
+@pytest.mark.slow
 def test_mixed_chat_and_e2e_workload_runs_to_completion():
     policy = make_policy("slo-anneal", llama(), token_budget=512, settings=(("iters", 20.0),))
     engine = SimEngine(llama(), policy, seed=0, check_invariants=True)

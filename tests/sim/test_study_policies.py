@@ -449,6 +449,7 @@ def test_a_one_setting_family_keeps_its_search_label_for_label() -> None:
 
 # ------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("name", STUDY)
+@pytest.mark.slow
 def test_run_on_defaults_through_the_cli(name: str, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     code = main(["run", "--policy", name, "--profile", "des-study", "--head-seconds", "30",

@@ -20,6 +20,7 @@ from benchmarks.support.ports import free_ports
 from controlplane import protocol as p
 from controlplane.cli import main
 from controlplane.client import Client
+from controlplane.errors import DaemonUnavailable
 
 
 def cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
@@ -258,7 +259,12 @@ def test_serve_http_is_the_daemon_and_its_gateway_in_one_process_and_drains_on_s
     try:
         deadline = time.monotonic() + 30
         with Client(config.client_address) as client:  # the daemon's socket, served beside HTTP
-            while not [rank for rank in client.status().ranks if not rank.stale]:
+            while True:
+                try:
+                    if [rank for rank in client.status().ranks if not rank.stale]:
+                        break
+                except DaemonUnavailable:  # still starting: a busy machine can take seconds
+                    pass
                 assert time.monotonic() < deadline and served.poll() is None, "the rank never joined"
                 time.sleep(0.2)
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

@@ -24,8 +24,6 @@ from benchmarks.support.ports import free_ports
 from controlplane.client import AsyncClient
 from controlplane.gateway import GatewaySettings, serve
 
-pytestmark = pytest.mark.slow
-
 CLIENTS = 240  # concurrent HTTP clients, each one request
 RANKS = ("over/0", "over/1")
 STATE_WAIT_S = 120.0  # how long a state may take to come about on a busy machine before failing

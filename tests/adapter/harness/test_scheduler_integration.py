@@ -17,7 +17,7 @@ pytest.importorskip("sglang")
 
 pytestmark = pytest.mark.sglang
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 REQUESTS = [
     {"rid": "relaxed-0", "prompt_tokens": 64, "max_new_tokens": 60, "slo": {"class": "relaxed"}},

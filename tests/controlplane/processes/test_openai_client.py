@@ -43,6 +43,7 @@ from benchmarks.controlplane.live_daemon import write_config
 from benchmarks.support.paths import REPO
 from benchmarks.support.ports import free_ports
 from controlplane.client import Client
+from controlplane.errors import DaemonUnavailable
 
 openai = pytest.importorskip("openai")
 
@@ -73,7 +74,12 @@ def gateway(cluster, tmp_path_factory):  # noqa: F811  (pytest injects the impor
     try:
         with Client(config.client_address) as client:
             deadline = time.monotonic() + 30
-            while not [rank for rank in client.status().ranks if not rank.stale]:
+            while True:
+                try:
+                    if [rank for rank in client.status().ranks if not rank.stale]:
+                        break
+                except DaemonUnavailable:  # serve --http still starting: seconds on a busy machine
+                    pass
                 assert time.monotonic() < deadline, "the simulated rank never reported"
                 time.sleep(0.1)
         deadline = time.monotonic() + 30
