@@ -25,6 +25,7 @@ from controlplane.errors import RankLost
 from controlplane.protocol import FinishReason, SamplingParams
 
 TIME_SCALE = "0.2"  # real seconds per simulated second
+STREAM_TOKENS = 1500  # a killed rank's streams: long enough to be cut mid-stream
 RANKS = ("sim-a", "sim-b", "sim-c")
 
 
@@ -131,8 +132,10 @@ def test_500_requests_complete_with_exact_token_counts_across_all_ranks(cluster)
 
 @pytest.mark.parametrize("cluster", ["pab_least_loaded"], indirect=True)
 def test_killed_rank_fails_only_its_streamed_requests_once_and_the_rest_complete(cluster):
-    """The victim is the first rank seen streaming; ``pab_least_loaded`` spreads the 30
-    requests so that some run elsewhere and must complete."""
+    """The victim is the first rank seen streaming, killed as its first chunk arrives;
+    ``pab_least_loaded`` spreads the 30 requests so that some run elsewhere and must
+    complete. Each stream is long (1,500 tokens, seconds of real time) so that a client
+    slow to see that first chunk on a busy machine still finds the victim streaming."""
     daemon, ranks, _ = cluster
     victim = ""
 
@@ -149,12 +152,14 @@ def test_killed_rank_fails_only_its_streamed_requests_once_and_the_rest_complete
                 outcomes[request_id] = []
                 try:
                     async with client.stream([7] * 200, request_id=request_id, slo="relaxed",
-                                             sampling=SamplingParams(max_new_tokens=300, ignore_eos=True)) as stream:
+                                             sampling=SamplingParams(max_new_tokens=STREAM_TOKENS,
+                                                                     ignore_eos=True)) as stream:
                         async for chunk in stream:
                             if request_id not in first_output:
                                 first_output[request_id] = chunk.rank
                                 if not victim:
                                     victim = chunk.rank
+                                    ranks[victim].kill()
                                     victim_streaming.set()
                         outcomes[request_id].append(stream.result)
                 except RankLost as error:
@@ -162,7 +167,6 @@ def test_killed_rank_fails_only_its_streamed_requests_once_and_the_rest_complete
 
             tasks = [asyncio.create_task(one(i)) for i in range(30)]
             await asyncio.wait_for(victim_streaming.wait(), 60)
-            ranks[victim].kill()
             await asyncio.gather(*tasks)
             await wait_idle(client)
             return outcomes, first_output, await client.status()
@@ -176,7 +180,7 @@ def test_killed_rank_fails_only_its_streamed_requests_once_and_the_rest_complete
     assert all(first_output.get(request_id) == victim for request_id in lost)
     for request_id, (end,) in outcomes.items():
         if request_id not in lost:
-            assert end.completion_tokens == 300 and end.rank != victim
+            assert end.completion_tokens == STREAM_TOKENS and end.rank != victim
     assert victim not in {rank.rank for rank in status.ranks}
     assert status.counters["rank_lost_requests"] >= len(lost)
 

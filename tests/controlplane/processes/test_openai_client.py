@@ -20,7 +20,7 @@ OpenAI documents, as the package's typed models parse them:
 - refusals surface as the package's typed exceptions with the gateway's message
   (``BadRequestError`` for ``n=2``, ``AuthenticationError`` for a wrong key);
 - any model name is served, and echoed in the answers;
-- the README's ``openai`` snippet runs as written (but for the address and the key).
+- docs/controlplane.md's ``openai`` snippet runs as written (but for the address and the key).
 
 The ``openai`` package comes with the ``sglang`` extra (SGLang depends on it); without it
 the module is skipped.
@@ -261,7 +261,7 @@ def test_chat_refusals_are_typed_exceptions(gateway):
     assert no_messages.value.status_code == 400 and "messages" in no_messages.value.message
 
 
-# ---------------------------------------------------------------------- any model, the README
+# ---------------------------------------------------------------------- any model, the documented snippet
 def test_any_model_name_is_served_and_echoed(gateway):
     with sync_client(gateway) as client:
         completion = client.completions.create(model="gpt-4o-mini", prompt="hi", max_tokens=2)
@@ -277,10 +277,10 @@ def test_any_model_name_is_served_and_echoed(gateway):
     assert raw.headers["X-Request-Id"] == "oa-raw" and raw.parse().model == "x"
 
 
-def test_the_readme_snippet_runs_as_written(gateway):
-    """The README's ``openai`` snippet, with this gateway's address and key."""
-    readme = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+def test_the_documented_snippet_runs_as_written(gateway):
+    """docs/controlplane.md's ``openai`` snippet, with this gateway's address and key."""
+    page = (REPO / "docs" / "controlplane.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.DOTALL)
     (snippet,) = [block for block in blocks if "from openai" in block]
     snippet = snippet.replace('"http://127.0.0.1:8000/v1"', repr(gateway))
     snippet, keys = re.subn(r'api_key="[^"]*"', f"api_key={API_KEY!r}, timeout={TIMEOUT_S}", snippet)
