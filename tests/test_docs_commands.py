@@ -44,7 +44,7 @@ CHEAP_MARK = "<!-- cheap -->"
 TIMEOUT_S = 120
 
 SETUP_BLOCK = """```bash
-scripts/demo.sh    # the main job: replay the bundled Azure sample through every policy, print the comparison
+scripts/demo.sh    # the main job: the shipped policy against the three strongest baselines, one SLO class and three
 scripts/test.sh    # the whole test suite (what CI runs; `scripts/test.sh -m "not slow and not e2e"` for the fast part)
 ```"""
 
