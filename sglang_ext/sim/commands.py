@@ -18,7 +18,7 @@ from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog, SloError
 from sglang_ext.policy.step_model import STEP_FORMS, StepModelError, StepModelFile
 from sglang_ext.provenance import git_commit
-from sglang_ext.sim import capacity, demo
+from sglang_ext.sim import capacity, demo, sweep_modes
 from sglang_ext.sim.cluster import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_QUEUE_TTL_S,
@@ -71,9 +71,11 @@ from sglang_ext.sim.sweep import (
 )
 from sglang_ext.sim.tuned import (
     TunedSettingsError,
+    display_path,
     scenario_fingerprint,
     settings_toml,
 )
+from sglang_ext.sim.tuned import load as tuned_load
 from sglang_ext.sim.workloads import (
     FORMATS,
     ClassMix,
@@ -88,7 +90,7 @@ DEFAULT_SLO_CONFIG = PROFILES_DIR.parent / "slo.toml"
 DEFAULT_PROFILE = "llama3.1-8b-h100"
 DEFAULT_SAMPLE_HEAD_S = 300.0
 DEFAULT_RATES = (4.0, 8.0, 12.0, 14.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0, 24.0, 28.0, 32.0, 36.0)
-#: the quick sweep's loads: the full grid less 17, 18 and 22 (sglang_ext.sim.demo)
+#: the quick sweep's loads: the full grid less 17, 18 and 22 (sglang_ext.sim.sweep_modes)
 QUICK_RATES = (4.0, 8.0, 12.0, 14.0, 16.0, 19.0, 20.0, 24.0, 28.0, 32.0, 36.0)
 EXIT_USAGE = 2
 
@@ -321,6 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_admission(sweep)
     _add_disagg(sweep)
     _common(sweep)
+    show = commands.add_parser(
+        "demo",
+        help="the shipped FairBatching against the three strongest baselines, one SLO class "
+        "and three (scripts/demo.sh; every policy: scripts/demo.sh --all, the sweep)",
+    )
+    show.add_argument("--jobs", type=int, help="worker processes (default: all cores)")
+    show.add_argument("--no-progress", action="store_true", help="no progress bar")
+    show.add_argument("--out", type=Path, help="output directory (default: out/demo-<time>)")
     cap = commands.add_parser(
         "capacity",
         help="bisect the offered load to each policy's capacity (overall, worst prompt "
@@ -581,7 +591,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     plan = plan_sweep(names, args.budgets)
     disagg = _disagg_config(args, plan.runs + tuple(parse_policy(n) for n in plan.tuned))
     scenario = _scenario(args, disagg)
-    mode = demo.choose_mode(plan, scenario, full=args.full, retune=args.retune,
+    mode = sweep_modes.choose_mode(plan, scenario, full=args.full, retune=args.retune,
                             settings_path=args.tuned_settings, save_tuned=args.save_tuned)
     if mode.presets:
         plan = plan_sweep(names, args.budgets, mode.presets)
@@ -596,7 +606,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         f"({', '.join(plan.tuned) or 'none'}) x {len(rates)} loads",
         file=sys.stderr,
     )
-    note = demo.start_note(mode, plan)
+    note = sweep_modes.start_note(mode, plan)
     if note:
         print(note, file=sys.stderr)
     with tqdm(total=0, unit="sim", disable=args.no_progress, file=sys.stderr) as bar:
@@ -621,11 +631,62 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             shlex.join(["python", "-m", "sglang_ext.sim", *args.argv]), commit=git_commit(),
         ))
         print(f"\nwrote the tuned settings to {args.save_tuned}")
-    print("\n" + demo.closing_summary(
+    print("\n" + sweep_modes.closing_summary(
         document, plan, mode, full_rates=DEFAULT_RATES, rates_given=args.rates is not None,
         results=path,
         plots=(out / "effective_rps.png", out / "latency_cdf.png", out / "fairness.png"),
     ))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from sglang_ext.sim.plots import demo_figure, save_figure
+
+    shipped = demo.shipped_policy()
+    sweep_parser = build_parser()
+    cases = []
+    for case in demo.CASES:
+        scenario = _scenario(sweep_parser.parse_args(["sweep", *case.sweep_argv]))
+        source = display_path(case.tuned_file)
+        regenerate = shlex.join(["python", "-m", "sglang_ext.sim", "sweep", "--full",
+                                 *case.sweep_argv, "--save-tuned", source])
+        if not case.tuned_file.is_file():
+            raise CliError(f"the demo's tuned baselines for {case.title}, {source}, are "
+                           f"missing; write them with `{regenerate}`")
+        settings = tuned_load(case.tuned_file)
+        differences = settings.differences(scenario_fingerprint(scenario))
+        if differences:
+            raise CliError(f"{source} was tuned on another scenario than the demo's "
+                           f"{case.title} ({'; '.join(differences)}); regenerate it with "
+                           f"`{regenerate}`")
+        baselines = demo.strongest_baselines(settings)
+        plan = plan_sweep([shipped, *baselines], None, demo.presets(settings, baselines))
+        cases.append((case, scenario, baselines, plan))
+    out = _out_dir(args)
+    total = sum(len(plan.runs) for *_, plan in cases) * len(QUICK_RATES)
+    documents = []
+    with tqdm(total=total, unit="sim", disable=args.no_progress, file=sys.stderr) as bar:
+        for case, scenario, baselines, plan in cases:
+            document, _ = run_sweep(scenario, plan, QUICK_RATES, cdf_rate=case.table_rate,
+                                    jobs=args.jobs, progress=bar.update)
+            write_results(document, out / case.slug)
+            documents.append(document)
+    for (case, _, baselines, plan), document in zip(cases, documents):
+        names = [shipped, *baselines]
+        print(demo.case_heading(case, document, baselines))
+        print(demo.case_tables(document, names, case, shipped) + "\n")
+    labels = {name: demo.row_label(name, document["policies"][name], shipped)
+              for (*_, plan), document in zip(cases, documents) for name in plan.requested}
+    figure = save_figure(demo_figure(
+        [(case.title, document, [shipped, *baselines], case.worst_group)
+         for (case, _, baselines, _), document in zip(cases, documents)], labels),
+        out / "demo.png")
+    for case, *_ in cases:
+        print(f"results, {case.title}: {out / case.slug / 'results.json'}")
+    print(f"figure: {figure}")
+    print("every policy, each baseline at its tuned setting: scripts/demo.sh --all")
     return 0
 
 
@@ -809,7 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     handler = {
-        "run": _cmd_run, "sweep": _cmd_sweep, "capacity": _cmd_capacity,
+        "run": _cmd_run, "sweep": _cmd_sweep, "demo": _cmd_demo, "capacity": _cmd_capacity,
         "cluster": _cmd_cluster,
         "calibrate": _cmd_calibrate, "predictor-check": _cmd_predictor_check,
         "fit-grid": _cmd_fit_grid,

@@ -1,159 +1,184 @@
-"""What ``python -m sglang_ext.sim sweep`` does with the tunable families, and its closing
-summary (``scripts/demo.sh`` is that command).
+"""The demo (``scripts/demo.sh``): the shipped FairBatching configuration against the three
+strongest baselines, on one SLO class and on a mix of three, on one screen.
 
-Four modes:
-
-- **quick** (the default): a family named bare that the tuned-settings file has (shipped:
-  ``configs/tuned_baselines.toml``, written by the full sweep) runs at that setting, not
-  searched, provided the sweep's scenario is the file's (``sglang_ext.sim.tuned``). On
-  another scenario the families are tuned here, and the sweep says why; a file named with
-  ``--tuned-settings`` for another scenario is refused instead. Loads: the quick grid.
-- **retune** (``--retune``): every family named bare is searched on this scenario.
-- **full** (``--full``): the sweep as it was before the quick default: every family named
-  bare searched, over the full load grid.
-- **search** (``--budgets``): the families searched over exactly those budgets.
+Each case has a tuned-settings file written by a full sweep of every baseline family on
+its scenario (``configs/tuned_baselines*.toml``). The baselines shown are chosen by that
+sweep's results, not by name: the tuned families ranked by peak effective RPS, where
+families with the same peak short of every request on time, at the same load, ran alike (a
+cap that never binds) and count once. They run at their tuned settings. The tables print who pays at the case's table
+load, per prompt-length bucket and per SLO class; the figure puts effective RPS and the
+worst group's attainment against load for both cases.
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
-from collections.abc import Sequence
+import tomllib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_ext.sim.capacity import TARGETS, grid_capacity_table
-from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS
-from sglang_ext.sim.runner import Scenario
-from sglang_ext.sim.sweep import Preset, SweepPlan, display_label, headline_table
-from sglang_ext.sim.tuned import (
-    SHIPPED,
-    TunedSettings,
-    TunedSettingsError,
-    display_path,
-    load,
-    preset_labels,
-    scenario_fingerprint,
-)
+from sglang_ext.bundled import CONFIGS_DIR
+from sglang_ext.sim.capacity import capacity_text, target_key
+from sglang_ext.sim.sweep import BASELINES, Preset, peak_text
+from sglang_ext.sim.tuned import SHIPPED, TunedSettings
 
 WIDTH = 100
+BASELINE_COUNT = 3
+CAPACITY_TARGET = 0.9
+THREE_CLASSES = "interactive:0.2,standard:0.5,relaxed:0.3"
+THREE_CLASSES_TUNED = CONFIGS_DIR / "tuned_baselines_three_classes.toml"
+SHIPPED_CONFIG = CONFIGS_DIR / "fairbatching.toml"
 
 
 @dataclass(frozen=True)
-class Mode:
-    name: str  # quick, retune, full, search
-    presets: tuple[Preset, ...] = ()
-    settings: TunedSettings | None = None
-    #: why a family is tuned here in the quick mode (a scenario other than the file's)
-    refused: tuple[str, ...] = ()
+class DemoCase:
+    title: str
+    slug: str  # its output folder
+    class_mix: str | None  # a `--class-mix`, None for the default class alone
+    tuned_file: Path
+    table_rate: float  # the load whose attainment per bucket and class is printed
+    worst_group: str  # the group the figure follows: worst_prompt_bucket or worst_slo_class
+    workload_argv: tuple[str, ...] = ()  # `sweep` workload options besides the class mix
+
+    @property
+    def sweep_argv(self) -> tuple[str, ...]:
+        """The `sweep` options that make this case's scenario (the rest are defaults)."""
+        return (*self.workload_argv, *(("--class-mix", self.class_mix) if self.class_mix else ()))
 
 
-def choose_mode(
-    plan: SweepPlan, scenario: Scenario, *, full: bool, retune: bool,
-    settings_path: Path | None, save_tuned: Path | None,
-) -> Mode:
-    """The mode of a sweep of ``plan`` (made without presets) on ``scenario``."""
-    searching = full or retune or plan.budgets is not None
-    if settings_path is not None and searching:
-        flags = "--full" if full else "--retune" if retune else "--budgets"
-        raise TunedSettingsError(f"--tuned-settings gives settings to run instead of tuning; "
-                                 f"{flags} tunes")
-    if save_tuned is not None and not searching:
-        raise TunedSettingsError("--save-tuned records settings this sweep tunes: add --full "
-                                 "(the full sweep) or --retune")
-    if full:
-        return Mode("full")
-    if searching:
-        return Mode("retune" if retune else "search")
-    if not plan.tuned:
-        return Mode("quick")
-    path = settings_path or SHIPPED
-    if not path.is_file():
-        if settings_path is not None:
-            raise TunedSettingsError(f"--tuned-settings {path}: no such file")
-        raise TunedSettingsError(f"the shipped tuned settings {display_path(path)} are missing; "
-                                 "tune here with --retune, or run the full sweep with --full")
-    settings = load(path)
-    differences = settings.differences(scenario_fingerprint(scenario))
-    if differences and settings_path is not None:
-        raise TunedSettingsError(
-            f"--tuned-settings {path} was tuned on another scenario ({'; '.join(differences)}); "
-            "tune on this one with --retune, or name a file tuned on it"
-        )
-    if differences:
-        return Mode("quick", settings=settings, refused=tuple(differences))
-    labels = preset_labels(settings, plan.tuned)
-    presets = tuple(Preset(name, label, settings.tuning_entry(name))
-                    for name, label in labels.items())
-    return Mode("quick", presets, settings)
+CASES = (
+    DemoCase("one SLO class", "one-class", None, SHIPPED, 36.0, "worst_prompt_bucket"),
+    DemoCase("three SLO classes", "three-classes", THREE_CLASSES, THREE_CLASSES_TUNED, 36.0,
+             "worst_slo_class"),
+)
 
 
-def start_note(mode: Mode, plan: SweepPlan) -> str | None:
-    """One line for stderr before the sweep: where the families' settings come from."""
-    if mode.refused and mode.settings:
-        return (f"not using the tuned settings in {mode.settings.source}: they are for another "
-                f"scenario ({'; '.join(mode.refused)}); tuning {', '.join(plan.tuned)} on this "
-                "one instead (several hundred simulations)")
-    if mode.presets and mode.settings:
-        return (f"{', '.join(p.name for p in mode.presets)}: the tuned settings in "
-                f"{mode.settings.source}, not searched (re-tune: --retune; the full sweep: --full)")
-    return None
+def shipped_policy(config: Path = SHIPPED_CONFIG) -> str:
+    """The simulator's name for the shipped server configuration: its policy with its
+    admission mode (``fb-smooth+defer``)."""
+    data = tomllib.loads(config.read_text())
+    mode = data.get("admission", {}).get("mode", "off")
+    return data["policy"] if mode == "off" else f"{data['policy']}+{mode}"
 
 
-def capacity_lines(document: dict) -> list[str]:
-    """Capacity per policy from the grid (``sglang_ext.sim.capacity``), with its rule."""
-    targets = " and ".join(f"{t:.0%}" for t in TARGETS)
-    note = (
-        f"Capacity from the grid: the highest load where at least {targets} of requests "
-        "meet their SLO, every lower load of the grid meeting it too: overall / in the worst "
-        "prompt-length bucket / in the worst SLO class (the lowest-attainment group of at "
-        f"least {MIN_GROUP_REQUESTS} requests). A lower bound at the grid's resolution (the "
-        "next load fails: results.json `capacity`); >= : the highest load meets it; <: the "
-        "lowest fails. Finer: `python -m sglang_ext.sim capacity --policy P`."
+def strongest_baselines(settings: TunedSettings, count: int = BASELINE_COUNT) -> tuple[str, ...]:
+    """The ``count`` baseline families of ``settings`` with the highest peak effective RPS;
+    a family whose peak and peak load equal a stronger one's is left out (it ran alike),
+    unless that peak had every request on time."""
+    ranked = sorted(
+        (name for name, family in settings.families.items()
+         if name in BASELINES and family.peak_effective_rps is not None),
+        key=lambda name: (-settings.families[name].peak_effective_rps, BASELINES.index(name)),
     )
-    return [grid_capacity_table(document, list(document["requested"]), label=display_label),
-            *textwrap.wrap(note, WIDTH)]
+    chosen: list[str] = []
+    peaks: set[tuple[float, float | None]] = set()
+    for name in ranked:
+        family = settings.families[name]
+        peak = (round(family.peak_effective_rps, 9), family.peak_rate)
+        if peak in peaks:
+            continue
+        if family.peak_rate is None or family.peak_effective_rps < family.peak_rate - 1e-9:
+            peaks.add(peak)  # every request on time says nothing of how alike two ran
+        chosen.append(name)
+        if len(chosen) == count:
+            break
+    return tuple(chosen)
 
 
-def closing_summary(
-    document: dict, plan: SweepPlan, mode: Mode, *, full_rates: Sequence[float],
-    rates_given: bool, results: Path, plots: Sequence[Path],
-) -> str:
-    """The one-screen summary printed last: what ran, the headline table, what the quick
-    mode leaves out and how to get it (the loads of ``full_rates`` it skipped, unless the
-    loads were ``rates_given``), and where the files are."""
-    rates = document["rates"]
-    simulations = sum(len(entry["loads"]) for entry in document["policies"].values()
-                      if "best_of" not in entry)
-    what = {"quick": "quick demo", "retune": "re-tuned", "full": "full sweep",
-            "search": "tuned over --budgets"}[mode.name]
-    head = (f"Summary ({what}): {len(plan.requested)} policies x {len(rates)} loads "
-            f"({min(rates):g}-{max(rates):g} req/s), {simulations} simulations")
-    if mode.presets and mode.settings:
-        provenance = mode.settings.provenance
-        head += (f"; {', '.join(p.name for p in mode.presets)} at the tuned settings from "
-                 f"{mode.settings.source} (tuned by `{provenance.get('command')}`"
-                 + (f" at {provenance['commit']}" if provenance.get("commit") else "")
-                 + f", {provenance.get('date')}), not searched here: re-tune with --retune.")
-    elif plan.tuned:
-        head += f"; {', '.join(plan.tuned)} tuned here (every setting tried is in results.json)"
-        head += (f", because the tuned settings in {mode.settings.source} are for another "
-                 f"scenario: {'; '.join(mode.refused)}." if mode.refused and mode.settings else ".")
-    else:
-        head += "."
-    lines = [*textwrap.wrap(head, WIDTH), "", headline_table(document)]
-    lines += ["", *capacity_lines(document)]
-    missing = [] if rates_given else sorted(set(full_rates) - set(rates))
-    if mode.name == "quick":
-        left_out = []
-        if mode.presets:
-            left_out.append("the tuning")
-        if missing:
-            left_out.append(f"the loads {', '.join(f'{r:g}' for r in missing)} (a peak at one "
-                            "of them would be missed)")
-        if left_out:
-            lines += [""] + textwrap.wrap(
-                f"Not done by the quick demo: {' and '.join(left_out)}. The full sweep, every "
-                f"baseline tuned over {len(full_rates)} loads (about 1,800 simulations, 25-45 min "
-                "on 2 cores): --full.", WIDTH)
-    lines += ["", f"results: {results}", f"plots:   {', '.join(map(str, plots))}"]
+def presets(settings: TunedSettings, names: Sequence[str]) -> tuple[Preset, ...]:
+    return tuple(Preset(name, settings.families[name].best, settings.tuning_entry(name))
+                 for name in names)
+
+
+def row_label(name: str, entry: Mapping, shipped: str) -> str:
+    """A policy's row: the shipped configuration marked, a tuned family at its setting."""
+    if name == shipped:
+        return f"{name} (shipped)"
+    return entry.get("best_of", name)
+
+
+def _load_at(entry: Mapping, rate: float) -> Mapping:
+    return next(load for load in entry["loads"] if load["rate"] == rate)
+
+
+def _attainment(group: Mapping | None) -> str:
+    return "-" if not group or group.get("attainment") is None else f"{group['attainment']:.2f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], first: int) -> list[str]:
+    widths = [max(len(header[i]), *(len(row[i]) for row in rows)) + 2
+              for i in range(1, len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return f"{cells[0]:<{first}}" + "".join(
+            f"{cell:>{width}}" for cell, width in zip(cells[1:], widths))
+
+    head = line(header)
+    return [head, "-" * len(head), *(line(row) for row in rows)]
+
+
+def short_bucket(label: str) -> str:
+    """A prompt-length bucket in a few characters: ``1024-2047`` is ``1k-2k``."""
+    def short(match: re.Match) -> str:
+        tokens = int(match.group())
+        if tokens >= 1023 and (tokens + 1) % 1024 == 0:
+            return f"{(tokens + 1) // 1024}k"
+        return f"{tokens // 1024}k" if tokens >= 1024 and tokens % 1024 == 0 else match.group()
+    return re.sub(r"\d+", short, label)
+
+
+def case_tables(document: Mapping, names: Sequence[str], case: DemoCase, shipped: str) -> str:
+    """The case's three tables, each at most :data:`WIDTH` columns: peak and capacity; on
+    time per prompt-length bucket; on time per SLO class (with several classes)."""
+    policies = document["policies"]
+    labels = {name: row_label(name, policies[name], shipped) for name in names}
+    first = max(len("policy"), *(len(text) for text in labels.values())) + 2
+    key = target_key(CAPACITY_TARGET)
+    several = case.class_mix is not None
+    header = ["policy", "peak eff RPS", "@ req/s", f"eff @ {case.table_rate:g}",
+              f"cap {CAPACITY_TARGET:.0%}", "bucket", *(["class"] if several else [])]
+    rows = []
+    for name in names:
+        entry = policies[name]
+        capacity = entry["capacity"][key]
+        row = [labels[name], peak_text(entry), f"{entry['peak_rate']:g}",
+               f"{_load_at(entry, case.table_rate)['effective_rps']:.2f}",
+               capacity_text(capacity["overall"]), capacity_text(capacity["worst_prompt_bucket"])]
+        if several:
+            row.append(capacity_text(capacity["worst_slo_class"]))
+        rows.append(row)
+    note = (f"cap {CAPACITY_TARGET:.0%}: the highest load with {CAPACITY_TARGET:.0%} on time, "
+            "every lower load too; overall, in the worst prompt-length bucket"
+            + (" and in the worst SLO class." if several else "."))
+    lines = [*_table(header, rows, first), *textwrap.wrap(note, WIDTH), ""]
+    loads = {name: _load_at(policies[name], case.table_rate) for name in names}
+    buckets = list(dict.fromkeys(b for load in loads.values() for b in load["by_prompt_tokens"]))
+    lines.append(f"on time at {case.table_rate:g} req/s, per prompt-length bucket (tokens):")
+    lines += _table(["policy", *map(short_bucket, buckets), "all"],
+                    [[labels[n], *(_attainment(loads[n]["by_prompt_tokens"].get(b)) for b in buckets),
+                      f"{loads[n]['attainment']:.2f}"] for n in names], first)
+    if several:
+        classes = list(dict.fromkeys(c for load in loads.values() for c in load["by_slo_class"]))
+        lines += ["", f"on time at {case.table_rate:g} req/s, per SLO class:"]
+        lines += _table(["policy", *classes, "all"],
+                        [[labels[n], *(_attainment(loads[n]["by_slo_class"].get(c)) for c in classes),
+                          f"{loads[n]['attainment']:.2f}"] for n in names], first)
     return "\n".join(lines)
+
+
+def case_heading(case: DemoCase, document: Mapping, baselines: Sequence[str]) -> str:
+    scenario = document["scenario"]
+    classes = scenario["slo"]["classes"]
+    used = [name for name in dict.fromkeys(
+        c for entry in document["policies"].values() for load in entry["loads"]
+        for c in load["by_slo_class"]) if name in classes]
+    targets = "; ".join(f"{name} TTFT {classes[name]['ttft_ms']:g} ms, TPOT "
+                        f"{classes[name]['tpot_ms']:g} ms" for name in used
+                        if "ttft_ms" in classes[name])
+    about = (f"{scenario['requests']} requests of {Path(scenario['workload']).name} on a "
+             f"simulated {scenario['profile']}; the strongest baselines of its full sweep, at "
+             f"their tuned settings: {', '.join(baselines)}.")
+    return "\n".join([*textwrap.wrap(f"== {case.title}: {targets}", WIDTH),
+                      *textwrap.wrap(about, WIDTH)])

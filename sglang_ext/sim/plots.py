@@ -111,6 +111,47 @@ def plot_fairness(document: Mapping, names: Sequence[str], path: Path) -> Path:
     return save_figure(fairness_figure(document, names), path)
 
 
+def demo_figure(cases: Sequence[tuple[str, Mapping, Sequence[str], str]],
+                labels: Mapping[str, str]) -> plt.Figure:
+    """The demo's one figure: per case (its title, sweep document, policies and the worst
+    group it follows, ``worst_prompt_bucket`` or ``worst_slo_class``), effective RPS against
+    load above and that group's attainment against load below; ``labels`` name the lines."""
+    fig, axes = plt.subplots(2, len(cases), figsize=(5.5 * len(cases) + 2.5, 8),
+                             layout="constrained", squeeze=False)
+    names = list(dict.fromkeys(name for _, _, case_names, _ in cases for name in case_names))
+    styles = policy_styles(names)
+    group_words = {"worst_prompt_bucket": "worst prompt-length bucket",
+                   "worst_slo_class": "worst SLO class"}
+    for column, (title, document, case_names, group) in enumerate(cases):
+        top, bottom = axes[0][column], axes[1][column]
+        for name in case_names:
+            entry = document["policies"][name]
+            style = styles[name]
+            rates = [load["rate"] for load in entry["loads"]]
+            top.plot(rates, [load["effective_rps"] for load in entry["loads"]],
+                     label=labels.get(name, name), **style)
+            points = [(load["rate"], load[group]["attainment"]) for load in entry["loads"]
+                      if (load.get(group) or {}).get("attainment") is not None]
+            if points:
+                bottom.plot(*zip(*points), **style)
+        highest = max(document["rates"])
+        top.plot([0, highest], [0, highest], color="grey", linestyle=":", linewidth=1)
+        top.set_title(title)
+        top.set_ylabel("effective RPS (offered × attainment)")
+        bottom.set_ylabel(f"on time, {group_words[group]}")
+        bottom.set_ylim(-0.02, 1.02)
+        bottom.set_xlabel("offered load (req/s)")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    legend: dict[str, object] = {}
+    for ax in axes[0]:
+        for handle, text in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(text, handle)
+    fig.legend(list(legend.values()), list(legend), loc="outside right upper", fontsize=8, title=LEGEND_TITLE,
+               title_fontsize=7, alignment="left")
+    return fig
+
+
 def run_classes(document: Mapping) -> dict[str, Mapping]:
     """Targets of the SLO classes the runs' requests had (``scenario.slo.classes``, schema
     2); the default class's when no load names one of them (schema 1)."""
