@@ -49,6 +49,7 @@ SCHEMA_VERSION = 2
 DEFAULT_POLICIES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
     "sarathi-sjf", "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
+    "sarathi-hrrn", "sarathi-hrrn-queue-timeout", "sarathi-spf", "sarathi-spf-queue-timeout",
     "fb-fb", "fb-tb", "fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab",
     "fb-anchor-margin+reject", "fb-anchor-margin+defer", "fb-smooth", "fb-smooth+defer",
 )
