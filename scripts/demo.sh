@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The main job on its embedded default: replay the bundled Azure sample through the
-# simulator for every policy over a range of loads and print the comparison. By default
-# the quick demo (about a minute on 2 cores): the baselines at the settings the full
-# sweep tuned, shipped in configs/tuned_baselines.toml, over 11 loads; --full is the full
-# sweep that tunes them (about 1,100 simulations, 15-20 minutes), --retune tunes them on
-# the scenario given.
-# Extra arguments go to `python -m sglang_ext.sim sweep` (see --help).
+# The main job: the shipped FairBatching configuration against the three strongest
+# baselines, on one SLO class and on a mix of three, in the simulator (about two minutes
+# on 2 cores): `python -m sglang_ext.sim demo`. The baselines are chosen and set by the
+# full sweeps shipped in configs/tuned_baselines*.toml.
+#
+#   scripts/demo.sh [--jobs N] [--out DIR]   the demo
+#   scripts/demo.sh --all [SWEEP OPTIONS]    every policy: `python -m sglang_ext.sim sweep`
+#                                            (--full tunes every baseline itself, 25-45 min)
 source "$(dirname "$0")/_env.sh"
-exec python -m sglang_ext.sim sweep "$@"
+if [ "${1:-}" = "--all" ]; then
+  shift
+  exec python -m sglang_ext.sim sweep "$@"
+fi
+exec python -m sglang_ext.sim demo "$@"

@@ -22,13 +22,12 @@ from pathlib import Path
 from sglang_ext.bundled import CONFIGS_DIR
 from sglang_ext.sim.capacity import capacity_text, target_key
 from sglang_ext.sim.sweep import BASELINES, Preset, peak_text
-from sglang_ext.sim.tuned import SHIPPED, TunedSettings
+from sglang_ext.sim.tuned import SHIPPED, SHIPPED_THREE_CLASSES, TunedSettings
 
 WIDTH = 100
 BASELINE_COUNT = 3
 CAPACITY_TARGET = 0.9
 THREE_CLASSES = "interactive:0.2,standard:0.5,relaxed:0.3"
-THREE_CLASSES_TUNED = CONFIGS_DIR / "tuned_baselines_three_classes.toml"
 SHIPPED_CONFIG = CONFIGS_DIR / "fairbatching.toml"
 
 
@@ -50,7 +49,7 @@ class DemoCase:
 
 CASES = (
     DemoCase("one SLO class", "one-class", None, SHIPPED, 36.0, "worst_prompt_bucket"),
-    DemoCase("three SLO classes", "three-classes", THREE_CLASSES, THREE_CLASSES_TUNED, 36.0,
+    DemoCase("three SLO classes", "three-classes", THREE_CLASSES, SHIPPED_THREE_CLASSES, 36.0,
              "worst_slo_class"),
 )
 

@@ -1,16 +1,17 @@
 """What ``python -m sglang_ext.sim sweep`` does with the tunable families, and its closing
-summary (``scripts/demo.sh`` is that command).
+summary (``scripts/demo.sh --all`` is that command).
 
 Four modes:
 
 - **quick** (the default): a family named bare that the tuned-settings file has (shipped:
-  ``configs/tuned_baselines.toml``, written by the full sweep) runs at that setting, not
-  searched, provided the sweep's scenario is the file's (``sglang_ext.sim.tuned``). On
-  another scenario the families are tuned here, and the sweep says why; a file named with
-  ``--tuned-settings`` for another scenario is refused instead. Loads: the quick grid.
+  ``configs/tuned_baselines.toml`` for one SLO class and
+  ``configs/tuned_baselines_three_classes.toml`` for the demo's three, each written by a
+  full sweep) runs at that setting, not searched, provided the sweep's scenario is the
+  file's (``sglang_ext.sim.tuned``). On another scenario the families are tuned here, and
+  the sweep says why; a file named with ``--tuned-settings`` for another scenario is
+  refused instead. Loads: the quick grid.
 - **retune** (``--retune``): every family named bare is searched on this scenario.
-- **full** (``--full``): the sweep as it was before the quick default: every family named
-  bare searched, over the full load grid.
+- **full** (``--full``): every family named bare searched, over the full load grid.
 - **search** (``--budgets``): the families searched over exactly those budgets.
 """
 
@@ -26,13 +27,13 @@ from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS
 from sglang_ext.sim.runner import Scenario
 from sglang_ext.sim.sweep import Preset, SweepPlan, display_label, headline_table
 from sglang_ext.sim.tuned import (
-    SHIPPED,
     TunedSettings,
     TunedSettingsError,
     display_path,
     load,
     preset_labels,
     scenario_fingerprint,
+    shipped_for,
 )
 
 WIDTH = 100
@@ -66,7 +67,7 @@ def choose_mode(
         return Mode("retune" if retune else "search")
     if not plan.tuned:
         return Mode("quick")
-    path = settings_path or SHIPPED
+    path = settings_path or shipped_for(scenario_fingerprint(scenario))
     if not path.is_file():
         if settings_path is not None:
             raise TunedSettingsError(f"--tuned-settings {path}: no such file")

@@ -29,6 +29,9 @@ from sglang_ext.bundled import CONFIGS_DIR
 from sglang_ext.sim.runner import Scenario, parse_policy
 
 SHIPPED: Path = CONFIGS_DIR / "tuned_baselines.toml"
+#: the demo's three-class scenario, tuned the same way
+SHIPPED_THREE_CLASSES: Path = CONFIGS_DIR / "tuned_baselines_three_classes.toml"
+SHIPPED_FILES: tuple[Path, ...] = (SHIPPED, SHIPPED_THREE_CLASSES)
 
 
 class TunedSettingsError(ValueError):
@@ -136,7 +139,7 @@ class TunedSettings:
         family = self.families[name]
         return {
             "from": self.source,
-            "shipped": self.path.resolve() == SHIPPED.resolve(),
+            "shipped": any(self.path.resolve() == path.resolve() for path in SHIPPED_FILES),
             "tuned_by": self.provenance.get("command"),
             "tuned_on": self.provenance.get("date"),
             "edge_axes": list(family.edge_axes),
@@ -177,6 +180,15 @@ def load(path: Path = SHIPPED) -> TunedSettings:
             raise TunedSettingsError(f"{path}: [tuned.{name}] best = {family.best!r} is not a "
                                      f"setting of {name}")
     return settings
+
+
+def shipped_for(fingerprint: Mapping[str, object]) -> Path:
+    """The shipped tuned-settings file tuned on the scenario of ``fingerprint``; the
+    one-class file when none is (its differences then say why it does not apply)."""
+    for path in SHIPPED_FILES:
+        if path.is_file() and not load(path).differences(fingerprint):
+            return path
+    return SHIPPED
 
 
 def families_of(document: Mapping) -> dict[str, TunedFamily]:

@@ -20,18 +20,21 @@ from sglang_ext.sim.runner import DEFAULT_TOKEN_BUDGETS
 from sglang_ext.sim.sweep import DEFAULT_POLICIES, PRIORITY_BASELINES, headline_table, plan_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
-#: the sweep's defaults: before the quick mode (a1ce790), with the shortest-first baselines
-#: and fb-smooth (issue 28) added; --full runs them at the full grid
+#: the sweep's default policies, the shortest-first baselines and fb-smooth among them;
+#: --full runs them at the full grid
 FULL_POLICIES = (
     "sglang-default", "vllm-default", "sarathi", "sarathi-queue-cap", "sarathi-queue-timeout",
     "sarathi-sjf", "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout",
+    "sarathi-hrrn", "sarathi-hrrn-queue-timeout", "sarathi-spf", "sarathi-spf-queue-timeout",
     "fb-fb", "fb-tb", "fb", "fb-pab", "fb-anchor-margin", "fb-anchor-margin-pab",
     "fb-anchor-margin+reject", "fb-anchor-margin+defer", "fb-smooth", "fb-smooth+defer",
 )
 FULL_RATES = (4.0, 8.0, 12.0, 14.0, 16.0, 17.0, 18.0, 19.0, 20.0, 22.0, 24.0, 28.0, 32.0, 36.0)
 FULL_BUDGETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 TUNED_FAMILIES = ("sarathi", "sarathi-queue-cap", "sarathi-queue-timeout", "sarathi-sjf",
-                  "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout", "fb-fb")
+                  "sarathi-sjf-queue-cap", "sarathi-sjf-queue-timeout", "sarathi-hrrn",
+                  "sarathi-hrrn-queue-timeout", "sarathi-spf", "sarathi-spf-queue-timeout",
+                  "fb-fb")
 
 
 class _Planned(Exception):
@@ -190,6 +193,7 @@ def test_settings_file_round_trip(tmp_path):
 
 
 # ------------------------------------------------------------------ end to end, cheap
+@pytest.mark.slow
 def test_quick_sweep_labels_the_shipped_setting(tmp_path, capsys):
     out = tmp_path / "q"
     assert main(["sweep", "--policy", "sarathi", "--rates", "36",
@@ -208,6 +212,7 @@ def test_quick_sweep_labels_the_shipped_setting(tmp_path, capsys):
     assert "tried" not in entry["tuning"]
 
 
+@pytest.mark.slow
 def test_another_scenario_tunes_here_and_says_so(tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["sweep", "--policy", "sarathi", "--rates", "8", "--head-seconds", "20",
