@@ -12,17 +12,6 @@ from controlplane.config import ConfigError, DaemonConfig
 from controlplane.curve import CurveError, generate, load_key_pair, load_public_key
 
 
-@pytest.fixture
-def keys(tmp_path):
-    """daemon, rank and client pairs in keys/; the rank's and client's public keys in authorized/."""
-    key_dir, authorized = tmp_path / "keys", tmp_path / "authorized"
-    pairs = {name: generate(key_dir, name) for name in ("daemon", "rank", "client", "stranger")}
-    authorized.mkdir()
-    for name in ("rank", "client"):
-        (authorized / f"{name}.key").write_bytes(pairs[name][0].read_bytes())
-    return key_dir, authorized
-
-
 def test_keygen_writes_a_pair_with_an_owner_only_secret_and_never_overwrites(tmp_path):
     public, secret = generate(tmp_path, "a")
     assert load_public_key(public) == load_key_pair(secret).public

@@ -20,6 +20,16 @@ from controlplane.gateway import GatewaySettings, serve
 MODEL = "test-model"
 
 
+async def _until_serving(session: aiohttp.ClientSession, url: str) -> None:
+    """Return once ``url`` answers (the gateway is listening), polling for up to 5 s."""
+    for _ in range(100):
+        try:
+            async with session.get(url):
+                return
+        except aiohttp.ClientConnectionError:
+            await asyncio.sleep(0.05)
+
+
 def with_gateway(config: DaemonConfig, scenario):
     """Run ``scenario(session, base_url)`` against a gateway served on a free port in front
     of the daemon at ``config``."""
@@ -31,12 +41,7 @@ def with_gateway(config: DaemonConfig, scenario):
             server = asyncio.create_task(serve(client, GatewaySettings(MODEL), "127.0.0.1", port, stop))
             try:
                 async with aiohttp.ClientSession() as session:
-                    for _ in range(100):
-                        try:
-                            async with session.get(f"http://127.0.0.1:{port}/health"):
-                                break
-                        except aiohttp.ClientConnectionError:
-                            await asyncio.sleep(0.05)
+                    await _until_serving(session, f"http://127.0.0.1:{port}/health")
                     return await scenario(session, f"http://127.0.0.1:{port}")
             finally:
                 stop.set()
@@ -176,12 +181,7 @@ def test_past_its_in_flight_limit_the_gateway_answers_429_with_retry_after_at_on
                                            stop))
         try:
             async with aiohttp.ClientSession() as session:
-                for _ in range(100):
-                    try:
-                        async with session.get(f"http://127.0.0.1:{port}/v1/models"):
-                            break
-                    except aiohttp.ClientConnectionError:
-                        await asyncio.sleep(0.05)
+                await _until_serving(session, f"http://127.0.0.1:{port}/v1/models")
                 held = [asyncio.create_task(session.post(url, json={"prompt": "hi"})) for _ in range(2)]
                 while client.waiting < 2:
                     await asyncio.sleep(0.01)

@@ -8,26 +8,14 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from benchmarks.controlplane.live_daemon import ProcessDaemon, loopback_config, write_config
 from benchmarks.support.paths import REPO
 from controlplane.cli import main
 from controlplane.client import AsyncClient
-from controlplane.curve import CurvePeer, generate
+from controlplane.curve import CurvePeer
 from controlplane.errors import DaemonUnavailable
 from controlplane.protocol import FinishReason, SamplingParams
-
-
-@pytest.fixture
-def keys(tmp_path):
-    """daemon, rank and client pairs in keys/; the rank's and client's public keys in authorized/."""
-    key_dir, authorized = tmp_path / "keys", tmp_path / "authorized"
-    pairs = {name: generate(key_dir, name) for name in ("daemon", "rank", "client", "stranger")}
-    authorized.mkdir()
-    for name in ("rank", "client"):
-        (authorized / f"{name}.key").write_bytes(pairs[name][0].read_bytes())
-    return key_dir, authorized
 
 
 def test_a_curve_daemon_serves_authorized_peers_only(keys, tmp_path, capsys):
