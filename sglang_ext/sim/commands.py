@@ -662,7 +662,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                            f"{case.title} ({'; '.join(differences)}); regenerate it with "
                            f"`{regenerate}`")
         baselines = demo.strongest_baselines(settings)
-        plan = plan_sweep([shipped, *baselines], None, demo.presets(settings, baselines))
+        plan = plan_sweep([shipped, *baselines], None, sweep_modes.presets(settings, baselines))
         cases.append((case, scenario, baselines, plan))
     out = _out_dir(args)
     total = sum(len(plan.runs) for *_, plan in cases) * len(QUICK_RATES)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sglang_ext.bundled import CONFIGS_DIR
 from sglang_ext.sim.capacity import capacity_text, target_key
-from sglang_ext.sim.sweep import BASELINES, Preset, peak_text
+from sglang_ext.sim.sweep import BASELINES, peak_text
 from sglang_ext.sim.tuned import SHIPPED, SHIPPED_THREE_CLASSES, TunedSettings
 
 WIDTH = 100
@@ -84,11 +84,6 @@ def strongest_baselines(settings: TunedSettings, count: int = BASELINE_COUNT) ->
         if len(chosen) == count:
             break
     return tuple(chosen)
-
-
-def presets(settings: TunedSettings, names: Sequence[str]) -> tuple[Preset, ...]:
-    return tuple(Preset(name, settings.families[name].best, settings.tuning_entry(name))
-                 for name in names)
 
 
 def row_label(name: str, entry: Mapping, shipped: str) -> str:

@@ -67,14 +67,15 @@ def choose_mode(
         return Mode("retune" if retune else "search")
     if not plan.tuned:
         return Mode("quick")
-    path = settings_path or shipped_for(scenario_fingerprint(scenario))
+    fingerprint = scenario_fingerprint(scenario)
+    path = settings_path or shipped_for(fingerprint)
     if not path.is_file():
         if settings_path is not None:
             raise TunedSettingsError(f"--tuned-settings {path}: no such file")
         raise TunedSettingsError(f"the shipped tuned settings {display_path(path)} are missing; "
                                  "tune here with --retune, or run the full sweep with --full")
     settings = load(path)
-    differences = settings.differences(scenario_fingerprint(scenario))
+    differences = settings.differences(fingerprint)
     if differences and settings_path is not None:
         raise TunedSettingsError(
             f"--tuned-settings {path} was tuned on another scenario ({'; '.join(differences)}); "
@@ -82,10 +83,13 @@ def choose_mode(
         )
     if differences:
         return Mode("quick", settings=settings, refused=tuple(differences))
-    labels = preset_labels(settings, plan.tuned)
-    presets = tuple(Preset(name, label, settings.tuning_entry(name))
-                    for name, label in labels.items())
-    return Mode("quick", presets, settings)
+    return Mode("quick", presets(settings, plan.tuned), settings)
+
+
+def presets(settings: TunedSettings, names: Sequence[str]) -> tuple[Preset, ...]:
+    """Each bare tunable family among ``names`` that ``settings`` has, at its setting there."""
+    return tuple(Preset(name, label, settings.tuning_entry(name))
+                 for name, label in preset_labels(settings, names).items())
 
 
 def start_note(mode: Mode, plan: SweepPlan) -> str | None:
