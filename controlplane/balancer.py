@@ -54,13 +54,13 @@ class RankView:
     waiting: int  # last reported waiting + dispatches the last report does not include yet
     total_tokens: int  # last reported total_tokens + prompt tokens of those dispatches
     in_flight: int  # the daemon's own count of dispatched, unfinished requests
-    class_pab_tokens: Mapping[str, float] = field(default_factory=dict)  # effective, per SLO class
+    class_budgets: Mapping[str, float] = field(default_factory=dict)  # effective, per SLO class
 
     def budget(self, slo_class: str | None = None) -> float | None:
         """The effective budget of ``slo_class`` (None or unreported: the default class's)."""
         if slo_class is None:
             return self.pab_tokens
-        return self.class_pab_tokens.get(slo_class, self.pab_tokens)
+        return self.class_budgets.get(slo_class, self.pab_tokens)
 
 
 def routing_class(class_ttfts: Mapping[str, float], slo_class: str | None,

@@ -383,7 +383,7 @@ def _rank_row(rank: RankStatus) -> tuple[str, ...]:
     return (rank.rank, rank.agent, str(rank.epoch), tokens(rank.pab_tokens), tokens(rank.reported_pab_tokens),
             str(rank.running), str(rank.waiting), str(rank.in_flight), age, "yes" if rank.stale else "no",
             "yes" if rank.draining else "no", str(rank.seq_gaps),
-            ",".join(f"{name}={tokens(value)}" for name, value in sorted(rank.class_pab_tokens.items())) or "-")
+            ",".join(f"{name}={tokens(value)}" for name, value in sorted(rank.class_budgets.items())) or "-")
 
 
 def _table(header: Sequence[str], rows: list[tuple[str, ...]]) -> str:

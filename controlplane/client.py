@@ -52,7 +52,7 @@ from controlplane.errors import (
 from controlplane.protocol import (
     BATCH_PROTOCOL_VERSION, DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Cancel, ChatMessage, Chunk,
     Dispatched, DrainRank, DrainReply, Finish, FinishReason, FrameError, Ping, Pong, Prompt, RejectReason,
-    Replies, SamplingParams, SloSpec, StatusReply, StatusRequest, Submit, client_reply_channel,
+    Replies, SamplingParams, SloSpec, StatusReply, StatusRequest, Submit, as_slo_spec, client_reply_channel,
     client_request_channel, encode, retryable,
 )
 from controlplane.ratelimited_log import RateLimitedLog
@@ -447,11 +447,7 @@ class AsyncClient:
             sampling = sampling if sampling is not None else SamplingParams()
             if max_new_tokens is not None:
                 sampling = msgspec.structs.replace(sampling, max_new_tokens=max_new_tokens)
-            if isinstance(slo, str):
-                slo = SloSpec(slo_class=slo)
-            elif isinstance(slo, dict):
-                slo = msgspec.convert(slo, SloSpec)
-            submit = Submit(request_id, body, sampling, slo, None, stream, PROTOCOL_VERSION)
+            submit = Submit(request_id, body, sampling, as_slo_spec(slo), None, stream, PROTOCOL_VERSION)
             self._requests.decode(encode(submit))
         except (FrameError, msgspec.ValidationError, TypeError, ValueError) as error:
             raise rejected(RejectReason.INVALID, str(error), request_id=request_id) from None

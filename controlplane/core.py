@@ -154,7 +154,7 @@ class DispatcherCore:
                 in_flight=len(state.in_flight), report_age_s=state.report_age(now),
                 stale=not state.fresh(now, self.config.stale_after_s), reports=state.reports,
                 seq_gaps=state.seq_gaps, dispatched=state.dispatched, draining=state.draining,
-                class_pab_tokens=self.ledger.effective_class_budgets(state.rank),
+                class_budgets=self.ledger.effective_class_budgets(state.rank),
             ))
         return StatusReply(self.daemon_id, self.config.policy, now - self.started_at, self.draining,
                            self.in_flight, self.queued, ranks, dict(self.counters))
@@ -256,7 +256,7 @@ class DispatcherCore:
                 waiting=(report.waiting if report else 0) + self.ledger.outstanding_dispatches(state.rank),
                 total_tokens=(report.total_tokens if report else 0) + self.ledger.outstanding_tokens(state.rank),
                 in_flight=len(state.in_flight),
-                class_pab_tokens=self.ledger.effective_class_budgets(state.rank),
+                class_budgets=self.ledger.effective_class_budgets(state.rank),
             ))
         return views, bool(fresh)
 

@@ -18,7 +18,7 @@ from controlplane.errors import (
     RequestFailed, ShuttingDown,
 )
 from controlplane.openai_api import ChatCompletionRequest, CompletionRequest
-from controlplane.protocol import Prompt, SamplingParams, SloSpec
+from controlplane.protocol import Prompt, SamplingParams, SloSpec, as_slo_spec
 
 
 class BadRequest(ValueError):
@@ -78,10 +78,7 @@ def translate(body: CompletionRequest | ChatCompletionRequest,
         else "max_completion_tokens"
     try:
         sampling = msgspec.convert(fields, SamplingParams)
-        if isinstance(slo, str):
-            slo = SloSpec(slo_class=slo)
-        elif slo is not None:
-            slo = msgspec.convert(slo, SloSpec)
+        slo = as_slo_spec(slo)
     except (msgspec.ValidationError, ValueError) as error:
         message = str(error).replace("max_new_tokens", max_name).replace("min_new_tokens", "min_tokens")
         raise BadRequest(f"invalid request body: {message}") from None

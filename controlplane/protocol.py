@@ -161,6 +161,17 @@ class SloSpec(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=Tru
         return msgspec.to_builtins(self)
 
 
+def as_slo_spec(value: SloSpec | str | Mapping[str, object] | None) -> SloSpec | None:
+    """A request's SLO as a client states it: a spec, a class name, or the spec's mapping
+    (``{"class": ..., "ttft_ms": ...}``); None: the rank's default class. The SDK and the
+    HTTP gateway both read it here. Raises ``msgspec.ValidationError`` or ``ValueError``."""
+    if value is None or isinstance(value, SloSpec):
+        return value
+    if isinstance(value, str):
+        return SloSpec(slo_class=value)
+    return msgspec.convert(value, SloSpec)
+
+
 class ChatMessage(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One turn of a conversation (protocol version 4), text only."""
 
@@ -304,7 +315,7 @@ class RankStatus(Struct, frozen=True):
     seq_gaps: int
     dispatched: int
     draining: bool = False  # no new dispatches; its in-flight requests run on
-    class_pab_tokens: dict[str, float] = {}  # effective, per SLO class (protocol version 2)
+    class_budgets: dict[str, float] = {}  # effective, per SLO class (protocol version 2)
 
 
 class StatusReply(Struct, frozen=True, tag="status"):

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
-from benchmarks.controlplane.processes import start_sim_ranks, wait_for_ranks
+from benchmarks.controlplane.sim_ranks_and_gateway import start_sim_ranks, wait_for_ranks
 from benchmarks.support.processes import stop_group
 from controlplane.cli_args import coalesce_ms
 from controlplane.client import AsyncClient

@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
-from benchmarks.controlplane.processes import start_sim_ranks, wait_for_ranks
+from benchmarks.controlplane.sim_ranks_and_gateway import start_sim_ranks, wait_for_ranks
 from benchmarks.support.paths import DOCS_BENCH
 from benchmarks.support.processes import stop_group
 from controlplane import protocol as p

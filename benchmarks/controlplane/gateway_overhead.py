@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.controlplane.daemon_throughput import RANK_TIME_SCALE, RANKS
 from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
-from benchmarks.controlplane.processes import start_gateway, start_sim_ranks, wait_for_ranks
+from benchmarks.controlplane.sim_ranks_and_gateway import start_gateway, start_sim_ranks, wait_for_ranks
 from benchmarks.support.paths import DOCS_BENCH
 from benchmarks.support.ports import free_port
 from benchmarks.support.processes import stop_group

@@ -115,7 +115,7 @@ PREFIX_WORDS = tuple(f"w{i:03d}" for i in range(1000))  # one token each, roughl
 def bodies(workload: str, rate: float, duration_s: float, seed: int = 0) -> list[tuple[float, dict]]:
     """The run's requests, (arrival offset, body): ``short`` is the 64-token prompt and
     100-200 output tokens above; ``prefix`` the router benchmark's shared-prefix workload
-    (:func:`benchmarks.routers.workloads.prefix_requests`) as text of 5-character words."""
+    (:func:`benchmarks.routers.traffic.prefix_requests`) as text of 5-character words."""
     if workload == "short":
         rng = random.Random(seed)
         times, at = [], 0.0
@@ -124,7 +124,7 @@ def bodies(workload: str, rate: float, duration_s: float, seed: int = 0) -> list
             at += rng.expovariate(rate)
         return [(t, {"prompt": PROMPT, "max_tokens": rng.randint(100, 200)}) for t in times]
     if workload == "prefix":
-        from benchmarks.routers.workloads import prefix_requests, prompt_text
+        from benchmarks.routers.traffic import prefix_requests, prompt_text
         return [(r.at_s, {"prompt": prompt_text(r, PREFIX_WORDS, seed), "max_tokens": r.output_tokens})
                 for r in prefix_requests(rate, duration_s, seed)]
     raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")

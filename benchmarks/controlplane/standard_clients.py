@@ -49,7 +49,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.controlplane.live_daemon import loopback_config, start_process_daemon
-from benchmarks.controlplane.processes import start_gateway, start_sim_ranks, wait_for_ranks
+from benchmarks.controlplane.sim_ranks_and_gateway import start_gateway, start_sim_ranks, wait_for_ranks
 from benchmarks.server.client_runs import write_random_dataset
 from benchmarks.support.machine import cpu_times, cpu_usage, machine_info
 from benchmarks.support.paths import DOCS_BENCH, REPO, relative

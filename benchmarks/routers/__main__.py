@@ -2,7 +2,7 @@
 
 import sys
 
-from benchmarks.routers.cli import main
+from benchmarks.routers.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

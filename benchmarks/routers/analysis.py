@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 
-from benchmarks.routers.metrics import added_latency, cpu_per_1000, percentile
+from benchmarks.routers.records import added_latency, cpu_per_1000, percentile
 from benchmarks.routers.stack import ROUTERS
-from benchmarks.routers.workloads import WORKLOADS
+from benchmarks.routers.traffic import WORKLOADS
 
 
 def router_label(point: dict) -> str:

@@ -18,8 +18,8 @@ from benchmarks.routers.analysis import (
     sweep_summary,
     wins,
 )
-from benchmarks.routers.client import PROBE_OUTPUT_TOKENS, PROBE_PROMPT_TOKENS, REQUEST_TIMEOUT_S
-from benchmarks.routers.metrics import SLO, SLO_CLASSES
+from benchmarks.routers.load_generator import PROBE_OUTPUT_TOKENS, PROBE_PROMPT_TOKENS, REQUEST_TIMEOUT_S
+from benchmarks.routers.records import SLO, SLO_CLASSES
 from benchmarks.routers.stack import (
     DAEMON_DEFAULT_POLICY,
     DAEMON_POLICY,
@@ -29,7 +29,7 @@ from benchmarks.routers.stack import (
     SMG_CA_EXTRA,
     SMG_QUEUE_TIMEOUT_S,
 )
-from benchmarks.routers.workloads import (
+from benchmarks.routers.traffic import (
     BURST_CV,
     CLASS_MIX,
     PREFIX_OUTPUT_TOKENS,

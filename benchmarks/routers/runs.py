@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.routers.client import probe, run_requests
-from benchmarks.routers.metrics import cpu_per_1000, prefill_summary, summarize
-from benchmarks.routers.processes import crash_summary
+from benchmarks.routers.load_generator import probe, run_requests
+from benchmarks.routers.records import cpu_per_1000, prefill_summary, summarize
+from benchmarks.routers.process_probes import crash_summary
 from benchmarks.routers.stack import (
     DAEMON_POLICY,
     EMBEDDED_ROUTERS,
@@ -22,8 +22,8 @@ from benchmarks.routers.stack import (
     Router,
     Stack,
 )
-from benchmarks.routers.sweep import edge_extension, pick_best, sweep_verdict
-from benchmarks.routers.workloads import SEED, bundled_azure_lengths, prompt_text, workload_requests
+from benchmarks.routers.limit_sweep import edge_extension, pick_best, sweep_verdict
+from benchmarks.routers.traffic import SEED, bundled_azure_lengths, prompt_text, workload_requests
 from benchmarks.support.points import append_point, load_points
 
 DEFAULT_SECONDS = 30.0

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.controlplane.processes import start_gateway
-from benchmarks.routers.processes import StepLogTail, group_cpu_s, proc_cpu_s
-from benchmarks.routers.workloads import chars_per_token
+from benchmarks.controlplane.sim_ranks_and_gateway import start_gateway
+from benchmarks.routers.process_probes import StepLogTail, group_cpu_s, proc_cpu_s
+from benchmarks.routers.traffic import chars_per_token
 from benchmarks.server.emulated import PROFILE, TIME_SCALE, write_fb_config
 from benchmarks.server.stock_server import launch
 from benchmarks.support.paths import pythonpath_with_checkout

@@ -10,7 +10,7 @@ queue with the daemon's defaults) on three workloads:
   arrivals rescaled, one SLO class (standard). Lengths only: every prompt is its own, so
   cache affinity cannot help (the cache-aware routers would be least-loaded routers; they
   are not run).
-- ``prefix``: the router benchmark's shared-prefix shape (``benchmarks.routers.workloads``:
+- ``prefix``: the router benchmark's shared-prefix shape (``benchmarks.routers.traffic``:
   a 4096-token prefix of one group, uniform, plus 64-192 tokens of its own, 32-128 output
   tokens) over ``PREFIX_GROUPS`` groups, Poisson arrivals, one class. The routers
   benchmark's 24 groups fit every H100 rank's free KV here, so affinity would matter only
@@ -52,7 +52,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.routers.workloads import prefix_requests
+from benchmarks.routers.traffic import prefix_requests
 from benchmarks.sim.fair_capacity import CLASS_MIX, capacity_of, tuning_score
 from benchmarks.support.machine import machine_info, machine_line
 from benchmarks.support.outputs import write_outputs

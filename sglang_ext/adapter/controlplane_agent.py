@@ -32,7 +32,7 @@ window would eat a 50 ms TPOT SLO on its own).
   renders it), and feeds ``TokenizerManager.generate_request``; a request the client did
   not stream is not streamed here either (SGLang yields its output once, at the finish, and
   the agent sends it once, in the ``Done``). A request the admission gate refuses
-  (:mod:`sglang_ext.adapter.admission_http`, checked against the rank it is pinned to) ends with
+  (:mod:`sglang_ext.adapter.admission.budget_refusal`, checked against the rank it is pinned to) ends with
   ``Done(no_budget=True)``: the daemon answers the client ``no_budget`` (retryable,
   with its ``retry_after_s``) and releases the debit; it does not re-dispatch it.
 - **Reports** come from each scheduler process (:mod:`sglang_ext.adapter.scheduler.controlplane_reports`).
@@ -385,7 +385,7 @@ class SGLangRankEngine:
     async def serve(self, dispatch: Any, sink: Any) -> None:
         from controlplane.protocol import FinishReason
         from controlplane.rank_agent import InvalidRequest, NoBudget
-        from sglang_ext.adapter.admission_http import AdmissionRefused
+        from sglang_ext.adapter.admission.budget_refusal import AdmissionRefused
 
         tm = self.tokenizer_manager
         received = time.monotonic()

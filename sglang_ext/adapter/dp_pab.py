@@ -7,8 +7,8 @@ and the controller's two hook points). What the hooks do:
   inquirer for a subclass whose ``get_loads()`` fills ``fairbatching_pab_tokens`` and
   ``fairbatching_dispatch_seq`` from ``scheduler.fairbatching`` (an object with
   ``pab_tokens`` and ``highest_dispatch_seq``; absent: the fields stay None / 0), and
-  ``fairbatching_admission`` from its ``admission_budgets`` (per SLO class; read by
-  :mod:`sglang_ext.adapter.admission_gate` and by this method; empty or absent: None) with
+  ``fairbatching_admission`` from its ``class_budgets`` (per SLO class; read by
+  :mod:`sglang_ext.adapter.admission.budget_gate` and by this method; empty or absent: None) with
   ``fairbatching_admission_echo`` (per admission gate, the highest admission number
   those budgets count; the gate's debits end on it). A
   scheduler of a server run with ``--load-balance-method pab`` computes them whatever
@@ -147,7 +147,7 @@ def fill_snapshot(snapshot: Any, fairbatching: Any) -> None:
         pab = math.floor(pab)
     snapshot.fairbatching_pab_tokens = int(pab)
     snapshot.fairbatching_dispatch_seq = int(fairbatching.highest_dispatch_seq)
-    budgets = getattr(fairbatching, "admission_budgets", None)
+    budgets = getattr(fairbatching, "class_budgets", None)
     if budgets and "fairbatching_admission" in type(snapshot).__struct_fields__:
         snapshot.fairbatching_admission = dict(budgets)
         echo = getattr(fairbatching, "admission_echo", None)

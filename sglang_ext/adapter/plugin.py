@@ -38,10 +38,10 @@ def register() -> None:
         raise SystemExit(f"FairBatching: {exc}") from None
     if config is None:
         return
-    from sglang_ext.adapter.admission_http import install_admission_gate
+    from sglang_ext.adapter.admission.budget_refusal import install_admission_gate
     from sglang_ext.adapter.dp_pab import install_dp_pab_hooks
     from sglang_ext.adapter.ingress_time import install_ingress_time
-    from sglang_ext.adapter.request_validation import install_request_validation
+    from sglang_ext.adapter.admission.slo_validation import install_request_validation
     from sglang_ext.adapter.scheduler.hooks import install_scheduler_hooks
     from sglang_ext.adapter.scheduler.router_metrics import install_router_metrics
 

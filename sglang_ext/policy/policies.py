@@ -162,7 +162,7 @@ class BatchPolicy:
 
     def observe_kv(self, outlook: KvOutlook | None) -> None:
         """The rank's KV memory, given before ``admit``, ``form_batch`` and
-        ``admission_budgets`` when the engine knows it (``None``: admission counts
+        ``class_budgets`` when the engine knows it (``None``: admission counts
         compute only)."""
         self.kv_outlook = outlook
 
@@ -171,7 +171,7 @@ class BatchPolicy:
             requests, now, self.step_model.coefficients, self.context.global_slo
         )
 
-    def admission_budgets(
+    def class_budgets(
         self, requests: Sequence[RequestState], now: float, classes: Mapping[str, Slo]
     ) -> dict[str, float]:
         """Each SLO class's admission budget in prompt tokens (what a rank publishes),
@@ -185,10 +185,10 @@ class BatchPolicy:
     def form_batch_with_budgets(
         self, requests: Sequence[RequestState], now: float, classes: Mapping[str, Slo]
     ) -> tuple[BatchDecision, dict[str, float]]:
-        """``(form_batch(requests, now), admission_budgets(requests, now, classes))``, for a
+        """``(form_batch(requests, now), class_budgets(requests, now, classes))``, for a
         rank that publishes its budgets at every decision; a policy whose decision runs the
         same forecast computes it once."""
-        budgets = self.admission_budgets(requests, now, classes)
+        budgets = self.class_budgets(requests, now, classes)
         return self.form_batch(requests, now), budgets
 
 

@@ -2,7 +2,10 @@
 
 None is mixed into ``fb``; the report measures each against it. Every variant takes the
 step-model file's form (the knee model, ``sglang_ext.policy.knee_step_model``, in the
-bundled files); ``fb`` keeps the paper's linear model.
+bundled files); ``fb`` keeps the paper's linear model. The table ``VARIANTS`` says what
+each changes, and one class, :class:`FairBatchingVariant`, does all of it; ``fb-kairos``
+is its own class.
+
 - ``fb-anchor``: after the first token, a request's deadlines are ``t_0 + tpot * j``
   (the first token keeps ``arrival + ttft``). The paper's envelope anchors TPOT at
   ``arrival + ttft``, so a request whose first token came early carries slack it
@@ -17,8 +20,8 @@ bundled files); ``fb`` keeps the paper's linear model.
   Algorithm 1): predict each queued prefill's finish time under FCFS from a running
   prefill-throughput estimate, score ``(ttft - (finish - arrival)) / ttft / input
   length``, and sort descending, as Kairos does.
-- ``fb-anchor-margin``: the first two together (see its docstring for why they need
-  each other); ``fb-anchor-margin-pab`` adds ``fb-pab``'s admission control to it.
+- ``fb-anchor-margin``: the first two together (:class:`FairBatchingVariant` says why they
+  need each other); ``fb-anchor-margin-pab`` adds ``fb-pab``'s admission control to it.
 - ``fb-smooth``: ``fb-anchor-margin`` that spends slack only where a deadline needs it.
   With anchored deadlines a stream that ran ahead carries seconds of slack, and
   Algorithm 1 spends it: the time budget stretches to the smallest slack and any queued
@@ -36,17 +39,15 @@ bundled files); ``fb`` keeps the paper's linear model.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
+from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, AdmissionSettings
 from sglang_ext.policy.batch_former import Triage, pack, smooth_step
-from sglang_ext.policy.policies import (
-    POLICIES,
-    BatchPolicy,
-    FairBatching,
-    FairBatchingWithAdmission,
-    PolicyContext,
-)
+from sglang_ext.policy.policies import POLICIES, BatchPolicy, FairBatching, PolicyContext
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
 
@@ -57,16 +58,59 @@ MARGIN_WARMUP_STEPS = 20
 THROUGHPUT_EWMA = 0.1
 
 
-@POLICIES.register("fb-anchor")
-class FairBatchingAnchored(FairBatching):
-    name = "fb-anchor"
-    keeps_linear_model = False
-    anchored = True
+class Step(enum.Enum):
+    """How a variant forms its step (module docstring: ``fb-smooth``, ``fb-steady``)."""
+
+    PAPER = "paper"  # Algorithm 1's step and deferrals
+    SMOOTH = "smooth"  # every decode in a step of one TPOT while the prompts keep their deadlines
+    STEADY = "steady"  # every decode in every step of one TPOT; prompts take the rest
 
 
-@POLICIES.register("fb-margin")
-class FairBatchingWithMargin(FairBatching):
-    name = "fb-margin"
+@dataclass(frozen=True)
+class Variant:
+    """What a variant changes from the paper's ``fb``; each is one registered policy."""
+
+    name: str
+    anchored: bool = False  # deadlines after the first token from the first token
+    margin: bool = False  # the time budget shrunk by the learned error margin
+    step: Step = Step.PAPER
+    implied_admission: AdmissionSettings | None = None  # what the name stands for
+
+
+PAB_REJECT = AdmissionSettings(AdmissionMode.REJECT, AdmissionRule.PAB)
+
+#: The variants, in the order they build on each other; ``fb-smooth`` is the shipped one.
+VARIANTS: tuple[Variant, ...] = (
+    Variant("fb-anchor", anchored=True),
+    Variant("fb-margin", margin=True),
+    Variant("fb-anchor-margin", anchored=True, margin=True),
+    Variant("fb-anchor-margin-pab", anchored=True, margin=True, implied_admission=PAB_REJECT),
+    Variant("fb-smooth", anchored=True, margin=True, step=Step.SMOOTH),
+    Variant("fb-steady", anchored=True, margin=True, step=Step.STEADY),
+)
+
+
+class FairBatchingVariant(FairBatching):
+    """``fb`` changed as its :class:`Variant` says; every policy of ``VARIANTS`` is this
+    class with its variant (``POLICIES.get(name)``).
+
+    - ``anchored``: slack is measured against anchored deadlines (``triage``).
+    - ``margin``: after each step the margin is the p95 of the step model's recent
+      relative errors (after ``MARGIN_WARMUP_STEPS``, at most ``MAX_MARGIN``); the time
+      budget is divided by ``1 + margin``, and every in-time token is planned
+      ``DEADLINE_GUARD_STEPS`` margins of a TPOT (plus the delivery allowance) before its
+      deadline. Anchored deadlines make the budget as tight as the next token's real
+      deadline, so the step model's error decides whether the first gap after a token
+      lands inside it; the margin absorbs it.
+    - ``step``: ``SMOOTH`` first tries
+      :func:`~sglang_ext.policy.batch_former.smooth_step` (every decode, a step of one
+      TPOT) and falls back to Algorithm 1's longer step and deferrals when an in-time
+      prefill would miss its deadline at that pace; ``STEADY`` never falls back: every
+      decode still runs and the prompts take what is left of one TPOT (Algorithm 1's
+      step only when nothing is in time, the lateness guard's fallback budget).
+    """
+
+    variant: ClassVar[Variant]
     keeps_linear_model = False
 
     def __init__(self, context: PolicyContext) -> None:
@@ -87,6 +131,8 @@ class FairBatchingWithMargin(FairBatching):
     def observe_step(self, shape: StepShape, measured_s: float) -> None:
         """Refreshes the margin here, after the step, off the decision's critical path."""
         super().observe_step(shape, measured_s)
+        if not self.variant.margin:
+            return
         error = self.step_model.error
         if error.samples >= MARGIN_WARMUP_STEPS:
             self._margin = min(error.p95_abs_relative, MAX_MARGIN)
@@ -94,7 +140,7 @@ class FairBatchingWithMargin(FairBatching):
             self._margin_steps += 1
 
     def _time_budget(self, init_time_budget_s: float) -> float:
-        return init_time_budget_s / (1.0 + self.margin)
+        return init_time_budget_s / (1.0 + self._margin)
 
     def _guarded(self, tpot_s: float, guard_s: float) -> float:
         """``tpot_s - guard_s``, but never below the step worth running (the floor's
@@ -102,26 +148,64 @@ class FairBatchingWithMargin(FairBatching):
         lowest = tpot_s - guard_s
         if not self.context.lateness_guard:
             return lowest
-        floor = self._service_floor().min_budget_s * (1.0 + self.margin)
+        floor = self._service_floor().min_budget_s * (1.0 + self._margin)
         if lowest < floor:
             return tpot_s if tpot_s < floor else floor
         return lowest
-
-    takes_delivery_allowance = True
 
     def _margin_guard_s(self) -> float:
         """``DEADLINE_GUARD_STEPS`` x margin x TPOT: a decode deferred now rides a later
         step, so its token must survive two steps' prediction errors (the one running and
         its own), not one; without the guard FairBatching lands tokens on their deadlines
         and any overrun is a max-TPOT violation."""
-        return min(DEADLINE_GUARD_STEPS * self.margin, MAX_GUARD_SHARE) * self.context.global_slo.tpot_s
+        return min(DEADLINE_GUARD_STEPS * self._margin, MAX_GUARD_SHARE) * self.context.global_slo.tpot_s
 
     def _deadline_guard_s(self) -> float:
         """How long before its deadline each in-time token is planned: the margin guard
-        plus the delivery allowance (``PolicyContext.delivery_allowance_s``), together at
-        most ``MAX_GUARD_SHARE`` of a TPOT."""
+        plus the delivery allowance (``PolicyContext.delivery_allowance_s``, taken only
+        with a margin), together at most ``MAX_GUARD_SHARE`` of a TPOT."""
+        if not self.variant.margin:
+            return 0.0
         tpot = self.context.global_slo.tpot_s
         return min(self._margin_guard_s() + self.context.delivery_allowance_s, MAX_GUARD_SHARE * tpot)
+
+    def _form_batch(self, requests: Sequence[RequestState], now: float,
+                    hopeless: frozenset | None = None) -> BatchDecision:
+        if self.variant.step is Step.PAPER:
+            return super()._form_batch(requests, now, hopeless)
+        groups = self._triage(requests, now, self.anchored, hopeless)
+        if groups is None:
+            return BatchDecision.make_empty()
+        coefficients = self.step_model.coefficients
+        # a smooth step emits every decode's token each step, so it keeps the margin
+        # guard only: the delivery allowance is for tokens planned at their deadlines
+        smooth_budget = self._time_budget(self._guarded(groups.step_tpot_s, self._margin_guard_s()))
+        smooth = smooth_step(groups, coefficients, smooth_budget)
+        if smooth is not None:
+            groups, time_budget = smooth, smooth_budget
+        elif self.variant.step is Step.STEADY and math.isfinite(smooth_budget):
+            groups = dataclasses.replace(
+                groups, init_time_budget_s=smooth_budget, deferrable_decodes=[],
+                urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
+            time_budget = smooth_budget
+        else:
+            time_budget = self._time_budget(groups.init_time_budget_s)
+        return pack(groups, coefficients, token_budget=self.context.max_token_budget,
+                    time_budget_s=time_budget)
+
+
+def _registered(variant: Variant) -> type[FairBatchingVariant]:
+    policy = type(f"FairBatchingVariant[{variant.name}]", (FairBatchingVariant,), {
+        "variant": variant, "name": variant.name, "anchored": variant.anchored,
+        "implied_admission": variant.implied_admission,
+        "takes_delivery_allowance": variant.margin,
+        "__module__": __name__, "__doc__": FairBatchingVariant.__doc__,
+    })
+    return POLICIES.register(variant.name)(policy)
+
+
+for _variant in VARIANTS:
+    _registered(_variant)
 
 
 class KairosPrefillRate(BatchPolicy):
@@ -175,74 +259,3 @@ def kairos_order(
         scored.append((urgency / request.prompt_tokens, pair))
     scored.sort(key=lambda item: item[0], reverse=True)
     return [pair for _, pair in scored]
-
-
-@POLICIES.register("fb-anchor-margin")
-class FairBatchingAnchoredWithMargin(FairBatchingWithMargin):
-    """``fb-anchor`` and ``fb-margin`` together. Anchored deadlines make the time budget
-    as tight as the next token's real deadline, so the step model's error decides
-    whether the first gap after a token lands inside it; the margin absorbs it."""
-
-    name = "fb-anchor-margin"
-    anchored = True
-
-
-@POLICIES.register("fb-anchor-margin-pab")
-class FairBatchingAnchoredWithMarginAndAdmission(
-    FairBatchingAnchoredWithMargin, FairBatchingWithAdmission
-):
-    """``fb-anchor-margin`` with ``fb-pab``'s admission rule (reject a new request whose
-    prompt exceeds the rank's PAB). PAB guards TTFT; the paper's ``fb`` mostly fails on
-    TPOT, which PAB cannot help, while ``fb-anchor-margin`` fails on TTFT under
-    overload, which it can."""
-
-    name = "fb-anchor-margin-pab"
-
-
-@POLICIES.register("fb-smooth")
-class FairBatchingSmooth(FairBatchingAnchoredWithMargin):
-    """``fb-anchor-margin`` that spends slack only where a deadline needs it: each step
-    first tries :func:`~sglang_ext.policy.batch_former.smooth_step` (every decode, a
-    step of one TPOT) and falls back to Algorithm 1's longer step and deferrals when an
-    in-time prefill would miss its deadline at that pace."""
-
-    name = "fb-smooth"
-
-    def _form_batch(self, requests: Sequence[RequestState], now: float,
-                    hopeless: frozenset | None = None) -> BatchDecision:
-        groups = self._triage(requests, now, self.anchored, hopeless)
-        if groups is None:
-            return BatchDecision.make_empty()
-        coefficients = self.step_model.coefficients
-        # a smooth step emits every decode's token each step, so it keeps the margin
-        # guard only: the delivery allowance is for tokens planned at their deadlines
-        smooth_budget = self._time_budget(self._guarded(groups.step_tpot_s, self._margin_guard_s()))
-        smooth = smooth_step(groups, coefficients, smooth_budget)
-        if smooth is not None:
-            groups, time_budget = smooth, smooth_budget
-        else:
-            groups, time_budget = self._not_smooth(groups, smooth_budget)
-        return pack(groups, coefficients, token_budget=self.context.max_token_budget,
-                    time_budget_s=time_budget)
-
-    def _not_smooth(self, groups: Triage, smooth_budget_s: float) -> tuple[Triage, float]:
-        """The step when the smooth one is refused: Algorithm 1's (its groups, its budget)."""
-        return groups, self._time_budget(groups.init_time_budget_s)
-
-
-@POLICIES.register("fb-steady")
-class FairBatchingSteady(FairBatchingSmooth):
-    """``fb-smooth`` whose every step is the smooth one (module docstring): when
-    :func:`~sglang_ext.policy.batch_former.smooth_step` is refused, every decode still runs
-    and the prompts take what is left of one TPOT. With nothing in time the step is
-    Algorithm 1's (the lateness guard's fallback budget)."""
-
-    name = "fb-steady"
-
-    def _not_smooth(self, groups: Triage, smooth_budget_s: float) -> tuple[Triage, float]:
-        if not math.isfinite(smooth_budget_s):
-            return super()._not_smooth(groups, smooth_budget_s)
-        every_decode = dataclasses.replace(
-            groups, init_time_budget_s=smooth_budget_s, deferrable_decodes=[],
-            urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
-        return every_decode, smooth_budget_s

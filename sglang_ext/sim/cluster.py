@@ -11,7 +11,7 @@ sequence it accounts for reconciles the debits.
   single-rank run's engine). A dispatched request reaches its rank at once.
 - **Reports.** After each of its steps (and when it ingests a request it does not keep
   busy, e.g. one its own admission refused) a rank reports its PAB, under the ``pab``
-  balancers each SLO class's budget too (the policy's ``admission_budgets``), running
+  balancers each SLO class's budget too (the policy's ``class_budgets``), running
   and waiting counts, tokens held, requests over so far and the highest dispatch
   sequence it has ingested; the dispatcher gets the report ``report_delay_s`` later.
   Every rank reports once at time 0, before traffic, as ranks register before a daemon
@@ -182,7 +182,7 @@ class _Rank:
             total_tokens=total_tokens,
             finished=len(engine.records) - len(active),
             echoed_dispatch_seq=self.ingested_seq,
-            class_budgets=engine.policy.admission_budgets(active, engine.now, self.classes)
+            class_budgets=engine.policy.class_budgets(active, engine.now, self.classes)
             if self.classes else {},
         )
 
@@ -303,7 +303,7 @@ class ClusterSimulation:
                 waiting=report.waiting + ledger.outstanding_dispatches(rank.name),
                 total_tokens=report.total_tokens + ledger.outstanding_tokens(rank.name),
                 in_flight=rank.dispatched - report.finished,
-                class_pab_tokens=ledger.effective_class_budgets(rank.name),
+                class_budgets=ledger.effective_class_budgets(rank.name),
             ))
         return views
 

@@ -15,7 +15,7 @@ sleeps until the step's virtual end is reached in real time and only then emits 
 tokens, so the engine is never more than one step ahead of real time. Outputs are
 fake (``" tok"`` per token, deterministic token ids); timings, batching, KV use and
 the reported budgets (the default class's PAB and each SLO class's, from the policy's
-``admission_budgets``) are the simulator's.
+``class_budgets``) are the simulator's.
 
 A chat dispatch (``Prompt.messages``) is rendered with a fixed template of its own
 (:func:`render_chat`) and counted like text.
@@ -293,7 +293,7 @@ class SimRank:
         """Each SLO class's budget from the engine's state, as a report carries it."""
         classes = self.catalog.classes
         self.engine.policy.observe_kv(self.engine.kv_outlook())
-        budgets = self.engine.policy.admission_budgets(active, self.engine.now, classes)
+        budgets = self.engine.policy.class_budgets(active, self.engine.now, classes)
         return pack_class_budgets(budgets, {name: slo.ttft_s for name, slo in classes.items()})
 
 

@@ -9,7 +9,7 @@ from sglang_ext.policy.batch_former import DEFAULT_MAX_TOKEN_BUDGET
 from sglang_ext.policy.policies import POLICIES, BatchPolicy, PolicyContext, PolicySettingError
 from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.policy.step_model import StepModelFile
-from sglang_ext.policy.variants import FairBatchingWithMargin  # also registers the variants
+from sglang_ext.policy.variants import FairBatchingVariant  # also registers the variants
 from sglang_ext.sim.disagg import Arrival, DisaggConfig, run_disaggregated
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.fitting.calibration import offline_step_model
@@ -122,7 +122,7 @@ def simulate_colocated(
     load["step_model_outliers"] = error.outliers
     learned = engine.policy.step_model.coefficients
     load["step_model"] = {"form": learned.form, **learned.fields()}
-    if isinstance(engine.policy, FairBatchingWithMargin):
+    if isinstance(engine.policy, FairBatchingVariant) and engine.policy.variant.margin:
         load["mean_margin"] = engine.policy.mean_margin
     return RunResult(spec.label, load, latency_samples(records) if keep_samples else None)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sglang_ext.adapter.admission_gate import STALE, UNPUBLISHED, BudgetGate, PublishedBudgets
+from sglang_ext.adapter.admission.budget_gate import STALE, UNPUBLISHED, BudgetGate, PublishedBudgets
 from sglang_ext.policy.admission import AdmissionSettings
 from sglang_ext.policy.slo import Slo, SloCatalog
 
@@ -134,7 +134,7 @@ def test_http_gate_reads_sglang_snapshots_and_refuses_with_a_429() -> None:
     import orjson
     from sglang.srt.managers.load_snapshot import LoadSnapshot
 
-    from sglang_ext.adapter.admission_http import AdmissionRefused, HttpGate, refusal_response
+    from sglang_ext.adapter.admission.budget_refusal import AdmissionRefused, HttpGate, refusal_response
 
     snapshot = LoadSnapshot(dp_rank=0, timestamp=time.time(), num_running_reqs=3,
                             fairbatching_admission=BUDGETS)
@@ -159,7 +159,7 @@ def test_http_gate_reads_sglang_snapshots_and_refuses_with_a_429() -> None:
 def test_http_gate_refuses_an_e2e_request_naming_its_first_token_budget() -> None:
     from sglang.srt.managers.load_snapshot import LoadSnapshot
 
-    from sglang_ext.adapter.admission_http import AdmissionRefused, HttpGate
+    from sglang_ext.adapter.admission.budget_refusal import AdmissionRefused, HttpGate
 
     snapshot = LoadSnapshot(dp_rank=0, timestamp=time.time(), num_running_reqs=3,
                             fairbatching_admission=E2E_BUDGETS)
@@ -182,8 +182,8 @@ def test_http_gate_refuses_an_e2e_request_naming_its_first_token_budget() -> Non
 def test_http_gate_stamps_its_admissions_and_reads_the_echo() -> None:
     from sglang.srt.managers.load_snapshot import LoadSnapshot
 
-    from sglang_ext.adapter.admission_gate import ADMISSION_STAMP_KEY
-    from sglang_ext.adapter.admission_http import HttpGate
+    from sglang_ext.adapter.admission.budget_gate import ADMISSION_STAMP_KEY
+    from sglang_ext.adapter.admission.budget_refusal import HttpGate
 
     g = gate()
     snapshot = LoadSnapshot(dp_rank=0, timestamp=time.time(), num_running_reqs=3,
@@ -211,15 +211,15 @@ def test_streamed_generate_answers_the_refusal_before_any_byte_is_sent() -> None
 
     from fastapi.responses import StreamingResponse
 
-    from sglang_ext.adapter import admission_http
-    from sglang_ext.adapter.admission_http import AdmissionRefused, around_generate
+    from sglang_ext.adapter.admission import budget_refusal
+    from sglang_ext.adapter.admission.budget_refusal import AdmissionRefused, around_generate
 
     async def refused_body():
         raise AdmissionRefused("no room", 1.0, "standard", 0)
         yield b""  # pragma: no cover
 
     async def served_body():
-        pending = admission_http._PENDING.get()
+        pending = budget_refusal._PENDING.get()
         pending.decided.set_result(True)  # what the gate does once the request is dispatched
         await asyncio.sleep(0)
         yield b"data: 1\n\n"

@@ -92,7 +92,7 @@ def test_the_dispatch_seq_is_what_the_scheduler_side_reads_and_the_slo_front_doo
 
     from sglang_ext.adapter.dp_pab import DISPATCH_SEQ_KEY, dispatch_seq_of
     from sglang_ext.policy.slo import SloCatalog
-    from sglang_ext.adapter.request_validation import check_request_slo
+    from sglang_ext.adapter.admission.slo_validation import check_request_slo
 
     assert cpa.DISPATCH_SEQ_KEY == DISPATCH_SEQ_KEY
     obj = cpa.generate_request_input(dispatch(seq=123, slo=p.SloSpec(slo_class="relaxed")), 0, 1)
@@ -436,7 +436,7 @@ def _fake_scheduler(pab: int = 777, seq: int = 9) -> Any:
     classes = {"interactive": Slo(0.5, 0.03), "standard": Slo(2.0, 0.05)}
     return NS(
         fairbatching=NS(pab_tokens=pab, highest_dispatch_seq=seq, parked=NS(reqs=[c]),
-                        admission_budgets={"interactive": -40, "standard": 700},
+                        class_budgets={"interactive": -40, "standard": 700},
                         config=NS(catalog=NS(classes=classes))),
         running_batch=NS(reqs=[a, b]),
         cur_batch_for_debug=NS(reqs=[b, d]),  # a mixed batch: b decodes, d's prefill was admitted
@@ -636,9 +636,9 @@ def test_a_scheduler_that_routes_on_class_budgets_computes_them_whatever_its_adm
     routed = attach(NS(server_args=NS(load_balance_method="pab")), config)
     assert plain.admission.mode is AdmissionMode.DEFER and not plain.publishes_budgets
     assert routed.publishes_budgets
-    plain.update_pab([], 0.0)
-    routed.update_pab([], 0.0)
-    assert plain.admission_budgets == {} and set(routed.admission_budgets) == set(config.catalog.classes)
+    plain.update_budgets([], 0.0)
+    routed.update_budgets([], 0.0)
+    assert plain.class_budgets == {} and set(routed.class_budgets) == set(config.catalog.classes)
 
 
 # --------------------------------------------------------------------- chat

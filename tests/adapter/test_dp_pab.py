@@ -346,7 +346,7 @@ def test_scheduler_snapshots_carry_pab_and_dispatch_seq(sglang_modules, hooks, t
     assert report.timestamp > 0 and report.class_budgets is None
 
     scheduler.fairbatching = SimpleNamespace(pab_tokens=900, highest_dispatch_seq=19,
-                                             admission_budgets={"interactive": -40, "standard": 900},
+                                             class_budgets={"interactive": -40, "standard": 900},
                                              admission_echo={"gate-a": 7})
     decoded = m.load_snapshot.snapshot_decoder.decode(
         m.load_snapshot.snapshot_encoder.encode(scheduler.load_inquirer.get_loads())
@@ -376,7 +376,7 @@ def test_dispatch_seq_of_reads_a_scheduler_req(sglang_modules, topology) -> None
 def test_scheduler_echoes_the_admission_gates_stamps(sglang_modules, topology) -> None:
     from sglang.srt.managers.schedule_batch import Req
 
-    from sglang_ext.adapter.admission_gate import ADMISSION_STAMP_KEY
+    from sglang_ext.adapter.admission.budget_gate import ADMISSION_STAMP_KEY
     from sglang_ext.policy.slo import Slo, SloCatalog
     from sglang_ext.adapter.scheduler.requests import MAX_ECHOED_GATES, RequestRecords
 

@@ -1,4 +1,4 @@
-"""The front door's SLO checks (``sglang_ext.adapter.request_validation``), on SGLang's own
+"""The front door's SLO checks (``sglang_ext.adapter.admission.slo_validation``), on SGLang's own
 sampling-parameter shapes: a malformed SLO and one below the rank's TPOT floor are both
 ``ValueError`` (SGLang's 400), with the reason; an end-to-end SLO's TPOT is its envelope's,
 paced for the output bound SGLang will apply."""
@@ -21,7 +21,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang_ext.policy.batch_former import min_serviceable_tpot_s  # noqa: E402
 from sglang_ext.policy.slo import SloCatalog  # noqa: E402
 from sglang_ext.policy.step_model import StepModelFile  # noqa: E402
-from sglang_ext.adapter.request_validation import (  # noqa: E402
+from sglang_ext.adapter.admission.slo_validation import (  # noqa: E402
     SGLANG_DEFAULT_MAX_NEW_TOKENS, OutputBound, check_request_slo, output_bound,
 )
 

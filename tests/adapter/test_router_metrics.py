@@ -98,13 +98,13 @@ def test_no_prefill_rate_left_caps_the_ttft(state):
 def test_published_budgets_are_taken_as_they_are(state):
     views = decoding(state, 8) + queued(state, 4, 2500)
     state.publishes_budgets = True  # as under mode reject, the DP pab method, a control plane
-    state.update_pab(views, NOW)
-    assert state.admission_budgets
+    state.update_budgets(views, NOW)
+    assert state.class_budgets
     published = router_signals(state.policy, views, NOW, NOW, state.config.catalog.classes,
-                               state.admission_budgets)
-    assert published.budget_tokens == state.admission_budgets
+                               state.class_budgets)
+    assert published.budget_tokens == state.class_budgets
     computed = signals_of(state, views)
-    expected = {name: whole_budget_tokens(tokens) for name, tokens in state.policy.admission_budgets(
+    expected = {name: whole_budget_tokens(tokens) for name, tokens in state.policy.class_budgets(
         views, NOW, state.config.catalog.classes).items()}
     assert computed.budget_tokens == expected
 
@@ -131,7 +131,7 @@ def test_gauges_per_class_with_rank_labels_refreshed_at_most_every_interval(stat
     assert scrape(registry) == {}  # no decision yet: nothing to say
 
     views = decoding(state, 8) + queued(state, 4, 2500)
-    state.update_pab(views, NOW)
+    state.update_budgets(views, NOW)
     metrics.maybe_publish(state)
     expected = router_signals(state.policy, views, NOW, NOW, state.config.catalog.classes)
     samples = scrape(registry)
@@ -151,7 +151,7 @@ def test_gauges_per_class_with_rank_labels_refreshed_at_most_every_interval(stat
         pytest.approx(expected.prefill_rate_tokens_per_s)
     assert samples[("fairbatching:budget_updated_timestamp_seconds", rank)] == 1.7e9
 
-    state.update_pab([], NOW)  # the queue drained
+    state.update_budgets([], NOW)  # the queue drained
     clock.now, wall.now = NOW + 0.05, 1.7e9 + 0.05
     metrics.maybe_publish(state)  # within the interval: nothing recomputed
     assert scrape(registry) == samples

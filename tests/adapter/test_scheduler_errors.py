@@ -136,7 +136,7 @@ def test_the_old_admission_budget_gauge_is_deprecated_and_still_published(metric
     assert family.documentation.startswith(
         "DEPRECATED, use fairbatching:prefill_admission_budget_tokens")
     assert "removed in a later release" in family.documentation
-    state.admission_budgets = {"standard": 1234}
+    state.class_budgets = {"standard": 1234}
     metrics.publish(state)
     assert REGISTRY.get_sample_value(old, {"dp_rank": "0", "slo_class": "standard"}) == 1234
     doc = (REPO / "docs" / "metrics.md").read_text()

@@ -92,9 +92,9 @@ def test_a_decision_publishing_budgets_is_the_two_calls(state, publishes):
     state.publishes_budgets = publishes  # as behind a control plane or the DP pab method
     classes = state.config.catalog.classes
     expected = {name: whole_budget_tokens(tokens)
-                for name, tokens in state.policy.admission_budgets(views, now, classes).items()}
+                for name, tokens in state.policy.class_budgets(views, now, classes).items()}
     assert state.decide(views, now) == state.policy.form_batch(views, now)
-    assert state.admission_budgets == (expected if publishes else {})
+    assert state.class_budgets == (expected if publishes else {})
     assert state.decision_inputs == (views, now)
 
 
@@ -110,10 +110,10 @@ def test_pab_read_later_is_the_decisions_pab(state):
     now = 101.0
     budget = state.policy.prefill_admission_budget(views, now)
     expected = int(budget) if math.isfinite(budget) else 0
-    state.update_pab(views, now)
+    state.update_budgets(views, now)
     # the step model moves on after the step; the PAB read then is still the decision's
     state.policy.observe_step(StepShape(2048, 2048 * 1024.5, 0, 30, 30 * 900, 1), 0.09)
-    assert state.policy.step_model.coefficients is not state._pab_inputs[2]
+    assert state.policy.step_model.coefficients is not state._budget_inputs[2]
     assert state.pab_tokens == expected
     assert state.snapshot()["pab_tokens"] == expected
     state.pab_tokens = 17  # set directly (as tests of the readers do)

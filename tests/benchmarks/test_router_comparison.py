@@ -26,8 +26,8 @@ from benchmarks.routers.analysis import (
     tuned_limits,
     wins,
 )
-from benchmarks.routers.cli import build_plan, main
-from benchmarks.routers.metrics import (
+from benchmarks.routers.command import build_plan, main
+from benchmarks.routers.records import (
     SLO,
     Record,
     added_latency,
@@ -48,14 +48,14 @@ from benchmarks.routers.stack import (
     check_daemon_config,
     daemon_router_name,
 )
-from benchmarks.routers.sweep import (
+from benchmarks.routers.limit_sweep import (
     QUICK_SWEEP_CONCURRENCY,
     edge_extension,
     pick_best,
     sweep_verdict,
 )
-from benchmarks.routers.client import completion_body
-from benchmarks.routers.workloads import (
+from benchmarks.routers.load_generator import completion_body
+from benchmarks.routers.traffic import (
     CLASS_MIX,
     CONTEXT_MARGIN,
     Request,

@@ -614,7 +614,7 @@ def test_a_request_is_routed_and_refused_on_its_slo_class_budget(policy):
                         Reject)
     assert reject.reason is RejectReason.NO_BUDGET and "of SLO class interactive" in reject.detail
     ranks = {rank.rank: rank for rank in core.status(0.0).ranks}
-    assert ranks["fit"].class_pab_tokens == {"interactive": 100.0, "relaxed": 7_600.0}
+    assert ranks["fit"].class_budgets == {"interactive": 100.0, "relaxed": 7_600.0}
 
 
 def test_an_e2e_request_routes_on_its_first_token_budget():

@@ -232,7 +232,7 @@ def test_policies_apply_the_kv_outlook_they_were_given():
     assert policy.admit([], NOW, 5000, SLO)
     policy.observe_kv(KvOutlook.of(2000))
     assert not policy.admit([], NOW, 5000, SLO)
-    assert policy.admission_budgets([], NOW, {"standard": SLO})["standard"] == pytest.approx(2000.0)
+    assert policy.class_budgets([], NOW, {"standard": SLO})["standard"] == pytest.approx(2000.0)
     policy.observe_kv(None)
     assert policy.admit([], NOW, 5000, SLO)
 
@@ -339,7 +339,7 @@ def test_defer_ends_requests_without_a_first_token_max_defer_s_past_their_ttft()
 
 def test_admission_budgets_follow_the_configured_rule():
     classes = {"standard": SLO}
-    edf = make("fb", mode=AdmissionMode.REJECT, headroom=0.0).admission_budgets([], NOW, classes)
+    edf = make("fb", mode=AdmissionMode.REJECT, headroom=0.0).class_budgets([], NOW, classes)
     assert edf["standard"] == pytest.approx(9000.0)
-    pab = make("fb-pab").admission_budgets([], NOW, classes)
+    pab = make("fb-pab").class_budgets([], NOW, classes)
     assert pab["standard"] == pytest.approx(9851.485, abs=1e-3)

@@ -74,7 +74,7 @@ def test_one_forecast_gives_what_the_two_calls_give(name, admission, model):
         views = state(rng, rng.choice([0, 1, 20, 120]))
         policy.observe_kv(kv_of(rng, views) if trial % 2 else None)
         decision, budgets = policy.form_batch_with_budgets(views, NOW, CLASSES)
-        assert budgets == policy.admission_budgets(views, NOW, CLASSES)
+        assert budgets == policy.class_budgets(views, NOW, CLASSES)
         assert decision == policy.form_batch(views, NOW)
         expired_seen += bool(decision.abort_ids)
     if admission.mode is AdmissionMode.DEFER:

@@ -20,24 +20,14 @@ from sglang_ext.policy.variants import (
     MARGIN_WARMUP_STEPS,
     MAX_MARGIN,
     THROUGHPUT_EWMA,
-    FairBatchingAnchored,
-    FairBatchingAnchoredWithMargin,
     FairBatchingKairosPrefills,
-    FairBatchingSmooth,
-    FairBatchingSteady,
-    FairBatchingWithMargin,
+    FairBatchingVariant,
+    Step,
     kairos_order,
 )
 from sglang_ext.policy.view import BatchDecision, RequestView
 
-VARIANTS = {
-    "fb-anchor": FairBatchingAnchored,
-    "fb-margin": FairBatchingWithMargin,
-    "fb-kairos": FairBatchingKairosPrefills,
-    "fb-anchor-margin": FairBatchingAnchoredWithMargin,
-    "fb-smooth": FairBatchingSmooth,
-    "fb-steady": FairBatchingSteady,
-}
+VARIANTS = ("fb-anchor", "fb-margin", "fb-kairos", "fb-anchor-margin", "fb-smooth", "fb-steady")
 CONTEXT = PolicyContext(global_slo=SLO, initial_step_model=COEF)
 
 
@@ -69,10 +59,12 @@ def feed(policies: list[BatchPolicy], steps: int, ratio: float) -> None:
 
 def test_all_variants_registered_and_build_from_a_context() -> None:
     names = POLICIES.names()
-    for name, cls in VARIANTS.items():
+    for name in VARIANTS:
         assert name in names
-        assert POLICIES.get(name) is cls
         policy = make(name)
+        expected = FairBatchingKairosPrefills if name == "fb-kairos" else FairBatchingVariant
+        assert isinstance(policy, expected)
+        assert name == "fb-kairos" or policy.variant.name == name
         assert isinstance(policy, FairBatching) and policy.name == name
         assert policy.step_model.coefficients == COEF
         assert make(name).form_batch([], NOW) == BatchDecision.make_empty()
@@ -453,12 +445,13 @@ def check_decision(policy: BatchPolicy, state: list[RequestView], decision: Batc
                     deadline_guard_s=policy._deadline_guard_s())
     margin = getattr(policy, "margin", 0.0)
     budget = groups.init_time_budget_s / (1 + margin)
-    if isinstance(policy, FairBatchingSmooth):
+    step = policy.variant.step if isinstance(policy, FairBatchingVariant) else Step.PAPER
+    if step is not Step.PAPER:
         smooth_budget = policy._guarded(groups.step_tpot_s, policy._margin_guard_s()) / (1 + margin)
         smooth = smooth_step(groups, coef, smooth_budget)
         if smooth is not None:
             groups, budget = smooth, smooth_budget
-        elif isinstance(policy, FairBatchingSteady) and math.isfinite(smooth_budget):
+        elif step is Step.STEADY and math.isfinite(smooth_budget):
             groups = dataclasses.replace(groups, deferrable_decodes=[],
                                          urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
             budget = smooth_budget
@@ -502,11 +495,9 @@ def test_every_variant_decides_validly_and_mutates_nothing() -> None:
 
 
 def test_anchor_margin_pab_admits_up_to_the_pab_and_packs_like_anchor_margin() -> None:
-    from sglang_ext.policy.variants import FairBatchingAnchoredWithMargin
-
     context = PolicyContext(global_slo=Slo(2.0, 0.05), initial_step_model=StepCoefficients(0.005, 1e-4, 1e-6))
     guarded = POLICIES.get("fb-anchor-margin-pab")(context)
-    plain = FairBatchingAnchoredWithMargin(context)
+    plain = POLICIES.get("fb-anchor-margin")(context)
     requests = [RequestView("p", 0.0, Slo(2.0, 0.05), 0, 3000, 0, 3000)]
     budget = guarded.prefill_admission_budget(requests, 0.0)
     assert budget > 0

@@ -248,7 +248,7 @@ def test_pab_balancers_judge_each_request_by_its_own_class_budget(balancer: str)
     calls: list[tuple[str | None, float, float, int]] = []
 
     def recording_choose(views, prompt_tokens, slo_class=None):
-        assert all(set(view.class_pab_tokens) == set(THREE_CLASSES.classes) for view in views)
+        assert all(set(view.class_budgets) == set(THREE_CLASSES.classes) for view in views)
         rank = choose(views, prompt_tokens, slo_class)
         if rank is not None:
             view = next(v for v in views if v.rank == rank)

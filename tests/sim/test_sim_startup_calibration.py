@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.policy.policies import PolicyContext
+from sglang_ext.policy.policies import POLICIES, PolicyContext
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepModelFile
-from sglang_ext.policy.variants import FairBatchingSteady
 from sglang_ext.sim.commands import main
 from sglang_ext.sim.profile import bundled_profile_path, load_profile
 from sglang_ext.sim.startup_calibration import calibrate_on_device
@@ -24,7 +23,7 @@ SLO = Slo(2.0, 0.05)
 
 def test_calibration_starts_the_policy_from_the_device_not_the_file() -> None:
     profile = load_profile(bundled_profile_path("qwen3-32b-h100nvl"))
-    policy = FairBatchingSteady(PolicyContext(SLO, FOREIGN.model, initial_linear_model=FOREIGN.linear))
+    policy = POLICIES.get("fb-steady")(PolicyContext(SLO, FOREIGN.model, initial_linear_model=FOREIGN.linear))
     fit = calibrate_on_device(profile, policy, SLO)
     assert fit is not None and fit.steps >= 20
     assert fit.fitted_error < 0.1 < fit.file_error

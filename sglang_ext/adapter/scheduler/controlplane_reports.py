@@ -17,7 +17,7 @@ sleeper), for rank ``<prefix>/<dp_rank>`` and the server's epoch
   daemon's liveness signal for the scheduler itself.
 
 What a report says: the PAB FairBatching computed for the latest decision, and each SLO
-class's budget from the same state (``FairBatchingState.admission_budgets``, which a
+class's budget from the same state (``FairBatchingState.class_budgets``, which a
 scheduler that reports computes whatever its admission mode); the highest
 dispatch sequence the scheduler has ingested (``FairBatchingState.highest_dispatch_seq``,
 the same tracking the DP controller's ``pab`` method uses: it moves when the policy
@@ -92,7 +92,7 @@ def load_of(scheduler: Any) -> RankLoad:
         total_tokens=used + sum(req.seqlen for req in waiting_queue),
         free_kv_tokens=max(0, int(scheduler.max_total_num_tokens) - used),
         echoed_dispatch_seq=int(state.highest_dispatch_seq),
-        class_budgets=tuple(state.admission_budgets.items()),
+        class_budgets=tuple(state.class_budgets.items()),
     )
 
 

@@ -472,7 +472,7 @@ def _on_idle(self: Scheduler, *args: Any, **kwargs: Any) -> None:
         self.running_batch = unpark(self, self.running_batch)
     now = time.perf_counter()
     views = state.records.prefill_views(self.waiting_queue)
-    state.update_pab(views, now)
+    state.update_budgets(views, now)
     if not self.running_batch.reqs and self.chunked_req is None:
         if state.trace is not None:
             state.trace.flush()

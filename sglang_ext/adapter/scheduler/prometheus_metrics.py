@@ -91,7 +91,7 @@ class FairBatchingMetrics:
             self.error.labels(**labels, stat=f"median_{kind}").set(median)
         self.pab.labels(**labels).set(state.pab_tokens)
         self.parked.labels(**labels).set(len(state.parked_reqs))
-        for slo_class, tokens in state.admission_budgets.items():
+        for slo_class, tokens in state.class_budgets.items():
             self.admission_budget.labels(**labels, slo_class=slo_class).set(tokens)
         counters = state.counters
         counts = tuple(getattr(counters, name) for name in self._counted)

@@ -15,7 +15,7 @@ import math
 from collections.abc import Container, Iterable
 from typing import Any
 
-from sglang_ext.adapter.admission_gate import ADMISSION_STAMP_KEY
+from sglang_ext.adapter.admission.budget_gate import ADMISSION_STAMP_KEY
 from sglang_ext.adapter.custom_params import custom_param
 from sglang_ext.adapter.dp_pab import dispatch_seq_of
 from sglang_ext.adapter.ingress_time import arrival_time
@@ -64,7 +64,7 @@ class RequestRecords:
         self._sequence = itertools.count()
         self.highest_dispatch_seq = 0
         # per admission gate (its token), the highest admission number seen: echoed in the
-        # load snapshot so the gate can end its debits (sglang_ext.adapter.admission_gate)
+        # load snapshot so the gate can end its debits (sglang_ext.adapter.admission.budget_gate)
         self.admission_echo: dict[str, int] = {}
         self.ready_at = -math.inf
         self._calibrating = False

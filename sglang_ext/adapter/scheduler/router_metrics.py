@@ -14,7 +14,7 @@ A refresh computes from the views and clock of the last decision (or idle pass):
 - ``budget``: prompt tokens a request of the class arriving now may bring and still get
   its first token within the class's TTFT without making an admitted request miss its own.
   The number the rank publishes to the 429 gate, the DP ``pab`` method and the control
-  plane when one of them is on (``FairBatchingState.admission_budgets``); otherwise the
+  plane when one of them is on (``FairBatchingState.class_budgets``); otherwise the
   same computation (the policy's admission rule, ``edf`` unless set), then without the
   KV term, which only runs when something consumes budgets at every decision. May be
   negative: the queue already holds more than the class's TTFT can absorb.
@@ -85,7 +85,7 @@ def router_signals(
         budgets = {name: whole_budget_tokens(queue.budget(slo.ttft_s)) for name, slo in classes.items()}
     else:
         budgets = {name: whole_budget_tokens(tokens)
-                   for name, tokens in policy.admission_budgets(views, decided_at, classes).items()}
+                   for name, tokens in policy.class_budgets(views, decided_at, classes).items()}
     ttfts = {name: predicted_ttft_s(queue, slo.ttft_s, now) for name, slo in classes.items()}
     return RouterSignals(budgets, ttfts, queue.rate)
 
@@ -161,7 +161,7 @@ class RouterMetrics:
             return
         self._last_publish = now
         views, decided_at = inputs
-        published = state.admission_budgets if state.publishes_budgets else None
+        published = state.class_budgets if state.publishes_budgets else None
         signals = router_signals(state.policy, views, decided_at, now,
                                  state.config.catalog.classes, published)
         self.publish(signals)

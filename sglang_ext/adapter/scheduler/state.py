@@ -120,14 +120,14 @@ class FairBatchingState:
         self.calibrated: CalibrationFit | None = None  # what it fitted
         # the PAB's inputs at the last decision (views, clock, step model), computed from
         # them when first read (pab_tokens)
-        self._pab_inputs: tuple[Sequence[RequestState], float, Any] | None = None
+        self._budget_inputs: tuple[Sequence[RequestState], float, Any] | None = None
         self._pab_tokens: int | None = 0
         # Per SLO class, prompt tokens a new request may bring (published in the load
         # snapshot for the HTTP process's admission gate and the DP pab method, and in
         # control-plane reports); computed under mode reject, or when one of those
         # routes on them (they set publishes_budgets), else empty.
-        self.admission_budgets: dict[str, int] = {}
-        self.admission_echo: dict[str, int] = {}  # the admissions admission_budgets count
+        self.class_budgets: dict[str, int] = {}
+        self.admission_echo: dict[str, int] = {}  # the admissions class_budgets count
         self.publishes_budgets = self.admission.mode is AdmissionMode.REJECT
         self.last_decision: BatchDecision | None = None
         # the prefill plan SGLang's get_new_batch_prefill is realising, set only while it
@@ -177,17 +177,17 @@ class FairBatchingState:
 
     def decide(self, views: Sequence[RequestState], now: float) -> BatchDecision:
         """The policy's decision over ``views`` at ``now``, and the rank's budgets at it
-        (:meth:`update_pab`); a rank that publishes its budgets takes both from one
+        (:meth:`update_budgets`); a rank that publishes its budgets takes both from one
         forecast (``BatchPolicy.form_batch_with_budgets``)."""
         if not self.publishes_budgets:
-            self.update_pab(views, now)
+            self.update_budgets(views, now)
             return self.policy.form_batch(views, now)
         decision, budgets = self.policy.form_batch_with_budgets(
             views, now, self.config.catalog.classes)
-        self.update_pab(views, now, budgets)
+        self.update_budgets(views, now, budgets)
         return decision
 
-    def update_pab(self, views: Sequence[RequestState], now: float,
+    def update_budgets(self, views: Sequence[RequestState], now: float,
                    budgets: Mapping[str, float] | None = None) -> None:
         """The rank's budgets at this decision (``budgets``: the class budgets, when the
         caller has them). The PAB is computed when first read (a metrics publish, a load
@@ -195,26 +195,26 @@ class FairBatchingState:
         from what it would have been computed from now: these views (refreshed in place
         only by the next decision, which calls this again before anything reads it), this
         clock and this step model (a new object after every observed step)."""
-        self._pab_inputs = (views, now, self.policy.step_model.coefficients)
+        self._budget_inputs = (views, now, self.policy.step_model.coefficients)
         self._pab_tokens = None
         if self.publishes_budgets:
             if budgets is None:
-                budgets = self.policy.admission_budgets(views, now, self.config.catalog.classes)
-            self.admission_budgets = {name: whole_budget_tokens(b) for name, b in budgets.items()}
+                budgets = self.policy.class_budgets(views, now, self.config.catalog.classes)
+            self.class_budgets = {name: whole_budget_tokens(b) for name, b in budgets.items()}
             self.admission_echo = dict(self.records.admission_echo)
 
     @property
     def decision_inputs(self) -> tuple[Sequence[RequestState], float] | None:
-        """The views and clock of the last decision (or idle pass), as :meth:`update_pab`
+        """The views and clock of the last decision (or idle pass), as :meth:`update_budgets`
         received them; None before the first."""
-        inputs = self._pab_inputs
+        inputs = self._budget_inputs
         return None if inputs is None else (inputs[0], inputs[1])
 
     @property
     def pab_tokens(self) -> int:
         """The Prefill Admission Budget at the last decision, whole tokens (0 before any)."""
         if self._pab_tokens is None:
-            views, now, coefficients = self._pab_inputs
+            views, now, coefficients = self._budget_inputs
             # BatchPolicy.prefill_admission_budget, with the step model of that decision
             budget = prefill_admission_budget(views, now, coefficients, self.policy.context.global_slo)
             self._pab_tokens = int(budget) if math.isfinite(budget) else 0
@@ -222,7 +222,7 @@ class FairBatchingState:
 
     @pab_tokens.setter
     def pab_tokens(self, tokens: int) -> None:
-        self._pab_inputs, self._pab_tokens = None, tokens
+        self._budget_inputs, self._pab_tokens = None, tokens
 
     def observe_prefills(self, prefills: Sequence[Any], now: float, abort_ids: Sequence[Any]) -> None:
         """Count the waiting ``prefills`` (live views) that passed their TTFT deadline
@@ -376,7 +376,7 @@ class FairBatchingState:
             "policy": self.config.policy,
             "pab_tokens": self.pab_tokens,
             "admission": self.admission.label,
-            "admission_budgets": dict(self.admission_budgets),
+            "class_budgets": dict(self.class_budgets),
             "highest_dispatch_seq": self.highest_dispatch_seq,
             "parked": len(self.parked_reqs),
             "step_model": {

@@ -107,7 +107,7 @@ def test_status_and_ranks_of_a_served_daemon(tmp_path, capsys: pytest.CaptureFix
                 break
             time.sleep(0.05)
         assert (rank["rank"], rank["agent"], rank["epoch"], rank["seq_gaps"]) == ("rank-x", "agent-x", 4, 1)
-        assert rank["class_pab_tokens"] == {"tight": 300.0, "loose": 9000.0}
+        assert rank["class_budgets"] == {"tight": 300.0, "loose": 9000.0}
 
         assert main(["ranks", *address]) == 0
         header, row = capsys.readouterr().out.splitlines()

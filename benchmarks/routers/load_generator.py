@@ -1,5 +1,5 @@
 """The load generator: open-loop streamed completions through a router, one
-:class:`~benchmarks.routers.metrics.Record` per request, and the unloaded probes."""
+:class:`~benchmarks.routers.records.Record` per request, and the unloaded probes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import time
 from collections.abc import Sequence
 
-from benchmarks.routers.metrics import DEFAULT_CLASS, SLO, Record, added_latency
-from benchmarks.routers.workloads import Request, words_text
+from benchmarks.routers.records import DEFAULT_CLASS, SLO, Record, added_latency
+from benchmarks.routers.traffic import Request, words_text
 from benchmarks.support.sse import json_events_async
 
 REQUEST_TIMEOUT_S = 60.0

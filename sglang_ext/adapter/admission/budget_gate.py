@@ -3,7 +3,7 @@ budget a request is checked against, the debit between publications, staleness.
 
 Each scheduler publishes, in its load snapshot, the prompt tokens a new request of each
 SLO class may bring (``sglang_ext.policy.admission``; ``fairbatching_admission``). The
-HTTP process reads those snapshots (:mod:`sglang_ext.adapter.admission_http`) and asks
+HTTP process reads those snapshots (:mod:`sglang_ext.adapter.admission.budget_refusal`) and asks
 :meth:`BudgetGate.check`:
 
 - the budget of the request's class; a request whose SLO is no class's (explicit

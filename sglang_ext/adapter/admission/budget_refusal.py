@@ -1,6 +1,6 @@
 """Admission mode ``reject`` at SGLang's front door: a request whose prompt exceeds the
 budget its rank published for its SLO class is refused with an HTTP 429 before it
-reaches a scheduler (the decision: :mod:`sglang_ext.adapter.admission_gate`). Runs in the
+reaches a scheduler (the decision: :mod:`sglang_ext.adapter.admission.budget_gate`). Runs in the
 HTTP / TokenizerManager process; installed through HookRegistry, no patch:
 
 - ``TokenizerManager.__init__`` (after): the gate, with its counters when the server
@@ -24,7 +24,7 @@ The 429's body is SGLang's ``ErrorResponse`` (``object``, ``message``, ``type``,
 ``param``, ``code``) with the same fields nested under ``error`` as OpenAI clients read
 them, plus ``reason``; ``Retry-After`` is ``retry_after_s`` rounded up to whole seconds.
 Counted as ``fairbatching:admission_refused_total{slo_class}`` and, for requests
-admitted without a trusted budget (fail open, see :mod:`sglang_ext.adapter.admission_gate`),
+admitted without a trusted budget (fail open, see :mod:`sglang_ext.adapter.admission.budget_gate`),
 ``fairbatching:admission_unchecked_total{reason}``; refusals are logged at most once
 per ``LOG_INTERVAL_S`` with the number left out.
 """
@@ -43,7 +43,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from controlplane.ratelimited_log import RateLimitedLog
-from sglang_ext.adapter.admission_gate import (
+from sglang_ext.adapter.admission.budget_gate import (
     ADMISSION_STAMP_KEY,
     BudgetGate,
     PublishedBudgets,

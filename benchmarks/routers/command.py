@@ -19,7 +19,7 @@ from benchmarks import routers
 from benchmarks.routers.rendering import write_outputs
 from benchmarks.routers.runs import DEFAULT_SECONDS, QUICK_SECONDS, Bench, Plan
 from benchmarks.routers.stack import ROUTERS, SERVER_ARGS, SMG_CA_EXTRA, Stack
-from benchmarks.routers.sweep import (
+from benchmarks.routers.limit_sweep import (
     MAX_EXTENSIONS,
     QUICK_SWEEP_CONCURRENCY,
     QUICK_SWEEP_QUEUE,
@@ -27,7 +27,7 @@ from benchmarks.routers.sweep import (
     SWEEP_QUEUE,
     SWEEP_QUEUE_AT,
 )
-from benchmarks.routers.workloads import (
+from benchmarks.routers.traffic import (
     DEFAULT_RATES,
     QUICK_RATES,
     WORKLOADS,
