@@ -19,7 +19,8 @@ The contract:
 - A cancellation or an error thrown into the task that awaits :func:`resume` goes into
   the awaitable, as ``yield from`` would pass it on.
 
-Why the gateway steps its awaits by hand: CPU per streamed token.
+Why the gateway steps its awaits by hand: CPU per streamed token, 3-10% less than
+aiohttp's own streaming (``benchmarks.controlplane.relay_cost``).
 :mod:`controlplane.gateway_sse` uses this in two places.
 
 - The handler writes the events it holds only when the stream's next chunk is not ready.
