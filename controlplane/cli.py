@@ -34,7 +34,7 @@ EXIT_CODES = """exit codes:
   4  no rank of that name (drain, resume)
   5  drain --wait: requests still in flight at --wait-timeout"""
 RANK_COLUMNS = ("rank", "agent", "epoch", "PAB", "reported PAB", "running", "waiting", "in flight",
-                "report age", "stale", "draining", "seq gaps", "class PAB")
+                "report age", "stale", "draining", "seq gaps", "class budgets")
 DRAIN_POLL_S = 0.2
 DEFAULT_MODEL = "fairbatching"
 #: the gateway's HTTP options: (flag, argparse dest, default)

@@ -113,7 +113,7 @@ def test_status_and_ranks_of_a_served_daemon(tmp_path, capsys: pytest.CaptureFix
         header, row = capsys.readouterr().out.splitlines()
         assert header.split("  ")[0] == "rank" and "seq gaps" in header and "report age" in header
         assert row.split()[:6] == ["rank-x", "agent-x", "4", "1500", "1500", "2"]
-        assert header.endswith("class PAB") and row.endswith("loose=9000,tight=300")
+        assert header.endswith("class budgets") and row.endswith("loose=9000,tight=300")
 
         assert main(["status", *address]) == 0
         text = capsys.readouterr().out
