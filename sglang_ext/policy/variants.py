@@ -71,7 +71,7 @@ class Variant:
     """What a variant changes from the paper's ``fb``; each is one registered policy."""
 
     name: str
-    anchored: bool = False  # deadlines after the first token from the first token
+    anchored: bool = False  # after the first token, deadlines count from it
     margin: bool = False  # the time budget shrunk by the learned error margin
     step: Step = Step.PAPER
     implied_admission: AdmissionSettings | None = None  # what the name stands for
