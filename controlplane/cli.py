@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 
@@ -41,6 +42,7 @@ DEFAULT_MODEL = "fairbatching"
 HTTP_OPTIONS = (("--model", "model", DEFAULT_MODEL),
                 ("--chat-max-tokens", "chat_max_tokens", DEFAULT_CHAT_MAX_TOKENS),
                 ("--max-in-flight", "max_in_flight", GATEWAY_MAX_IN_FLIGHT),
+                ("--slo-hints", "slo_hints", None),
                 ("--api-key-file", "api_key_file", None),
                 ("--allow-non-loopback", "allow_non_loopback", False))
 
@@ -156,6 +158,12 @@ def _http_arguments(command: argparse.ArgumentParser) -> None:
                               "Retry-After) for a request no rank's budget can take within its TTFT "
                               "target, or when its own queue or in-flight limit is full; the SDK inside "
                               "retries those up to 3 times before the 429 reaches the client")
+    command.add_argument("--slo-hints", metavar="FILE",
+                         help="how a request without an slo of its own gets one from OpenAI's "
+                              "service_tier, SGLang's priority and the x-smg-priority and "
+                              "x-llm-d-slo-ttft-ms / -tpot-ms headers: a TOML table (default: "
+                              "configs/slo_hints.toml's: flex -> relaxed, priority -> interactive; "
+                              "priority ranks relaxed, standard, interactive)")
     command.add_argument("--api-key-file", metavar="FILE",
                          help="require 'Authorization: Bearer <the file's first line>' (not on /health)")
     command.add_argument("--allow-non-loopback", action="store_true",
@@ -218,8 +226,10 @@ def _http_settings(args: argparse.Namespace, listen: str, flag: str = "--listen"
         raise ImportError(f"the gateway needs aiohttp ({error})") from None
     host, port = parse_listen(listen, args.allow_non_loopback, flag)
     api_key = _read_api_key(args.api_key_file) if args.api_key_file else None
+    from controlplane.slo_hints import SloHints
+    hints = SloHints.load(Path(args.slo_hints)) if args.slo_hints else SloHints()
     settings = gateway.GatewaySettings(model=args.model, api_key=api_key, chat_max_tokens=args.chat_max_tokens,
-                                       max_in_flight=args.max_in_flight)
+                                       max_in_flight=args.max_in_flight, slo_hints=hints)
     return gateway, settings, host, port
 
 

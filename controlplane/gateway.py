@@ -71,7 +71,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -86,6 +86,7 @@ from controlplane.openai_api import (
     DEFAULT_CHAT_MAX_TOKENS, ChatCompletionRequest, ChatRequestError, CompletionRequest, chat_prompt,
 )
 from controlplane.protocol import Prompt
+from controlplane.slo_hints import SloHints
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 CLIENT_KEY: web.AppKey[AsyncClient] = web.AppKey("client", AsyncClient)
@@ -107,6 +108,7 @@ class GatewaySettings:
     api_key: str | None = None  # required as ``Authorization: Bearer <key>`` when set
     chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # a chat request's limit when it sets none
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT  # completions held at once; one more is a 429
+    slo_hints: SloHints = field(default_factory=SloHints)  # service_tier, priority, headers -> SLO
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -179,7 +181,7 @@ async def _serve(request: web.Request, body: CompletionRequest | ChatCompletionR
 async def _serve_admitted(request: web.Request, body: CompletionRequest | ChatCompletionRequest,
                           prompt: Prompt, events: type[TextEvents | ChatEvents]) -> web.StreamResponse:
     client, settings = request.app[CLIENT_KEY], request.app[SETTINGS_KEY]
-    sampling, slo = translate(body, settings.chat_max_tokens)
+    sampling, slo = translate(body, settings.chat_max_tokens, settings.slo_hints, request.headers)
     request_id = _REQUEST_ID.get()
     model = body.model or settings.model
     created = int(time.time())

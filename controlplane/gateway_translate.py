@@ -19,6 +19,7 @@ from controlplane.errors import (
 )
 from controlplane.openai_api import ChatCompletionRequest, CompletionRequest
 from controlplane.protocol import Prompt, SamplingParams, SloSpec, as_slo_spec
+from controlplane.slo_hints import HintError, SloHints
 
 
 class BadRequest(ValueError):
@@ -58,8 +59,12 @@ def completion_prompt(body: CompletionRequest) -> Prompt:
     return body_prompt
 
 
-def translate(body: CompletionRequest | ChatCompletionRequest,
-              chat_max_tokens: int) -> tuple[SamplingParams, SloSpec | None]:
+def translate(body: CompletionRequest | ChatCompletionRequest, chat_max_tokens: int,
+              hints: SloHints | None = None,
+              headers: Mapping[str, str] | None = None) -> tuple[SamplingParams, SloSpec | None]:
+    """The SDK's sampling parameters and SLO for ``body``: its ``slo`` (or
+    ``custom_params.slo``), else what ``hints`` make of its ``service_tier``, ``priority``
+    and ``headers`` (:mod:`controlplane.slo_hints`)."""
     output_tokens = body.output_tokens
     fields: dict[str, object] = {"max_new_tokens": 16 if output_tokens is None else output_tokens,
                                  "ignore_eos": body.ignore_eos}
@@ -79,6 +84,10 @@ def translate(body: CompletionRequest | ChatCompletionRequest,
     try:
         sampling = msgspec.convert(fields, SamplingParams)
         slo = as_slo_spec(slo)
+        if slo is None and hints is not None:
+            slo = hints.slo(headers or {}, body.service_tier, body.priority)
+    except HintError as error:
+        raise BadRequest(str(error)) from None
     except (msgspec.ValidationError, ValueError) as error:
         message = str(error).replace("max_new_tokens", max_name).replace("min_new_tokens", "min_tokens")
         raise BadRequest(f"invalid request body: {message}") from None

@@ -66,6 +66,8 @@ class CompletionRequest(msgspec.Struct, frozen=True):
     slo: str | dict[str, object] | None = None
     custom_params: dict[str, object] | None = None
     deadline_s: float | None = None
+    service_tier: str | None = None  # OpenAI's; an SLO hint (controlplane.slo_hints)
+    priority: int | None = None  # SGLang's; an SLO hint
 
     def refusals(self) -> list[str]:
         """What this request asks for that the gateway cannot honour."""
@@ -112,6 +114,8 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True):
     slo: str | dict[str, object] | None = None
     custom_params: dict[str, object] | None = None
     deadline_s: float | None = None
+    service_tier: str | None = None  # OpenAI's; an SLO hint (controlplane.slo_hints)
+    priority: int | None = None  # SGLang's; an SLO hint
 
     def refusals(self) -> list[str]:
         """What this request asks for that the gateway cannot honour."""

@@ -231,8 +231,15 @@ def test_gateway_says_where_it_listens_and_serves_until_sigterm(tmp_path) -> Non
         daemon.kill()
 
 
-def test_serve_http_usage_errors_exit_2(capsys: pytest.CaptureFixture) -> None:
+def test_serve_http_usage_errors_exit_2(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    bad_hints = tmp_path / "hints.toml"
+    bad_hints.write_text('service_tier = { turbo = "interactive" }\n')
     for argv, message in ((["--model", "m"], "--model only apply with --http"),
+                          (["--slo-hints", str(bad_hints)], "--slo-hints only apply with --http"),
+                          (["--http", "127.0.0.1:8000", "--slo-hints", str(bad_hints)],
+                           f"{bad_hints}: service_tier: unknown tier(s) ['turbo']"),
+                          (["--http", "127.0.0.1:8000", "--slo-hints", str(tmp_path / "none.toml")],
+                           "none.toml: No such file or directory"),
                           (["--max-in-flight", "3", "--allow-non-loopback"],
                            "--max-in-flight, --allow-non-loopback only apply with --http"),
                           (["--http", "0.0.0.0:8000"], "--http '0.0.0.0:8000' is not loopback"),

@@ -50,6 +50,9 @@ openai = pytest.importorskip("openai")
 API_KEY = "sk-openai-client-test"
 TIMEOUT_S = 60.0
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+#: the shipped table, and a tier naming a class no rank defines (so its refusal shows the
+#: hint reached the rank)
+HINT_TABLE = 'service_tier = { flex = "relaxed", priority = "interactive", scale = "no-such-class" }\n'
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,9 @@ def gateway(cluster, tmp_path_factory):  # noqa: F811  (pytest injects the impor
     key_file = scratch / "api.key"
     key_file.write_text(API_KEY + "\n")
     (port,) = free_ports(1)
-    http = ["--model", MODEL, "--api-key-file", str(key_file)]
+    hints = scratch / "slo_hints.toml"
+    hints.write_text(HINT_TABLE)
+    http = ["--model", MODEL, "--api-key-file", str(key_file), "--slo-hints", str(hints)]
     config = cluster.config
     if cluster.embedded:
         command = ["serve", "--config", str(write_config(scratch / "daemon.toml", config)),
@@ -259,6 +264,36 @@ def test_chat_refusals_are_typed_exceptions(gateway):
         assert error.status_code == 400 and error.type == "invalid_request_error"
         assert "n > 1" in error.message
     assert no_messages.value.status_code == 400 and "messages" in no_messages.value.message
+
+
+# ---------------------------------------------------------------------- SLO hints
+def test_service_tier_and_the_routers_headers_name_the_slo(gateway):
+    """``service_tier`` as the package sends it, and smg's and llm-d's headers, reach the
+    rank as an SLO (``--slo-hints``); an explicit ``slo`` wins over them."""
+    with sync_client(gateway) as client:
+        flex = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, service_tier="flex")
+        assert flex.choices[0].message.content == " tok" * 3
+        explicit = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, service_tier="scale", extra_body={"slo": "standard"})
+        assert explicit.choices[0].message.content == " tok" * 2
+        with pytest.raises(openai.BadRequestError) as unknown_class:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, service_tier="scale")
+        with pytest.raises(openai.BadRequestError) as conflict:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, service_tier="flex",
+                                           extra_headers={"x-smg-priority": "interactive"})
+        with pytest.raises(openai.BadRequestError) as header_class:
+            client.completions.create(model=MODEL, prompt=[5] * 8, max_tokens=2,
+                                      extra_headers={"x-smg-priority": "no-such-class"})
+        with pytest.raises(openai.BadRequestError) as malformed:
+            client.completions.create(model=MODEL, prompt=[5] * 8, max_tokens=2,
+                                      extra_headers={"x-llm-d-slo-ttft-ms": "soon"})
+        ttft = client.completions.create(model=MODEL, prompt=[5] * 8, max_tokens=2,
+                                         extra_headers={"x-llm-d-slo-ttft-ms": "5000"})
+        assert ttft.choices[0].text == " tok" * 2
+    for refused in (unknown_class, header_class):
+        assert refused.value.status_code == 400 and "no-such-class" in refused.value.message
+    assert "conflicting SLO hints" in conflict.value.message and "x-smg-priority" in conflict.value.message
+    assert malformed.value.status_code == 400 and "x-llm-d-slo-ttft-ms" in malformed.value.message
 
 
 # ---------------------------------------------------------------------- any model, the documented snippet
