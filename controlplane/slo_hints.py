@@ -48,7 +48,7 @@ class SloHints:
 
     service_tiers: Mapping[str, str] = field(default_factory=lambda: {
         "flex": "relaxed", "priority": "interactive"})
-    priority_classes: tuple[str, ...] = ("relaxed", "standard", "interactive")
+    priority_classes: tuple[str, ...] = ("relaxed", "standard", "interactive")  # empty: ignored
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.service_tiers) - set(SERVICE_TIERS))
@@ -61,21 +61,23 @@ class SloHints:
                 raise HintConfigError(f"{where}: expected an SLO class name, got {name!r}")
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>") -> SloHints:
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "<mapping>",
+                     defaults: SloHints | None = None) -> SloHints:
         """From the TOML layout: ``service_tier = {flex = "relaxed", ...}`` and
         ``priority_classes = ["relaxed", ...]`` (least urgent first); a missing key keeps
-        the shipped value."""
+        ``defaults``'s (the shipped table unless given)."""
         unknown = sorted(set(data) - {"service_tier", "priority_classes"})
         if unknown:
             raise HintConfigError(f"{source}: unknown key(s) {unknown}; expected service_tier, "
                                   "priority_classes")
-        defaults = cls()
+        defaults = defaults or cls()
         tiers = data.get("service_tier", defaults.service_tiers)
         classes = data.get("priority_classes", defaults.priority_classes)
         if not isinstance(tiers, Mapping):
             raise HintConfigError(f"{source}: service_tier must be a table of tier = class")
-        if not isinstance(classes, Sequence) or isinstance(classes, str) or not classes:
-            raise HintConfigError(f"{source}: priority_classes must be a non-empty list of classes")
+        if not isinstance(classes, Sequence) or isinstance(classes, str):
+            raise HintConfigError(f"{source}: priority_classes must be a list of classes (empty: "
+                                  "priority is no hint)")
         try:
             return cls(dict(tiers), tuple(classes))
         except HintConfigError as error:
@@ -91,6 +93,16 @@ class SloHints:
         except tomllib.TOMLDecodeError as error:
             raise HintConfigError(f"{path}: not TOML: {error}") from None
         return cls.from_mapping(data, str(path))
+
+    @property
+    def classes(self) -> frozenset[str]:
+        """Every class the table names."""
+        return frozenset((*self.service_tiers.values(), *self.priority_classes))
+
+    def within(self, classes: frozenset[str] | set[str]) -> SloHints:
+        """The table less every entry naming a class not in ``classes``."""
+        return SloHints({t: c for t, c in self.service_tiers.items() if c in classes},
+                        tuple(c for c in self.priority_classes if c in classes))
 
     def slo(self, headers: Mapping[str, str], service_tier: str | None = None,
             priority: int | None = None) -> SloSpec | None:
@@ -109,7 +121,7 @@ class SloHints:
                 raise HintError(f"{CLASS_HEADER}: expected an SLO class name of 1 to "
                                 f"{MAX_SLO_CLASS_NAME} characters")
             named.append((CLASS_HEADER, header_class))
-        if priority is not None:
+        if priority is not None and self.priority_classes:
             rank = min(max(priority, 0), len(self.priority_classes) - 1)
             named.append((f"priority {priority}", self.priority_classes[rank]))
         if len({name for _, name in named}) > 1:

@@ -30,6 +30,13 @@
     [trace]                                 # sglang_ext.adapter.scheduler.step_trace; off by default
     step_log = "steps.jsonl"                # one JSON line per step; relative to this file
 
+    [slo_hints]                             # sglang_ext.adapter.slo_hints; all optional
+    enabled = true                          # an SLO from service_tier, priority, smg's and llm-d's headers
+    service_tier = { flex = "relaxed", priority = "interactive" }   # OpenAI tier -> class
+    priority_classes = ["relaxed", "standard", "interactive"]       # SGLang priority, least urgent first
+                                            # (default: configs/slo_hints.toml's, less the classes
+                                            # slo_file does not define; a class named here must be)
+
 Pure: importing it needs neither sglang nor torch, so a bad file is reported before
 any SGLang process starts.
 """
@@ -43,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controlplane.slo_hints import HintConfigError, SloHints
 from sglang_ext.bundled import CONFIGS_DIR
 from sglang_ext.policy import variants as _variants  # noqa: F401  (registers the variants)
 from sglang_ext.policy.admission import AdmissionError, AdmissionSettings
@@ -59,7 +67,7 @@ TIME_BUDGET_POLICIES = ("fb", "fb-pab", "fb-anchor", "fb-margin", "fb-kairos",
                         "fb-anchor-margin", "fb-anchor-margin-pab", "fb-smooth", "fb-steady")
 
 _TOP_KEYS = {"policy", "slo_file", "step_model", "learn_knee", "calibrate", "max_token_budget",
-             "delivery_allowance_ms", "log_interval_s", "gc", "admission", "trace"}
+             "delivery_allowance_ms", "log_interval_s", "gc", "admission", "trace", "slo_hints"}
 _TRACE_KEYS = {"step_log"}
 _GC_KEYS = {"enabled", "min_decode_slack_ms", "min_interval_s"}
 _ADMISSION_NUMBERS = ("max_defer_s", "retry_after_s", "max_budget_age_s", "headroom")
@@ -94,6 +102,8 @@ class ExtensionConfig:
     #: fit the step model on the device when each scheduler starts
     #: (``sglang_ext.policy.startup_calibration``)
     calibrate: bool = False
+    #: how a request without an SLO gets one from its hints (``[slo_hints]``); None: off
+    slo_hints: SloHints | None = None
 
     def build_policy(self) -> BatchPolicy:
         context = PolicyContext(
@@ -175,14 +185,36 @@ class ExtensionConfig:
         for key, value in (("learn_knee", learn_knee), ("calibrate", calibrate)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{key} must be true or false, got {value!r}")
+        slo_hints = _load_slo_hints(data.get("slo_hints", {}), catalog)
         config = cls(policy, catalog, step_model.model, max_token_budget, log_interval_s, enabled,
                      gc, source, admission, step_log, delivery_allowance_ms / 1e3, step_model.linear,
-                     learn_knee, calibrate)
+                     learn_knee, calibrate, slo_hints)
         try:
             config.build_policy()  # refuses a policy name that contradicts [admission]
         except AdmissionError as exc:
             raise ConfigError(f"[admission]: {exc}") from None
         return config
+
+
+def _load_slo_hints(table: Any, catalog: SloCatalog) -> SloHints | None:
+    if not isinstance(table, Mapping):
+        raise ConfigError("[slo_hints] must be a table")
+    enabled = table.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"[slo_hints] enabled must be true or false, got {enabled!r}")
+    if not enabled:
+        return None
+    entries = {key: value for key, value in table.items() if key != "enabled"}
+    defined = set(catalog.classes)
+    try:
+        hints = SloHints.from_mapping(entries, "[slo_hints]", SloHints().within(defined))
+    except HintConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    undefined = sorted(hints.classes - defined)
+    if undefined:
+        raise ConfigError(f"[slo_hints] names class(es) {undefined} the SLO file does not define "
+                          f"(defined: {', '.join(sorted(defined))})")
+    return hints
 
 
 def load_from_environment() -> ExtensionConfig | None:

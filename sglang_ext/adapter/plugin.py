@@ -38,7 +38,9 @@ def register() -> None:
         raise SystemExit(f"FairBatching: {exc}") from None
     if config is None:
         return
-    from sglang_ext.adapter.admission.budget_refusal import install_admission_gate
+    from sglang_ext.adapter.admission import budget_refusal
+    from sglang_ext.adapter import hinted_slo
+    from sglang_ext.adapter.front_door import install_front_door
     from sglang_ext.adapter.dp_pab import install_dp_pab_hooks
     from sglang_ext.adapter.ingress_time import install_ingress_time
     from sglang_ext.adapter.admission.slo_validation import install_request_validation
@@ -49,7 +51,13 @@ def register() -> None:
     install_router_metrics()  # after install_scheduler_hooks
     install_ingress_time()
     install_request_validation(config.catalog, config.build_policy().initial_step_model)
-    install_admission_gate(config)
+    gate = budget_refusal.install_admission_gate(config)
+    hints = config.slo_hints
+    install_front_door(  # the hints, then the gate's refusal
+        generate=[*([hinted_slo.generate_step(hints)] if hints else []),
+                  *([budget_refusal.around_generate] if gate else [])],
+        openai=[*([hinted_slo.openai_step(hints)] if hints else []),
+                *([budget_refusal.around_openai] if gate else [])])
     install_dp_pab_hooks(config.catalog)
     if controlplane is not None:
         from sglang_ext.adapter.controlplane_agent import install_controlplane_ingress

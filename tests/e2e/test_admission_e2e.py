@@ -8,6 +8,8 @@ the FairBatching plugin and the emulated GPU.
   leaves nothing behind.
 - ``defer``: nothing is refused; every request of a burst past capacity is served or
   ended with a status.
+- SLO hints (``service_tier``, ``priority``, smg's and llm-d's headers) are read in front
+  of the ``reject`` gate on every route.
 """
 
 from __future__ import annotations
@@ -204,3 +206,36 @@ def test_defer_serves_or_ends_every_request_with_a_status(defer_server) -> None:
     assert metric(url, "fairbatching:late_prefills_total") > 0
     rank = wait_idle(url)
     assert (rank["num_running_reqs"], rank["num_waiting_reqs"], rank["num_used_tokens"]) == (0, 0, 0)
+
+
+def test_slo_hints_are_read_in_front_of_the_gate_on_every_route(reject_server) -> None:
+    """The hints (``[slo_hints]``, the shipped table) chained before the 429 gate: OpenAI's
+    ``service_tier``, SGLang's ``priority`` and smg's and llm-d's headers become the
+    request's SLO, which the door then checks as an explicit one; a class the SLO file
+    lacks, a conflict and a malformed header are 400s naming what is wrong."""
+    url = reject_server.url
+    chat = {"model": "default", "max_tokens": 2, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+    generate = {"input_ids": [5] * 16, "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+
+    def post(route: str, body: dict, headers: dict | None = None) -> requests.Response:
+        return requests.post(f"{url}/{route}", json=body, headers=headers or {}, timeout=300)
+
+    served = [post("v1/chat/completions", {**chat, "service_tier": "flex"}),
+              post("v1/completions", {"model": "default", "prompt": [5] * 16, "max_tokens": 2,
+                                      "ignore_eos": True}, {"x-llm-d-slo-ttft-ms": "5000"}),
+              post("generate", {**generate, "priority": 2}),
+              post("generate", generate, {"x-smg-priority": "relaxed"})]
+    assert [reply.status_code for reply in served] == [200] * 4, [reply.text for reply in served]
+    refused = {
+        "no-such-class": post("v1/chat/completions", chat, {"x-smg-priority": "no-such-class"}),
+        "conflicting SLO hints": post("v1/chat/completions", {**chat, "service_tier": "flex"},
+                                      {"x-smg-priority": "interactive"}),
+        "x-llm-d-slo-ttft-ms": post("generate", generate, {"x-llm-d-slo-ttft-ms": "soon"}),
+        "service_tier": post("v1/chat/completions", {**chat, "service_tier": "turbo"}),
+    }
+    for words, reply in refused.items():
+        assert reply.status_code == 400 and words in reply.text, (words, reply.status_code, reply.text)
+    impossible = post("generate", {"input_ids": [5] * BURST_PROMPT_TOKENS, "sampling_params": {
+        "max_new_tokens": 2, "custom_params": {"slo": IMPOSSIBLE}}}, {"x-smg-priority": "relaxed"})
+    assert impossible.status_code == 429  # an explicit slo wins over the hint: the gate refuses it

@@ -2,7 +2,8 @@
 
 At the front door (the HTTP / TokenizerManager process, before a scheduler sees it):
 
-- **400**, an SLO that is malformed or that no rank can honour (:mod:`.slo_validation`);
+- **400**, an SLO that is malformed or that no rank can honour (:mod:`.slo_validation`),
+  or SLO hints that conflict or are malformed (``sglang_ext.adapter.hinted_slo``);
 - **429**, admission mode ``reject``: a prompt larger than the budget its rank published
   for its SLO class (:mod:`.budget_gate` decides, :mod:`.budget_refusal` answers, with
   ``Retry-After``). The control plane's ingress agent gets the same refusal and turns it

@@ -12,11 +12,12 @@ HTTP / TokenizerManager process; installed through HookRegistry, no patch:
   left behind. Every caller of ``generate_request`` goes through it: the HTTP routes
   and the control plane's ingress agent (:mod:`sglang_ext.adapter.controlplane_agent`, which
   turns it into the daemon's ``no_budget``);
-- ``http_server.serve_generate_request`` (around): ``/generate`` answers the refusal as
+- ``http_server.serve_generate_request`` (around, a step of
+  :mod:`sglang_ext.adapter.front_door`): ``/generate`` answers the refusal as
   a 429, streamed or not. A streamed request's body is started before the response
   is returned and the response waits until the request is dispatched (or refused),
   not for its first token;
-- ``OpenAIServingBase.handle_request`` (around): the OpenAI routes
+- ``OpenAIServingBase.handle_request`` (around, a step of the same): the OpenAI routes
   (``/v1/completions``, ``/v1/chat/completions``, streamed or not) answer the same 429
   instead of their header-less error response.
 
@@ -57,8 +58,6 @@ from sglang_ext.policy.slo import Slo, SloError
 logger = logging.getLogger("sglang_ext.fairbatching")
 
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
-GENERATE_ROUTE = "sglang.srt.entrypoints.http_server.serve_generate_request"
-OPENAI_ROUTE = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
 GATE_ATTR = "fairbatching_gate"
 REASON = "admission_budget"
 LOG_INTERVAL_S = 10.0
@@ -192,7 +191,9 @@ def _first_token(slo: Slo) -> str:
 
 
 def install_admission_gate(config: ExtensionConfig) -> bool:
-    """Register the hooks if the config's admission mode is ``reject``; whether it did."""
+    """Register the TokenizerManager's hooks if the config's admission mode is ``reject``;
+    whether it did. The routes' steps, :func:`around_generate` and :func:`around_openai`,
+    are chained by ``sglang_ext.adapter.front_door``."""
     admission = config.effective_admission
     if admission.mode is not AdmissionMode.REJECT:
         return False
@@ -208,8 +209,6 @@ def install_admission_gate(config: ExtensionConfig) -> bool:
 
     HookRegistry.register(f"{TOKENIZER_MANAGER}.__init__", after_init, HookType.AFTER)
     HookRegistry.register(f"{TOKENIZER_MANAGER}._send_one_request", before_send, HookType.BEFORE)
-    HookRegistry.register(GENERATE_ROUTE, around_generate, HookType.AROUND)
-    HookRegistry.register(OPENAI_ROUTE, around_openai, HookType.AROUND)
     return True
 
 
