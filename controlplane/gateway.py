@@ -18,7 +18,9 @@
   (``GatewaySettings.model``, the one ``GET /v1/models`` lists). The SLO is ``"slo":
   "tight"``, ``{"ttft_ms": .., "tpot_ms": ..}``, ``{"e2e_ms": ..}`` (end-to-end,
   optionally with ``ttft_ms``; not with ``tpot_ms``) or a ``"class"`` with targets
-  overridden, or SGLang's shape ``"custom_params": {"slo": ...}``. ``deadline_s``
+  overridden, or SGLang's shape ``"custom_params": {"slo": ...}``; without one, what
+  ``service_tier``, ``priority`` and smg's and llm-d's headers name
+  (:mod:`controlplane.slo_hints`, ``GatewaySettings.slo_hints``). ``deadline_s``
   bounds the request. Usage is in every unstreamed answer and, streamed, only with
   ``stream_options.include_usage`` (a last chunk with empty ``choices``; the others carry
   ``"usage": null``). Chunks that are ready together go out in one HTTP write.
