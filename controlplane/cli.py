@@ -163,7 +163,8 @@ def _http_arguments(command: argparse.ArgumentParser) -> None:
                               "service_tier, SGLang's priority and the x-smg-priority and "
                               "x-llm-d-slo-ttft-ms / -tpot-ms headers: a TOML table (default: "
                               "configs/slo_hints.toml's: flex -> relaxed, priority -> interactive; "
-                              "priority ranks relaxed, standard, interactive)")
+                              "priority ranks relaxed, standard, interactive; smg's bulk -> relaxed, "
+                              "default -> standard, interactive and system -> interactive)")
     command.add_argument("--api-key-file", metavar="FILE",
                          help="require 'Authorization: Bearer <the file's first line>' (not on /health)")
     command.add_argument("--allow-non-loopback", action="store_true",

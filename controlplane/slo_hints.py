@@ -4,7 +4,8 @@ request that names no ``slo`` of its own (an explicit ``slo`` wins over every hi
 - OpenAI's ``service_tier`` (the ``openai`` client sends it natively): a class by
   :attr:`SloHints.service_tiers` (shipped: ``flex`` -> ``relaxed``, ``priority`` ->
   ``interactive``); a tier the table does not list leaves the default class;
-- smg's ``x-smg-priority`` header: a class name;
+- smg's ``x-smg-priority`` header: one of smg's classes (``system``, ``interactive``,
+  ``default``, ``bulk``) mapped by :attr:`SloHints.smg_priorities`, or an SLO class's name;
 - SGLang's ``priority`` (larger is more urgent, as SGLang orders it by default): a rank
   into :attr:`SloHints.priority_classes`, least urgent first, clamped to its ends;
 - llm-d's ``x-llm-d-slo-ttft-ms`` and ``x-llm-d-slo-tpot-ms`` headers: explicit targets,
@@ -49,6 +50,8 @@ class SloHints:
     service_tiers: Mapping[str, str] = field(default_factory=lambda: {
         "flex": "relaxed", "priority": "interactive"})
     priority_classes: tuple[str, ...] = ("relaxed", "standard", "interactive")  # empty: ignored
+    smg_priorities: Mapping[str, str] = field(default_factory=lambda: {
+        "system": "interactive", "interactive": "interactive", "default": "standard", "bulk": "relaxed"})
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.service_tiers) - set(SERVICE_TIERS))
@@ -56,7 +59,8 @@ class SloHints:
             raise HintConfigError(f"service_tier: unknown tier(s) {unknown}; OpenAI's are "
                                   f"{', '.join(SERVICE_TIERS)}")
         for where, name in [*((f"service_tier.{t}", c) for t, c in self.service_tiers.items()),
-                            *(("priority_classes", c) for c in self.priority_classes)]:
+                            *(("priority_classes", c) for c in self.priority_classes),
+                            *((f"smg_priority.{k}", c) for k, c in self.smg_priorities.items())]:
             if not isinstance(name, str) or not 0 < len(name) <= MAX_SLO_CLASS_NAME:
                 raise HintConfigError(f"{where}: expected an SLO class name, got {name!r}")
 
@@ -66,20 +70,22 @@ class SloHints:
         """From the TOML layout: ``service_tier = {flex = "relaxed", ...}`` and
         ``priority_classes = ["relaxed", ...]`` (least urgent first); a missing key keeps
         ``defaults``'s (the shipped table unless given)."""
-        unknown = sorted(set(data) - {"service_tier", "priority_classes"})
+        unknown = sorted(set(data) - {"service_tier", "priority_classes", "smg_priority"})
         if unknown:
             raise HintConfigError(f"{source}: unknown key(s) {unknown}; expected service_tier, "
-                                  "priority_classes")
+                                  "priority_classes, smg_priority")
         defaults = defaults or cls()
         tiers = data.get("service_tier", defaults.service_tiers)
         classes = data.get("priority_classes", defaults.priority_classes)
-        if not isinstance(tiers, Mapping):
-            raise HintConfigError(f"{source}: service_tier must be a table of tier = class")
+        smg = data.get("smg_priority", defaults.smg_priorities)
+        for key, table in (("service_tier", tiers), ("smg_priority", smg)):
+            if not isinstance(table, Mapping):
+                raise HintConfigError(f"{source}: {key} must be a table of name = class")
         if not isinstance(classes, Sequence) or isinstance(classes, str):
             raise HintConfigError(f"{source}: priority_classes must be a list of classes (empty: "
                                   "priority is no hint)")
         try:
-            return cls(dict(tiers), tuple(classes))
+            return cls(dict(tiers), tuple(classes), dict(smg))
         except HintConfigError as error:
             raise HintConfigError(f"{source}: {error}") from None
 
@@ -97,12 +103,14 @@ class SloHints:
     @property
     def classes(self) -> frozenset[str]:
         """Every class the table names."""
-        return frozenset((*self.service_tiers.values(), *self.priority_classes))
+        return frozenset((*self.service_tiers.values(), *self.priority_classes,
+                          *self.smg_priorities.values()))
 
     def within(self, classes: frozenset[str] | set[str]) -> SloHints:
         """The table less every entry naming a class not in ``classes``."""
         return SloHints({t: c for t, c in self.service_tiers.items() if c in classes},
-                        tuple(c for c in self.priority_classes if c in classes))
+                        tuple(c for c in self.priority_classes if c in classes),
+                        {k: c for k, c in self.smg_priorities.items() if c in classes})
 
     def slo(self, headers: Mapping[str, str], service_tier: str | None = None,
             priority: int | None = None) -> SloSpec | None:
@@ -120,7 +128,7 @@ class SloHints:
             if not 0 < len(header_class) <= MAX_SLO_CLASS_NAME:
                 raise HintError(f"{CLASS_HEADER}: expected an SLO class name of 1 to "
                                 f"{MAX_SLO_CLASS_NAME} characters")
-            named.append((CLASS_HEADER, header_class))
+            named.append((CLASS_HEADER, self.smg_priorities.get(header_class, header_class)))
         if priority is not None and self.priority_classes:
             rank = min(max(priority, 0), len(self.priority_classes) - 1)
             named.append((f"priority {priority}", self.priority_classes[rank]))

@@ -34,6 +34,7 @@
     enabled = true                          # an SLO from service_tier, priority, smg's and llm-d's headers
     service_tier = { flex = "relaxed", priority = "interactive" }   # OpenAI tier -> class
     priority_classes = ["relaxed", "standard", "interactive"]       # SGLang priority, least urgent first
+    smg_priority = { bulk = "relaxed", default = "standard" }       # x-smg-priority -> class
                                             # (default: configs/slo_hints.toml's, less the classes
                                             # slo_file does not define; a class named here must be)
 

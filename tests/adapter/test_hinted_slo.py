@@ -116,11 +116,12 @@ def test_the_configs_table_defaults_to_the_catalogs_classes_and_refuses_others(t
                                        '[classes.relaxed]\nttft_ms = 5000\ntpot_ms = 200\n')
     config = tmp_path / "fb.toml"
     config.write_text('policy = "fb-smooth"\nslo_file = "slo.toml"\n')
-    assert ExtensionConfig.load(config).slo_hints == SloHints({"flex": "relaxed"}, ("relaxed",))
+    assert ExtensionConfig.load(config).slo_hints == SloHints({"flex": "relaxed"}, ("relaxed",), {"bulk": "relaxed"})
     config.write_text('policy = "fb-smooth"\nslo_file = "slo.toml"\n[slo_hints]\nenabled = false\n')
     assert ExtensionConfig.load(config).slo_hints is None
     config.write_text('policy = "fb-smooth"\nslo_file = "slo.toml"\n[slo_hints]\npriority_classes = ["relaxed", "chat"]\n')
-    assert ExtensionConfig.load(config).slo_hints == SloHints({"flex": "relaxed"}, ("relaxed", "chat"))
+    assert ExtensionConfig.load(config).slo_hints == SloHints({"flex": "relaxed"}, ("relaxed", "chat"),
+                                                              {"bulk": "relaxed"})
     for table, message in (('service_tier = { priority = "interactive" }', r"class\(es\) \['interactive'\]"),
                            ('enabled = "yes"', "enabled must be true or false"),
                            ('service_tier = { turbo = "chat" }', "unknown tier")):

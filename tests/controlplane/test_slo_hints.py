@@ -25,8 +25,10 @@ def test_a_service_tier_names_its_class(tier, slo_class):
     assert HINTS.slo({}, service_tier=tier) == SloSpec(slo_class=slo_class)
 
 
-def test_smgs_header_names_a_class_and_sglangs_priority_ranks_the_classes():
-    assert HINTS.slo({"x-smg-priority": " standard "}) == SloSpec(slo_class="standard")
+def test_smgs_header_names_one_of_smgs_classes_or_an_slo_class_and_sglangs_priority_ranks_them():
+    assert [HINTS.slo({"x-smg-priority": smg}).slo_class for smg in ("system", "interactive", "default", "bulk")] == \
+        ["interactive", "interactive", "standard", "relaxed"]
+    assert HINTS.slo({"x-smg-priority": " relaxed "}) == SloSpec(slo_class="relaxed")
     ranked = [HINTS.slo({}, priority=p).slo_class for p in (-5, 0, 1, 2, 3, 10**9)]
     assert ranked == ["relaxed", "relaxed", "standard", "interactive", "interactive", "interactive"]
 
@@ -78,14 +80,18 @@ def test_the_shipped_table_is_the_built_in_one():
 
 def test_a_table_is_read_and_a_bad_one_refused_naming_the_file_and_key(tmp_path):
     table = tmp_path / "hints.toml"
-    table.write_text('service_tier = { scale = "interactive" }\npriority_classes = ["batch", "chat"]\n')
+    table.write_text('service_tier = { scale = "interactive" }\npriority_classes = ["batch", "chat"]\n'
+                     'smg_priority = { bulk = "batch" }\n')
     hints = SloHints.load(table)
+    assert hints.slo({"x-smg-priority": "bulk"}) == SloSpec(slo_class="batch")
+    assert hints.slo({"x-smg-priority": "system"}) == SloSpec(slo_class="system")  # not mapped: a class name
     assert hints.slo({}, service_tier="scale") == SloSpec(slo_class="interactive")
     assert hints.slo({}, service_tier="flex") is None and hints.slo({}, priority=7) == SloSpec(slo_class="chat")
     for text, message in [('service_tier = { turbo = "x" }', "unknown tier"),
                           ('service_tier = { flex = 3 }', "service_tier.flex: expected an SLO class name"),
                           ('priority_classes = "relaxed"', "must be a list"),
                           ('tiers = {}', "unknown key"),
+                          ('smg_priority = ["bulk"]', "smg_priority must be a table"),
                           ("service_tier = [", "not TOML")]:
         table.write_text(text + "\n")
         with pytest.raises(HintConfigError, match=message) as refused:
