@@ -189,30 +189,13 @@ def test_refusal_storm_on_every_route_leaves_nothing_behind(reject_server) -> No
     assert (served.status, served.finish) == (200, "length")
 
 
-def test_defer_serves_or_ends_every_request_with_a_status(defer_server) -> None:
-    url = defer_server.url
-    wait_idle(url)
-    expired_before = metric(url, "fairbatching:deferred_expired_total")
-    replies = burst(url, {"class": "interactive"}, routes=("generate", "v1/completions"),
-                    streamed=(True, False))
-    outcomes = [(r.status, r.finish) for r in replies]
-    # served in full, or ended after max_defer_s: a 503 (unstreamed) or an abort (streamed)
-    assert set(outcomes) <= {(200, "length"), (503, None), (200, "abort")}, outcomes
-    assert (200, "length") in outcomes
-    ended = sum(outcome != (200, "length") for outcome in outcomes)
-    if ended:
-        assert wait_for_metric_above(url, "fairbatching:deferred_expired_total",
-                                     expired_before + ended - 1) - expired_before == ended
-    assert metric(url, "fairbatching:late_prefills_total") > 0
-    rank = wait_idle(url)
-    assert (rank["num_running_reqs"], rank["num_waiting_reqs"], rank["num_used_tokens"]) == (0, 0, 0)
-
-
 def test_slo_hints_are_read_in_front_of_the_gate_on_every_route(reject_server) -> None:
     """The hints (``[slo_hints]``, the shipped table) chained before the 429 gate: OpenAI's
     ``service_tier``, SGLang's ``priority`` and smg's and llm-d's headers become the
     request's SLO, which the door then checks as an explicit one; a class the SLO file
-    lacks, a conflict and a malformed header are 400s naming what is wrong."""
+    lacks, a conflict and a malformed header are 400s naming what is wrong. (It comes
+    before the defer test: the pool keeps two servers, and starting ``defer_server``
+    stops this one.)"""
     url = reject_server.url
     chat = {"model": "default", "max_tokens": 2, "ignore_eos": True,
             "messages": [{"role": "user", "content": "hi"}]}
@@ -239,3 +222,22 @@ def test_slo_hints_are_read_in_front_of_the_gate_on_every_route(reject_server) -
     impossible = post("generate", {"input_ids": [5] * BURST_PROMPT_TOKENS, "sampling_params": {
         "max_new_tokens": 2, "custom_params": {"slo": IMPOSSIBLE}}}, {"x-smg-priority": "relaxed"})
     assert impossible.status_code == 429  # an explicit slo wins over the hint: the gate refuses it
+
+
+def test_defer_serves_or_ends_every_request_with_a_status(defer_server) -> None:
+    url = defer_server.url
+    wait_idle(url)
+    expired_before = metric(url, "fairbatching:deferred_expired_total")
+    replies = burst(url, {"class": "interactive"}, routes=("generate", "v1/completions"),
+                    streamed=(True, False))
+    outcomes = [(r.status, r.finish) for r in replies]
+    # served in full, or ended after max_defer_s: a 503 (unstreamed) or an abort (streamed)
+    assert set(outcomes) <= {(200, "length"), (503, None), (200, "abort")}, outcomes
+    assert (200, "length") in outcomes
+    ended = sum(outcome != (200, "length") for outcome in outcomes)
+    if ended:
+        assert wait_for_metric_above(url, "fairbatching:deferred_expired_total",
+                                     expired_before + ended - 1) - expired_before == ended
+    assert metric(url, "fairbatching:late_prefills_total") > 0
+    rank = wait_idle(url)
+    assert (rank["num_running_reqs"], rank["num_waiting_reqs"], rank["num_used_tokens"]) == (0, 0, 0)
