@@ -23,6 +23,15 @@ cannot take waits too, up to ``outbox_size`` messages; beyond that ``emit`` and
 
 The socket is read without a future per message (:class:`controlplane.socket_pump.SocketPump`).
 
+A dropped daemon connection (the daemon process died, or its host went silent past the
+ZMTP heartbeat timeout) ends every request the agent runs, without a ``Done``, and drops
+their waiting output: whatever crossed that connection may be lost, and a client of a
+daemon that died retries the same id elsewhere. The agent then queues ``Goodbye`` and a
+new ``Hello`` for each rank, which leave when a daemon listens again: a daemon that
+outlived the drop ends those requests (``rank_lost``) on the ``Goodbye`` and welcomes
+the rank afresh; a restarted one just welcomes it. Until that ``Welcome`` a rank takes
+no dispatch.
+
 Reports do not pass through the agent: each rank publishes its own
 (:class:`controlplane.reporter.ReportPublisher`, to the ``report_address`` that
 :meth:`RankEngine.welcomed` hands over).
@@ -42,6 +51,8 @@ from typing import Protocol
 import msgspec
 import zmq
 import zmq.asyncio
+
+from zmq.utils.monitor import parse_monitor_message
 
 from controlplane.curve import CurvePeer
 from controlplane.protocol import (
@@ -77,6 +88,10 @@ UNKNOWN_AGENT = "unknown agent"  # Fenced.detail answering a Heartbeat: it knows
 MAX_ERROR_CHARS = 4096
 BLOCKED_RETRY_S = 0.002  # how soon a send the socket refused (high-water mark) is tried again
 MAX_CONTROL_BACKLOG = 1024
+#: ZMTP heartbeats on the daemon connection: a daemon host that goes silent (no FIN, no
+#: RST) is a disconnect after ``DAEMON_HEARTBEAT_TIMEOUT_MS``
+DAEMON_HEARTBEAT_IVL_MS = 1000
+DAEMON_HEARTBEAT_TIMEOUT_MS = 5000
 
 
 class InvalidRequest(ValueError):
@@ -237,7 +252,9 @@ class RankAgent:
         self._room = asyncio.Event()
         self._room.set()
         self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._pump: SocketPump | None = None
+        self._monitor_pump: SocketPump | None = None
         self._stop = asyncio.Event()
         self._draining = False
         self._drain_deadline: float | None = None
@@ -282,13 +299,16 @@ class RankAgent:
 
     async def _serve_until_stopped(self, socket: zmq.Socket) -> None:
         self._pump = SocketPump(socket, self._on_received, on_writable=self._flush_blocked)
+        self._monitor_pump = SocketPump(self._monitor, self._on_monitor)
         self._pump.start()
+        self._monitor_pump.start()
         try:
             async with asyncio.TaskGroup() as group:
                 keepalive = group.create_task(self._keepalive(), name=f"agent {self.agent_id} keepalive")
                 await self._stop.wait()
                 keepalive.cancel()
         finally:
+            self._monitor_pump.stop()
             self._pump.stop()
 
     def stop(self) -> None:
@@ -345,7 +365,13 @@ class RankAgent:
             logger.warning("agent %s closing: %d messages not sent (the socket was full)",
                            self.agent_id, len(pending) - sent_count)
         linger_ms = max(0, math.ceil((deadline - time.monotonic()) * 1e3))
+        self._close_monitor()
         self._socket.close(linger=linger_ms)  # NOTE: a bounded linger lets Goodbye leave
+
+    def _close_monitor(self) -> None:
+        if self._monitor is not None and not self._monitor.closed:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
 
     async def _send_by(self, frame: bytes, deadline: float) -> bool:
         while not self._try_send(frame):
@@ -361,13 +387,41 @@ class RankAgent:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, self._hwm)
             socket.setsockopt(zmq.RCVHWM, self._hwm)
+            socket.setsockopt(zmq.HEARTBEAT_IVL, DAEMON_HEARTBEAT_IVL_MS)
+            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, DAEMON_HEARTBEAT_TIMEOUT_MS)
             if self._curve is not None:
                 self._curve.apply(socket)
+            self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             socket.connect(self.rank_address)
         except zmq.ZMQError:
+            if self._monitor is not None:
+                socket.disable_monitor()
+                self._monitor.close(linger=0)
             socket.close(linger=0)
             raise
         return socket
+
+    def _on_monitor(self, frames: list[zmq.Frame]) -> None:
+        if parse_monitor_message([frame.bytes for frame in frames])["event"] == zmq.EVENT_DISCONNECTED:
+            self._on_daemon_lost()
+
+    def _on_daemon_lost(self) -> None:
+        """The connection to the daemon dropped: end what ran over it, leave, join again."""
+        self._pump.read_now()  # what the daemon said before the drop comes first
+        self.counters["daemon_disconnects"] += 1
+        ranks = self._served()
+        logger.warning("agent %s: the daemon connection dropped; ending %d running requests and "
+                       "joining again", self.agent_id, len(self._requests))
+        self._forget(lambda rank: True)
+        self._batch = []
+        self._blocked_output.clear()
+        self._blocked_output_count = 0
+        self._room.set()
+        self._welcomed.clear()
+        for rank in ranks:
+            self._enqueue(Goodbye(rank=rank, epoch=self.epoch))
+        for rank in ranks:
+            self._enqueue(self._hello(rank))
 
     async def _end_requests(self) -> None:
         for request in self._requests.values():
@@ -550,6 +604,9 @@ class RankAgent:
 
     def _on_dispatch(self, dispatch: Dispatch) -> list[AgentMessage]:
         if not self._ours(dispatch.rank, dispatch.epoch, "dispatch"):
+            return []
+        if dispatch.rank not in self._welcomed:  # sent before a drop the daemon has not seen yet
+            self.counters["dispatches_before_welcome"] += 1
             return []
         key = (dispatch.rank, dispatch.request_id)
         if key in self._requests:

@@ -17,6 +17,11 @@ fake (``" tok"`` per token, deterministic token ids); timings, batching, KV use 
 the reported budgets (the default class's PAB and each SLO class's, from the policy's
 ``class_budgets``) are the simulator's.
 
+``--daemon`` may be given more than once: the ranks then serve every daemon named, each
+over an agent of its own (active-active daemons). A rank reports to every daemon that
+welcomed it, each report echoing that daemon's own dispatch numbering; its budgets are
+the rank's, so they count what either daemon dispatched once it arrived.
+
 A chat dispatch (``Prompt.messages``) is rendered with a fixed template of its own
 (:func:`render_chat`) and counted like text.
 
@@ -133,12 +138,13 @@ class SimRank:
         self.engine = engine
         self.catalog = catalog
         self.time_scale = time_scale
-        self.echoed_dispatch_seq = 0  # of the latest dispatch ingested
+        # per daemon (its slot: the agent's index), the latest dispatch ingested
+        self.echoed_dispatch_seqs: dict[int, int] = {}
         self.last_step_s = 0.0  # real seconds
-        self.publisher: ReportPublisher | None = None
+        self.publishers: dict[int, ReportPublisher] = {}  # per daemon slot
         self._report_address = report_address
         self._curve = curve
-        self._daemon_id: str | None = None
+        self._daemon_ids: dict[int, str] = {}
         self._throttle = ReportThrottle(report_interval_s, min(MIN_GAP_S, report_interval_s))
         self._load_key: Hashable = None  # the load as the latest report check saw it
         self._clock = clock
@@ -150,26 +156,37 @@ class SimRank:
     def virtual_now(self) -> float:
         return (self._clock() - self._start_s) / self.time_scale
 
+    @property
+    def echoed_dispatch_seq(self) -> int:
+        """The first daemon's echo (the only one with a single daemon)."""
+        return self.echoed_dispatch_seqs.get(0, 0)
+
+    @property
+    def publisher(self) -> ReportPublisher | None:
+        """The first daemon's publisher (the only one with a single daemon)."""
+        return self.publishers.get(0)
+
     # ---------------------------------------------------------------- RankEngine
-    def welcomed(self, welcome: Welcome) -> None:
-        if welcome.daemon_id != self._daemon_id:
-            self._daemon_id = welcome.daemon_id
-            self.echoed_dispatch_seq = 0  # a new daemon numbers this rank's dispatches from 1
+    def welcomed(self, welcome: Welcome, slot: int = 0) -> None:
+        """``slot``: which of the rank's daemons welcomed it (the index of its agent)."""
+        if welcome.daemon_id != self._daemon_ids.get(slot):
+            self._daemon_ids[slot] = welcome.daemon_id
+            self.echoed_dispatch_seqs[slot] = 0  # a new daemon numbers this rank's dispatches from 1
             self._wake.set()
         address = self._report_address or welcome.report_address
-        current = self.publisher
+        current = self.publishers.get(slot)
         if current and (current.address, current.epoch) == (address, welcome.epoch):
             return
         if current:
             current.close()
-        self.publisher = ReportPublisher(address, self.name, welcome.epoch, curve=self._curve)
+        self.publishers[slot] = ReportPublisher(address, self.name, welcome.epoch, curve=self._curve)
         self._wake.set()
 
-    async def serve(self, dispatch: Dispatch, sink: OutputSink) -> None:
+    async def serve(self, dispatch: Dispatch, sink: OutputSink, slot: int = 0) -> None:
         received_s = self._clock()
         # NOTE: the latest, not the highest: dispatches arrive in order, and a daemon that
         # forgot the rank (restarted, or found it lost) numbers them from 1 again.
-        self.echoed_dispatch_seq = dispatch.dispatch_seq
+        self.echoed_dispatch_seqs[slot] = dispatch.dispatch_seq
         self._wake.set()
         prompt = prompt_tokens(dispatch.prompt)
         output = dispatch.sampling.max_new_tokens
@@ -231,8 +248,8 @@ class SimRank:
                     await self._idle()
                 self._maybe_report()
         finally:
-            if self.publisher:
-                self.publisher.close()
+            for publisher in self.publishers.values():
+                publisher.close()
 
     async def _step(self) -> None:
         engine = self.engine
@@ -254,7 +271,7 @@ class SimRank:
 
     async def _idle(self) -> None:
         timeout = None
-        if self.publisher is not None:
+        if self.publishers:
             timeout = max(0.0, self._throttle.next_due_s(self._load_key) - self._clock())
         try:
             await asyncio.wait_for(self._wake.wait(), timeout)
@@ -267,26 +284,31 @@ class SimRank:
         await asyncio.sleep(max(0.0, delay))  # NOTE: yields even when behind real time
 
     def _maybe_report(self) -> None:
-        if self.publisher is None:
+        """One report to each daemon, when due: the same load, each daemon's own echo."""
+        if not self.publishers:
             return
         active = self.engine.active_requests
         waiting = sum(1 for r in active if r.context == 0)
         pab_tokens = self.engine.prefill_admission_budget()
-        key = (len(active) - waiting, waiting, self.echoed_dispatch_seq, budget_bucket(pab_tokens))
+        echoes = tuple(sorted(self.echoed_dispatch_seqs.items()))
+        key = (len(active) - waiting, waiting, echoes, budget_bucket(pab_tokens))
         self._load_key = key
         now_s = self._clock()
         if not self._throttle.due(now_s, key):
             return
-        self.publisher.publish(
-            pab_tokens=pab_tokens,
-            running=key[0],
-            waiting=waiting,
-            total_tokens=sum(r.context + r.pending_prefill for r in active),
-            free_kv_tokens=self.engine.kv_capacity - self.engine.kv_used,
-            echoed_dispatch_seq=self.echoed_dispatch_seq,
-            step_time_s=self.last_step_s,
-            class_budgets=self.reported_class_budgets(active),
-        )
+        total_tokens = sum(r.context + r.pending_prefill for r in active)
+        class_budgets = self.reported_class_budgets(active)
+        for slot, publisher in self.publishers.items():
+            publisher.publish(
+                pab_tokens=pab_tokens,
+                running=key[0],
+                waiting=waiting,
+                total_tokens=total_tokens,
+                free_kv_tokens=self.engine.kv_capacity - self.engine.kv_used,
+                echoed_dispatch_seq=self.echoed_dispatch_seqs.get(slot, 0),
+                step_time_s=self.last_step_s,
+                class_budgets=class_budgets,
+            )
         self._throttle.published(now_s, key)
 
     def reported_class_budgets(self, active: Sequence[object]) -> dict:
@@ -298,7 +320,8 @@ class SimRank:
 
 
 class SimRanks:
-    """The :class:`controlplane.rank_agent.RankEngine` of a process hosting sim ranks."""
+    """The :class:`controlplane.rank_agent.RankEngine` of a process hosting sim ranks
+    (for its first daemon; :meth:`via` for each other one)."""
 
     def __init__(self, ranks: Mapping[str, SimRank]) -> None:
         self.ranks = dict(ranks)
@@ -309,10 +332,26 @@ class SimRanks:
     def welcomed(self, welcome: Welcome) -> None:
         self.ranks[welcome.rank].welcomed(welcome)
 
+    def via(self, slot: int) -> _DaemonSlot:
+        """The engine of the agent that serves daemon ``slot`` (0: the first)."""
+        return _DaemonSlot(self, slot)
+
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
             for name, rank in self.ranks.items():
                 group.create_task(rank.run(), name=f"sim rank {name}")
+
+
+@dataclass(frozen=True, slots=True)
+class _DaemonSlot:
+    sims: SimRanks
+    slot: int
+
+    async def serve(self, dispatch: Dispatch, sink: OutputSink) -> None:
+        await self.sims.ranks[dispatch.rank].serve(dispatch, sink, self.slot)
+
+    def welcomed(self, welcome: Welcome) -> None:
+        self.sims.ranks[welcome.rank].welcomed(welcome, self.slot)
 
 
 def make_policy(name: str, profile: HardwareProfile, catalog: SloCatalog) -> BatchPolicy:
@@ -383,9 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve simulated ranks (the simulator's engine in real time) to a "
                     "FairBatching control-plane daemon.",
     )
-    parser.add_argument("--daemon", default=DEFAULT_DAEMON, help="the daemon's rank address")
+    parser.add_argument("--daemon", action="append", metavar="ADDRESS",
+                        help=f"a daemon's rank address (default {DEFAULT_DAEMON}); repeat it "
+                             "to serve several daemons at once")
     parser.add_argument("--report-address",
-                        help="where reports go (default: from the daemon's Welcome)")
+                        help="where reports go (default: where each daemon's Welcome says; "
+                             "with one daemon only)")
     parser.add_argument("--agent-id", default="sim", help="this agent's routing id")
     names = parser.add_mutually_exclusive_group()
     names.add_argument("--rank", help="the rank's name (default: the agent id)")
@@ -421,28 +463,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(agent: RankAgent, sims: SimRanks, drain_timeout_s: float = 30.0) -> int:
-    """Run until SIGTERM (drain) or SIGINT (0), or until every rank is fenced (1); says
-    Goodbye."""
+async def serve(agents: RankAgent | Sequence[RankAgent], sims: SimRanks,
+                drain_timeout_s: float = 30.0) -> int:
+    """Run until SIGTERM (drain) or SIGINT (0), or until every agent's ranks are fenced
+    (1); says Goodbye."""
+    agents = [agents] if isinstance(agents, RankAgent) else list(agents)
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
 
     def on_sigterm() -> None:
-        if signalled.is_set():
+        first = not signalled.is_set()
+        signalled.set()
+        for agent in agents:
+            agent.drain(drain_timeout_s) if first else agent.stop()
+
+    def on_sigint() -> None:
+        signalled.set()
+        for agent in agents:
             agent.stop()
-        else:
-            signalled.set()
-            agent.drain(drain_timeout_s)
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    loop.add_signal_handler(signal.SIGINT, lambda: (signalled.set(), agent.stop()))
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
     try:
         async with asyncio.TaskGroup() as group:
             stepping = group.create_task(sims.run(), name="sim ranks")
-            await agent.run()
+            await asyncio.gather(*(agent.run() for agent in agents))
             stepping.cancel()
     finally:
-        await agent.close(goodbye=True)
+        await asyncio.gather(*(agent.close(goodbye=True) for agent in agents))
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
     if signalled.is_set():
@@ -467,20 +515,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             time_scale=args.time_scale, report_interval_s=args.report_interval_ms / 1e3,
             report_address=args.report_address, curve=curve,
         )
-        for address in (args.daemon, args.report_address):
+        daemons = args.daemon or [DEFAULT_DAEMON]
+        if len(set(daemons)) != len(daemons):
+            raise ValueError(f"--daemon names one daemon twice: {daemons}")
+        if args.report_address and len(daemons) > 1:
+            raise ValueError("--report-address applies to one daemon; with several, each "
+                             "daemon's Welcome says where its reports go")
+        for address in (*daemons, args.report_address):
             check_address(address)
-        agent = RankAgent(args.daemon, args.agent_id, names, sims, curve=curve,
-                          coalesce_s=args.coalesce_ms / 1e3)
+        epoch = time.time_ns()
+        agents = [RankAgent(address, args.agent_id, names, sims.via(slot), epoch=epoch,
+                            curve=curve, coalesce_s=args.coalesce_ms / 1e3)
+                  for slot, address in enumerate(daemons)]
     except (ProfileError, SloError, PolicySpecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     logger.info("agent %s serving %s (epoch %d) to %s", args.agent_id, ", ".join(names),
-                agent.epoch, args.daemon)
+                epoch, ", ".join(daemons))
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(agent, sims, args.drain_timeout))
-    return uvloop.run(serve(agent, sims, args.drain_timeout))
+        return asyncio.run(serve(agents, sims, args.drain_timeout))
+    return uvloop.run(serve(agents, sims, args.drain_timeout))
 
 
 if __name__ == "__main__":

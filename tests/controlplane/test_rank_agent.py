@@ -324,6 +324,39 @@ def test_a_welcome_from_a_restarted_daemon_drops_running_requests_without_done()
     run(scenario())
 
 
+def test_a_dropped_daemon_connection_ends_running_requests_then_says_goodbye_and_hello_again():
+    async def scenario():
+        engine = ScriptedEngine()
+        first = ScriptedDaemon()
+        address = first.address
+        async with agent_on(first, engine, ranks=("r0", "r1")) as agent:
+            identity = await first.join(agent)
+            await first.send(identity, dispatch("hang-a"))
+            await until(lambda: len(agent.running) == 1)
+            first.close()  # the daemon process dies: its end of the connection closes
+            await until(lambda: agent.counters["daemon_disconnects"] == 1)
+            assert agent.running == frozenset() and engine.released == ["hang-a"]
+            assert agent.welcomed == frozenset()
+            second = ScriptedDaemon(address)
+            try:
+                joined = await second.collect(0.5)
+                kinds = [(type(m).__name__, m.rank) for m in joined if isinstance(m, (p.Goodbye, p.Hello))]
+                goodbyes = [kind for kind in kinds if kind[0] == "Goodbye"]
+                assert sorted(goodbyes) == [("Goodbye", "r0"), ("Goodbye", "r1")]
+                assert kinds.index(("Hello", "r0")) > kinds.index(("Goodbye", "r0"))
+                assert not [m for m in joined if isinstance(m, (p.Done, p.Output, p.RankOutputs))]
+                await second.send(identity, dispatch("ok-early", seq=2))  # not welcomed yet
+                await until(lambda: agent.counters["dispatches_before_welcome"] == 1)
+                await second.welcome(identity, "r0")
+                await until(lambda: "r0" in agent.welcomed)
+                await second.send(identity, dispatch("ok-1", seq=3))
+                _, done = await second.receive(p.Done)
+                assert done.request_id == "ok-1" and "ok-early" not in engine.started
+            finally:
+                second.close()
+    run(scenario())
+
+
 def test_an_unknown_rank_fence_rejoins_that_rank_with_the_same_epoch():
     async def scenario():
         engine = ScriptedEngine()
@@ -676,15 +709,36 @@ def test_the_sim_rank_process_hands_its_coalescing_window_to_the_agent(monkeypat
 
     served = []
 
-    async def serve_nothing(agent, sims, drain_timeout_s=30.0):
-        served.append(agent)
+    async def serve_nothing(agents, sims, drain_timeout_s=30.0):
+        served.append(agents)
         return 0
 
     monkeypatch.setattr(sim_rank_module, "serve", serve_nothing)
     daemon = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     assert sim_rank_main(["--daemon", daemon, "--coalesce-ms", "5"]) == 0
     assert sim_rank_main(["--daemon", daemon]) == 0
-    assert [agent.coalesce_s for agent in served] == [pytest.approx(0.005), 0.0]
+    assert [agent.coalesce_s for (agent,) in served] == [pytest.approx(0.005), 0.0]
+
+
+def test_the_sim_rank_process_serves_each_daemon_named_over_an_agent_of_its_own(monkeypatch, capsys):
+    import sglang_ext.sim.rank as sim_rank_module
+
+    served = []
+
+    async def serve_nothing(agents, sims, drain_timeout_s=30.0):
+        served.append(agents)
+        return 0
+
+    monkeypatch.setattr(sim_rank_module, "serve", serve_nothing)
+    first, second = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
+    assert sim_rank_main(["--daemon", first, "--daemon", second, "--ranks", "2"]) == 0
+    (agents,) = served
+    assert [agent.rank_address for agent in agents] == [first, second]
+    assert len({agent.epoch for agent in agents}) == 1 and agents[0].ranks == ("sim/0", "sim/1")
+    assert sim_rank_main(["--daemon", first, "--daemon", first]) == 2
+    assert "names one daemon twice" in capsys.readouterr().err
+    assert sim_rank_main(["--daemon", first, "--daemon", second, "--report-address", first]) == 2
+    assert "--report-address applies to one daemon" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["-1", "abc", "50.5", "nan"])
