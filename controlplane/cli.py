@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="give up waiting after S seconds, exit 5 (default: %(default)s)")
     for command, flag in ((drain, True), (resume, False)):
         command.add_argument("rank", metavar="RANK", help="the rank's name, as `ranks` lists it")
-        _daemon_arguments(command)
+        _daemon_arguments(command, several=True)
         command.set_defaults(run=_drain, drain=flag)
 
     gateway = _command(commands, "gateway", "serve an OpenAI-compatible HTTP API in front of a daemon",
@@ -118,8 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "through the SDK (retries included). Once listening it prints one line on "
                        "stderr: where, the served model and the daemon. Runs until SIGTERM or "
                        "SIGINT; exits 1 when it cannot listen, 2 on a usage error.")
-    gateway.add_argument("--daemon", default=DEFAULT_ADDRESS, metavar="ADDRESS",
-                         help="the daemon's client address (default: %(default)s)")
+    gateway.add_argument("--daemon", action="append", metavar="ADDRESS",
+                         help=f"the daemon's client address (default: {DEFAULT_ADDRESS}); repeat it "
+                              "for active-active daemons: the gateway uses one at a time, starting "
+                              "at a random one, and moves to the next when it is lost, resubmitting "
+                              "the requests that had no output yet there")
     gateway.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
                          help="where to serve HTTP (default: %(default)s)")
     _http_arguments(gateway)
@@ -171,10 +174,16 @@ def _http_arguments(command: argparse.ArgumentParser) -> None:
                          help="allow a non-loopback address to listen on (plain HTTP)")
 
 
-def _daemon_arguments(command: argparse.ArgumentParser) -> None:
-    """How a command reaches a running daemon: its address, a reply timeout, CURVE keys."""
-    command.add_argument("--address", default=DEFAULT_ADDRESS,
-                         help="the daemon's client address (default: %(default)s)")
+def _daemon_arguments(command: argparse.ArgumentParser, several: bool = False) -> None:
+    """How a command reaches a running daemon: its address, a reply timeout, CURVE keys.
+    ``several``: ``--address`` may be repeated (the command runs against each daemon)."""
+    if several:
+        command.add_argument("--address", action="append", metavar="ADDRESS",
+                             help=f"the daemon's client address (default: {DEFAULT_ADDRESS}); "
+                                  "repeat it for active-active daemons: each one is told, in turn")
+    else:
+        command.add_argument("--address", default=DEFAULT_ADDRESS,
+                             help="the daemon's client address (default: %(default)s)")
     command.add_argument("--timeout", type=positive_float, default=2.0, metavar="S",
                          help="seconds to wait for each reply (default: %(default)s)")
     _curve_arguments(command)
@@ -187,15 +196,17 @@ def _curve_arguments(command: argparse.ArgumentParser) -> None:
                          help="this client's key pair (.key_secret); its .key must be authorized")
 
 
-def _client(args: argparse.Namespace) -> AsyncClient:
+def _client(args: argparse.Namespace, address: str | None = None) -> AsyncClient:
     curve = CurvePeer.from_optional_files(args.curve_server_key, args.curve_secret_key)
-    return AsyncClient(args.address, connect_timeout_s=args.timeout, curve=curve)
+    return AsyncClient(address or args.address, connect_timeout_s=args.timeout, curve=curve)
 
 
 def _gateway(args: argparse.Namespace) -> int:
     try:
         gateway, settings, host, port = _http_settings(args, args.listen)
         curve = CurvePeer.from_optional_files(args.curve_server_key, args.curve_secret_key)
+        if args.daemon and len(set(args.daemon)) != len(args.daemon):
+            raise ValueError(f"--daemon names one daemon twice: {args.daemon}")
     except (ValueError, OSError, ImportError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -205,7 +216,7 @@ def _gateway(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        async with AsyncClient(args.daemon, curve=curve) as client:
+        async with AsyncClient(args.daemon or DEFAULT_ADDRESS, curve=curve) as client:
             await gateway.serve(client, settings, host, port, stop, announce=_to_stderr)
 
     import uvloop
@@ -312,8 +323,21 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
+    """Drain or resume the rank at each daemon named, in turn; the first failure ends it."""
+    addresses = args.address or [DEFAULT_ADDRESS]
+    several = len(addresses) > 1
+    for address in addresses:
+        code = _drain_at(args, address, several)
+        if code != EXIT_OK:
+            return code
+    return EXIT_OK
+
+
+def _drain_at(args: argparse.Namespace, address: str, several: bool) -> int:
+    where = f" at {address}" if several else ""
+
     async def drain() -> tuple[DrainReply, int | None]:
-        async with _client(args) as client:
+        async with _client(args, address) as client:
             reply = await client.drain_rank(args.rank, args.drain)
             if not (reply.known and args.drain and args.wait):
                 return reply, None
@@ -322,16 +346,17 @@ def _drain(args: argparse.Namespace) -> int:
     def show(outcome: tuple[DrainReply, int | None]) -> int:
         reply, left = outcome
         if not reply.known:
-            print(f"error: the daemon has no rank named {args.rank!r} (see `ranks`)", file=sys.stderr)
+            print(f"error: the daemon{where} has no rank named {args.rank!r} (see `ranks`)", file=sys.stderr)
             return EXIT_NO_SUCH_RANK
         verb = "draining" if reply.draining else "resumed"
-        print(f"rank {reply.rank}: {verb}, {reply.in_flight} in flight")
+        print(f"rank {reply.rank}{where}: {verb}, {reply.in_flight} in flight")
         if left is None:
             return EXIT_OK
         if left:
-            print(f"rank {reply.rank}: {left} still in flight after {args.wait_timeout:g} s", file=sys.stderr)
+            print(f"rank {reply.rank}{where}: {left} still in flight after {args.wait_timeout:g} s",
+                  file=sys.stderr)
             return EXIT_STILL_BUSY
-        print(f"rank {reply.rank}: drained")
+        print(f"rank {reply.rank}{where}: drained")
         return EXIT_OK
 
     return _talk(drain, show)

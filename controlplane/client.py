@@ -19,6 +19,12 @@ Promises:
   ``connect_timeout_s`` after ``daemon_timeout_s`` of silence) before any output reached
   the client. After output, those raise :class:`RankLost` / :class:`InternalError` /
   :class:`DaemonUnavailable`. Nothing else is retried.
+- Several daemons (``AsyncClient([address, ...])``, active-active): the client holds one
+  connection at a time, to an address it picks at random at first (so that many clients
+  spread over the daemons), and moves to the next address when that connection is lost
+  or its daemon does not answer a ping. A request whose daemon was lost before any
+  output reached the client is submitted to the next daemon with the same id, at most
+  once; a second loss raises :class:`DaemonUnavailable`.
 - No wait is unbounded: a silent request pings the daemon every ``daemon_timeout_s``;
   a deadline bounds the whole call (the daemon is given what is left of it).
 - A request that ends on the client's side (deadline, break, exception, task
@@ -237,7 +243,7 @@ class AsyncClient:
 
     def __init__(
         self,
-        address: str = DEFAULT_ADDRESS,
+        address: str | Sequence[str] = DEFAULT_ADDRESS,
         *,
         max_retries: int = 3,
         connect_timeout_s: float = 5.0,
@@ -252,7 +258,11 @@ class AsyncClient:
             raise ValueError("max_retries must be >= 0, stream_buffer and hwm >= 1")
         if min(connect_timeout_s, daemon_timeout_s) <= 0 or retry_backoff_s < 0:
             raise ValueError("timeouts must be > 0 and retry_backoff_s >= 0")
-        self.address = address
+        addresses = (address,) if isinstance(address, str) else tuple(address)
+        if not addresses or len(set(addresses)) != len(addresses):
+            raise ValueError(f"give one or more distinct daemon addresses, got {list(addresses)!r}")
+        self.addresses = addresses
+        self._current = random.randrange(len(addresses))
         self.curve = curve  # the daemon's public key and ours, when it serves CURVE
         self.max_retries = max_retries
         self.connect_timeout_s = connect_timeout_s  # a ping's or status request's reply
@@ -281,6 +291,11 @@ class AsyncClient:
     @property
     def daemon_id(self) -> str | None:
         return self._daemon_id
+
+    @property
+    def address(self) -> str:
+        """The address of the daemon this client uses now."""
+        return self.addresses[self._current]
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -472,7 +487,7 @@ class AsyncClient:
         # deadline's timers, too coarse for a latency (a fast answer read 0.0 s)
         started_perf = time.perf_counter()
         inbox = self._inboxes[request_id] = _Inbox(self.stream_buffer)
-        attempts, outstanding, recovering = 0, False, False
+        attempts, outstanding, recovering, losses = 0, False, False, 0
         output = _Output()
         if push is not None:
             inbox.take = functools.partial(_push_chunk, push, output)
@@ -505,6 +520,10 @@ class AsyncClient:
                         raise DaemonUnavailable(f"{message.why} after output was received; the "
                                                 "request's fate is unknown", request_id=request_id)
                     error: ControlPlaneError = DaemonUnavailable(message.why, request_id=request_id)
+                    losses += 1
+                    if len(self.addresses) > 1 and losses > 1:
+                        raise DaemonUnavailable(f"{message.why}; the request already lost one daemon "
+                                                "and is not retried again", request_id=request_id)
                     retry_after, recovering = None, True
                 else:
                     error = from_reject(message)
@@ -554,19 +573,26 @@ class AsyncClient:
             except DaemonUnavailable as error:
                 _time_left(deadline_at, request_id)  # a deadline that passed meanwhile wins
                 self._daemon_id = None
+                if len(self.addresses) > 1:
+                    inbox.incarnation = None  # this request's loss is the one returned here
+                    self._next_daemon(str(error))
                 return _Lost(str(error))
 
     async def _ensure_daemon(self, deadline_at: float | None, request_id: str, *, chat: bool = False) -> None:
         """Know the daemon id and protocol version of this connection before submitting
         (one ping when unknown), and that the daemon speaks version 5: an older one would
         send replies this client cannot read, or drop its requests unanswered."""
-        if self._daemon_id is None or self._daemon_protocol is None:
+        tried = 0
+        while self._daemon_id is None or self._daemon_protocol is None:
             try:
                 await self.ping(_bounded(self.connect_timeout_s, _time_left(deadline_at, request_id)))
             except DaemonUnavailable as error:
                 _time_left(deadline_at, request_id)
-                error.request_id = request_id
-                raise
+                tried += 1
+                if tried >= len(self.addresses):
+                    error.request_id = request_id
+                    raise
+                self._next_daemon(str(error))
         protocol = self._daemon_protocol
         if protocol is not None and protocol < BATCH_PROTOCOL_VERSION:
             older = f"version {protocol}" if protocol else "a version older than 4"
@@ -585,7 +611,7 @@ class AsyncClient:
         self._connect()
 
     def _connect(self) -> None:
-        """The socket to the daemon, connected once."""
+        """The socket to the current daemon, connected once (again after a move)."""
         if self._socket is not None:
             return
         socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -652,7 +678,28 @@ class AsyncClient:
     def _on_monitor(self, frames: list[zmq.Frame]) -> None:
         if parse_monitor_message([frame.bytes for frame in frames])["event"] == zmq.EVENT_DISCONNECTED:
             self._pumps[0].read_now()  # the daemon's last answers came before the drop
-            self._new_incarnation(f"the connection to {self.address} dropped", None)
+            why = f"the connection to {self.address} dropped"
+            if len(self.addresses) > 1:
+                self._next_daemon(why)
+            else:
+                self._new_incarnation(why, None)
+
+    def _next_daemon(self, why: str) -> None:
+        """Leave the current daemon for the next address: what waits on this connection
+        (requests, pings, status and drain replies) learns it is lost, and the next use
+        connects to the next address. The old sockets close once this loop pass is over
+        (this may run in one of their pumps)."""
+        old = (self._socket, self._monitor)
+        for pump in self._pumps:
+            pump.stop()
+        self._socket, self._monitor, self._pumps = None, None, []
+        if old[0] is not None:
+            asyncio.get_running_loop().call_soon(_close_sockets, *old)
+        self._rare_log.warning(f"daemon_moved:{self.address}", "moving to the next daemon",
+                               daemon=self.address, why=why)
+        self._current = (self._current + 1) % len(self.addresses)
+        self._fail_waiters(DaemonUnavailable(why))
+        self._new_incarnation(why, None)
 
     def _route(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -723,6 +770,12 @@ class AsyncClient:
                 waiter.set_exception(error)
         self._statuses.clear()
         self._drains.clear()
+
+
+def _close_sockets(socket: zmq.Socket, monitor: zmq.Socket) -> None:
+    socket.disable_monitor()
+    monitor.close(linger=0)
+    socket.close(linger=0)
 
 
 def _text_or_ids(prompt: str | Sequence[int] | Prompt) -> Prompt:
@@ -800,7 +853,7 @@ class Stream:
 class Client:
     """A synchronous :class:`AsyncClient` (same arguments) on a private event-loop thread."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, **options: Any) -> None:
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, **options: Any) -> None:
         self._client = AsyncClient(address, **options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="controlplane-client", daemon=True)

@@ -2,6 +2,9 @@
 
     fairbatching-controlplane gateway --daemon tcp://127.0.0.1:5560 --listen 127.0.0.1:8000
 
+``--daemon`` repeated names active-active daemons: the SDK inside holds one at a time and
+moves to the next when it is lost (:class:`controlplane.client.AsyncClient`).
+
 - ``POST /v1/completions``: one prompt (text, or token ids) per request; ``stream``
   (server-sent events, ``stream_options.include_usage``), ``max_tokens``,
   ``temperature``, ``top_p``, ``stop``, ``seed``, and SGLang's ``top_k``, ``min_tokens``,
@@ -294,7 +297,7 @@ async def serve(client: AsyncClient, settings: GatewaySettings, host: str, port:
         backlog = max(ACCEPT_BACKLOG_MIN, min(settings.max_in_flight, ACCEPT_BACKLOG_MAX))
         await web.TCPSite(runner, host, port, backlog=backlog).start()
         if announce is not None:
-            announce(listening_line(settings, host, port, client.address))
+            announce(listening_line(settings, host, port, ", ".join(client.addresses)))
         await stop.wait()
     finally:
         await runner.cleanup()

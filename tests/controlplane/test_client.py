@@ -695,6 +695,77 @@ async def test_a_silent_daemon_ends_in_daemon_unavailable(address: str) -> None:
         await daemon.stop()
 
 
+# ---------------------------------------------------------------------- two daemons
+@pytest.fixture
+def two_addresses() -> tuple[str, str]:
+    return tuple(f"tcp://127.0.0.1:{port}" for port in free_ports(2))
+
+
+async def one_submitted(*daemons: FakeDaemon) -> tuple[FakeDaemon, list[FakeDaemon]]:
+    """The daemon that received the first submit, and the others."""
+    await eventually(lambda: any(d.submits for d in daemons))
+    first = next(d for d in daemons if d.submits)
+    return first, [d for d in daemons if d is not first]
+
+
+def test_several_addresses_must_be_distinct() -> None:
+    with pytest.raises(ValueError, match="distinct daemon addresses"):
+        AsyncClient(["tcp://127.0.0.1:1", "tcp://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="distinct daemon addresses"):
+        AsyncClient([])
+
+
+@run_in_loop
+async def test_a_request_whose_daemon_dies_is_submitted_to_the_other_with_the_same_id(two_addresses) -> None:
+    daemons = [await FakeDaemon(a, hang, daemon_id=f"fake-{i}").start() for i, a in enumerate(two_addresses)]
+    try:
+        async with AsyncClient(two_addresses, **FAST) as client:
+            task = asyncio.create_task(client.generate("Hi", request_id="survivor"))
+            dead, (other,) = await one_submitted(*daemons)
+            other.script = serve_ok
+            await dead.stop()  # its end of the connection closes, as a killed process's does
+            result = await asyncio.wait_for(task, 3.0)
+            assert (result.request_id, result.attempts) == ("survivor", 2)
+            assert [s.request_id for s in other.submits] == ["survivor"]
+            assert client.address == other.address and client.daemon_id == other.daemon_id
+            assert (await client.generate("again")).attempts == 1  # it stays on the live one
+    finally:
+        for daemon in daemons:
+            if daemon._socket is not None and not daemon._socket.closed:
+                await daemon.stop()
+
+
+@run_in_loop
+async def test_a_request_that_loses_both_daemons_raises_daemon_unavailable(two_addresses) -> None:
+    daemons = [await FakeDaemon(a, hang, daemon_id=f"fake-{i}").start() for i, a in enumerate(two_addresses)]
+    async with AsyncClient(two_addresses, max_retries=5, **FAST) as client:
+        task = asyncio.create_task(client.generate("Hi"))
+        first, (second,) = await one_submitted(*daemons)
+        await first.stop()
+        await eventually(lambda: bool(second.submits))
+        await second.stop()
+        with pytest.raises(errors.DaemonUnavailable, match="already lost one daemon"):
+            await asyncio.wait_for(task, 3.0)
+
+
+@run_in_loop
+async def test_a_client_that_starts_on_an_unreachable_daemon_moves_to_the_next(two_addresses) -> None:
+    dead_address, live_address = two_addresses
+    daemon = await FakeDaemon(live_address, serve_ok).start()
+    try:
+        for _ in range(64):  # the first address is picked at random: until it is the dead one
+            client = AsyncClient(two_addresses, **FAST)
+            if client.address == dead_address:
+                break
+            await client.close()
+        assert client.address == dead_address
+        async with client:
+            result = await client.generate("Hi")
+            assert result.attempts == 1 and client.address == live_address
+    finally:
+        await daemon.stop()
+
+
 # ---------------------------------------------------------------------- the synchronous client
 def test_sync_client(address: str) -> None:
     loop = asyncio.new_event_loop()
