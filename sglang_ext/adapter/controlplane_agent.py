@@ -9,6 +9,14 @@ Switched on by environment variables read in every SGLang process::
     FAIRBATCHING_CONTROLPLANE_CURVE_SECRET_KEY=<own.key_secret>  # a daemon serving CURVE
     FAIRBATCHING_CONTROLPLANE_COALESCE_MS=<0..50>           # optional; default 0
 
+Active-active daemons: both addresses take comma-separated lists, paired in order
+(``FAIRBATCHING_CONTROLPLANE=tcp://a:5561,tcp://b:5561`` with
+``FAIRBATCHING_CONTROLPLANE_REPORTS=tcp://a:5562,tcp://b:5562``). The server then runs one
+agent per daemon, and each scheduler publishes its reports to every daemon. A dispatch
+carries its daemon's slot (the index in the list) with its sequence number
+(``_fairbatching_controlplane_seq``: ``[slot, seq]``), and each daemon's reports echo its
+own numbering.
+
 FairBatching must be on (``FAIRBATCHING_CONFIG``): reports carry the PAB its policy
 computes, and without one the daemon's ``pab`` policy could never route here.
 
@@ -59,9 +67,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.cli_args import parse_coalesce_ms  # stdlib only
-from sglang_ext.adapter.dp_pab import (
-    DISPATCH_SEQ_KEY,  # what the scheduler side echoes (stdlib only)
-)
 
 logger = logging.getLogger("sglang_ext.fairbatching")
 
@@ -74,6 +79,10 @@ CURVE_SECRET_KEY_ENV = "FAIRBATCHING_CONTROLPLANE_CURVE_SECRET_KEY"
 COALESCE_ENV = "FAIRBATCHING_CONTROLPLANE_COALESCE_MS"
 
 INGRESS_ATTR = "fairbatching_controlplane"  # on the TokenizerManager
+#: a dispatch's ``[daemon slot, dispatch seq]`` in ``custom_params``; each scheduler echoes
+#: the highest seq per slot in that daemon's reports
+CONTROLPLANE_SEQ_KEY = "_fairbatching_controlplane_seq"
+MAX_DAEMONS = 8
 RID_REUSE_WAIT_S = 2.0  # a re-dispatched id waits this long for its aborted predecessor
 
 _TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -90,13 +99,23 @@ class ControlPlaneConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ControlPlaneSettings:
-    rank_address: str
-    report_address: str
+    rank_addresses: tuple[str, ...]  # one per daemon (active-active: several)
+    report_addresses: tuple[str, ...]  # paired with rank_addresses
     rank_prefix: str | None  # None: <host>:<port> of the server
     epoch: int
     curve_server_key: str | None = None  # the daemon's .key, when it serves CURVE
     curve_secret_key: str | None = None  # this server's .key_secret
     coalesce_s: float = 0.0  # how long the agent holds output to share a message
+
+    @property
+    def rank_address(self) -> str:
+        """The first daemon's rank address."""
+        return self.rank_addresses[0]
+
+    @property
+    def report_address(self) -> str:
+        """The first daemon's report address."""
+        return self.report_addresses[0]
 
     def curve_peer(self) -> Any:
         """The :class:`controlplane.curve.CurvePeer` for this server's sockets, or None."""
@@ -137,11 +156,13 @@ def settings_from_environment(
             f"{CONTROLPLANE_ENV} needs FairBatching on (set FAIRBATCHING_CONFIG): a rank "
             "reports the Prefill Admission Budget its FairBatching policy computes"
         )
-    for name, address in ((CONTROLPLANE_ENV, rank_address), (REPORTS_ENV, report_address)):
-        if not _ADDRESS.match(address):
-            raise ControlPlaneConfigError(
-                f"{name}={address!r}: expected tcp://host:port or ipc://path"
-            )
+    rank_addresses = _address_list(CONTROLPLANE_ENV, rank_address)
+    report_addresses = _address_list(REPORTS_ENV, report_address)
+    if len(rank_addresses) != len(report_addresses):
+        raise ControlPlaneConfigError(
+            f"{CONTROLPLANE_ENV} names {len(rank_addresses)} daemons and {REPORTS_ENV} "
+            f"{len(report_addresses)}: give each daemon's report address, in the same order"
+        )
     prefix = env.get(RANK_NAME_ENV, "").strip() or None
     if prefix is not None:
         check_rank_prefix(prefix, dp_size=1, source=RANK_NAME_ENV)
@@ -151,13 +172,28 @@ def settings_from_environment(
         raise ControlPlaneConfigError(f"{COALESCE_ENV}: {error}") from None
     server_key = env.get(CURVE_SERVER_KEY_ENV, "").strip() or None
     secret_key = env.get(CURVE_SECRET_KEY_ENV, "").strip() or None
-    settings = ControlPlaneSettings(rank_address, report_address, prefix, ensure_epoch(env),
+    settings = ControlPlaneSettings(rank_addresses, report_addresses, prefix, ensure_epoch(env),
                                     server_key, secret_key, coalesce_s=coalesce_ms / 1e3)
     try:
         settings.curve_peer()
     except ValueError as error:  # controlplane.curve.CurveError
         raise ControlPlaneConfigError(f"{CURVE_SERVER_KEY_ENV} / {CURVE_SECRET_KEY_ENV}: {error}") from None
     return settings
+
+
+def _address_list(name: str, text: str) -> tuple[str, ...]:
+    addresses = tuple(part.strip() for part in text.split(","))
+    for address in addresses:
+        if not _ADDRESS.match(address):
+            raise ControlPlaneConfigError(
+                f"{name}={text!r}: expected tcp://host:port or ipc://path (comma-separated "
+                "for several daemons)"
+            )
+    if len(set(addresses)) != len(addresses) or len(addresses) > MAX_DAEMONS:
+        raise ControlPlaneConfigError(
+            f"{name}={text!r}: at most {MAX_DAEMONS} distinct addresses"
+        )
+    return addresses
 
 
 def ensure_epoch(environ: MutableMapping[str, str]) -> int:
@@ -213,8 +249,8 @@ def check_server_args(server_args: Any) -> None:
         problems.append("--enable-dp-attention (ranks are DP replicas)")
     if getattr(server_args, "dp_size", 1) > 1 and getattr(server_args, "load_balance_method", "") == "pab":
         problems.append(
-            "--load-balance-method pab (it strips the control plane's dispatch sequence from "
-            "pinned requests; the daemon balances, keep SGLang's default method)"
+            "--load-balance-method pab (the daemon picks each request's DP rank itself and "
+            "pins it there; keep SGLang's default method)"
         )
     if problems:
         raise ControlPlaneConfigError(
@@ -224,7 +260,16 @@ def check_server_args(server_args: Any) -> None:
 
 
 # --------------------------------------------------------------------- conversion
-def generate_request_input(dispatch: Any, dp_index: int, dp_size: int) -> Any:
+def dispatch_custom_params(dispatch: Any, daemon_slot: int) -> dict[str, Any]:
+    """What a dispatch tells its rank's scheduler: its daemon's slot and sequence number
+    (echoed in that daemon's reports) and its SLO."""
+    custom_params: dict[str, Any] = {CONTROLPLANE_SEQ_KEY: [daemon_slot, dispatch.dispatch_seq]}
+    if dispatch.slo is not None:
+        custom_params["slo"] = dispatch.slo.as_custom_params()
+    return custom_params
+
+
+def generate_request_input(dispatch: Any, dp_index: int, dp_size: int, daemon_slot: int = 0) -> Any:
     """The ``GenerateReqInput`` for one ``Dispatch`` (streamed when the dispatch is: an
     unstreamed one yields once, its whole output, at the finish; pinned to ``dp_index``
     when the server has several DP ranks)."""
@@ -243,10 +288,7 @@ def generate_request_input(dispatch: Any, dp_index: int, dp_size: int) -> Any:
         params["stop"] = list(sampling.stop)
     if sampling.seed is not None:
         params["sampling_seed"] = sampling.seed
-    custom_params: dict[str, Any] = {DISPATCH_SEQ_KEY: dispatch.dispatch_seq}
-    if dispatch.slo is not None:
-        custom_params["slo"] = dispatch.slo.as_custom_params()
-    params["custom_params"] = custom_params
+    params["custom_params"] = dispatch_custom_params(dispatch, daemon_slot)
     prompt = dispatch.prompt
     return GenerateReqInput(
         rid=dispatch.request_id,
@@ -258,7 +300,8 @@ def generate_request_input(dispatch: Any, dp_index: int, dp_size: int) -> Any:
     )
 
 
-def chat_request_input(dispatch: Any, serving_chat: Any, dp_index: int, dp_size: int) -> Any:
+def chat_request_input(dispatch: Any, serving_chat: Any, dp_index: int, dp_size: int,
+                       daemon_slot: int = 0) -> Any:
     """The ``GenerateReqInput`` for a ``Dispatch`` whose prompt is ``messages``: what
     SGLang's own ``/v1/chat/completions`` handler (``serving_chat``, the server's
     ``OpenAIServingChat``) makes of the same conversation (its chat template, the
@@ -271,9 +314,7 @@ def chat_request_input(dispatch: Any, serving_chat: Any, dp_index: int, dp_size:
         raise ValueError("the model has no chat template (start its server with --chat-template, "
                          "or send a prompt to /v1/completions)")
     sampling = dispatch.sampling
-    custom_params: dict[str, Any] = {DISPATCH_SEQ_KEY: dispatch.dispatch_seq}
-    if dispatch.slo is not None:
-        custom_params["slo"] = dispatch.slo.as_custom_params()
+    custom_params = dispatch_custom_params(dispatch, daemon_slot)
     messages = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
                 for m in dispatch.prompt.messages]
     request = ChatCompletionRequest(
@@ -366,11 +407,14 @@ class SGLangRankEngine:
     """``controlplane.rank_agent.RankEngine`` over a TokenizerManager."""
 
     def __init__(self, tokenizer_manager: Any, dp_index: Mapping[str, int], dp_size: int,
-                 report_address: str, rid_reuse_wait_s: float = RID_REUSE_WAIT_S) -> None:
+                 report_address: str, rid_reuse_wait_s: float = RID_REUSE_WAIT_S,
+                 daemon_slot: int = 0) -> None:
+        """``daemon_slot``: which of the server's daemons this engine's agent serves."""
         self.tokenizer_manager = tokenizer_manager
         self.dp_index = dict(dp_index)
         self.dp_size = dp_size
         self.report_address = report_address
+        self.daemon_slot = daemon_slot
         self.rid_reuse_wait_s = rid_reuse_wait_s
         self._warned_report_address = False
 
@@ -391,10 +435,11 @@ class SGLangRankEngine:
         received = time.monotonic()
         dp_index = self.dp_index[dispatch.rank]
         if dispatch.prompt.messages is None:
-            obj = generate_request_input(dispatch, dp_index, self.dp_size)
+            obj = generate_request_input(dispatch, dp_index, self.dp_size, self.daemon_slot)
         else:
             try:
-                obj = chat_request_input(dispatch, server_serving_chat(), dp_index, self.dp_size)
+                obj = chat_request_input(dispatch, server_serving_chat(), dp_index, self.dp_size,
+                                         self.daemon_slot)
             except ValueError as error:  # SGLang's handler answers these with a 400
                 raise InvalidRequest(str(error)) from None
         await self._wait_rid_free(dispatch.request_id)
@@ -465,7 +510,7 @@ class ControlPlaneIngress:
         self.dp_size = max(1, int(getattr(server_args, "dp_size", 1) or 1))
         check_rank_prefix(self.prefix, self.dp_size)
         self.ranks = rank_names(self.prefix, self.dp_size)
-        self.agent: Any = None
+        self.agents: list[Any] = []  # one per daemon
         self.task: asyncio.Task[None] | None = None
         self._stopping = False
         self._draining = False
@@ -476,42 +521,56 @@ class ControlPlaneIngress:
             return
         from controlplane.rank_agent import RankAgent
 
-        engine = SGLangRankEngine(self.tokenizer_manager, {r: i for i, r in enumerate(self.ranks)},
-                                  self.dp_size, self.settings.report_address)
-        self.agent = RankAgent(self.settings.rank_address, self.prefix, self.ranks, engine,
-                               epoch=self.settings.epoch, curve=self.settings.curve_peer(),
-                               coalesce_s=self.settings.coalesce_s)
+        settings = self.settings
+        dp_index = {r: i for i, r in enumerate(self.ranks)}
+        for slot, (rank_address, report_address) in enumerate(
+                zip(settings.rank_addresses, settings.report_addresses)):
+            engine = SGLangRankEngine(self.tokenizer_manager, dp_index, self.dp_size, report_address,
+                                      daemon_slot=slot)
+            self.agents.append(RankAgent(rank_address, self.prefix, self.ranks, engine,
+                                         epoch=settings.epoch, curve=settings.curve_peer(),
+                                         coalesce_s=settings.coalesce_s))
         if self._stopping or self._draining:  # nothing ran here yet: nothing to drain
-            self.agent.stop()
+            for agent in self.agents:
+                agent.stop()
         self.task = asyncio.get_running_loop().create_task(self._run(), name="fairbatching-controlplane")
         self.tokenizer_manager.asyncio_tasks.add(self.task)
         logger.info("control plane: agent %s serving ranks %s (epoch %d) at %s (coalescing "
-                    "window %g ms)", self.prefix, ", ".join(self.ranks), self.settings.epoch,
-                    self.settings.rank_address, self.settings.coalesce_s * 1e3)
+                    "window %g ms)", self.prefix, ", ".join(self.ranks), settings.epoch,
+                    ", ".join(settings.rank_addresses), settings.coalesce_s * 1e3)
+
+    @property
+    def agent(self) -> Any:
+        """The first daemon's agent (None before :meth:`start`)."""
+        return self.agents[0] if self.agents else None
 
     def stop(self) -> None:
         """Leave the control plane (``Goodbye`` for every rank); requests still running
         are aborted here and fail ``rank_lost`` at the daemon."""
         self._stopping = True
-        if self.agent is not None:
-            self.agent.stop()
+        for agent in self.agents:
+            agent.stop()
 
     def drain(self) -> None:
         """Leave gracefully, as SGLang does on SIGTERM: no new dispatches; ``Goodbye`` once
         the requests running here have finished. On the event loop."""
         self._draining = True
-        if self.agent is not None and not self._stopping:
-            self.agent.drain()
+        if not self._stopping:
+            for agent in self.agents:
+                agent.drain()
 
     async def _run(self) -> None:
+        await asyncio.gather(*(self._run_agent(agent) for agent in self.agents))
+
+    async def _run_agent(self, agent: Any) -> None:
         try:
-            await self.agent.run()
+            await agent.run()
         except Exception:
-            logger.exception("control plane: agent %s failed; this server left the control plane",
-                             self.prefix)
+            logger.exception("control plane: agent %s failed; this server left the daemon at %s",
+                             self.prefix, agent.rank_address)
         finally:
-            await self.agent.close()
-            logger.info("control plane: agent %s stopped", self.prefix)
+            await agent.close()
+            logger.info("control plane: agent %s stopped (daemon at %s)", self.prefix, agent.rank_address)
 
 
 def install_controlplane_ingress(settings: ControlPlaneSettings) -> None:

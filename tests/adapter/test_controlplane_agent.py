@@ -60,14 +60,14 @@ def test_dispatch_becomes_a_streamed_pinned_generate_request() -> None:
     assert obj.sampling_params == {
         "max_new_tokens": 12, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "min_new_tokens": 2,
         "ignore_eos": True, "stop": ["\n\n", "END"], "sampling_seed": 3,
-        "custom_params": {"_fairbatching_dispatch_seq": 41, "slo": {"class": "interactive"}},
+        "custom_params": {"_fairbatching_controlplane_seq": [0, 41], "slo": {"class": "interactive"}},
     }
     obj.normalize_batch_and_arguments()  # what TokenizerManager.generate_request does first
     assert obj.is_single
     params = SamplingParams(**obj.sampling_params)
     params.normalize(ByteTokenizer())
     params.verify(vocab_size=1000)
-    assert params.custom_params["_fairbatching_dispatch_seq"] == 41
+    assert params.custom_params["_fairbatching_controlplane_seq"] == [0, 41]
     assert params.stop_strs == ["\n\n", "END"]
 
 
@@ -79,9 +79,9 @@ def test_single_rank_servers_are_not_pinned_and_text_prompts_pass_through() -> N
     assert (obj.text, obj.input_ids) == ("hello there", None)
     assert "stop" not in obj.sampling_params and "sampling_seed" not in obj.sampling_params
     assert obj.sampling_params["custom_params"] == {
-        "_fairbatching_dispatch_seq": 7, "slo": {"ttft_ms": 800.0, "tpot_ms": 40.0}}
+        "_fairbatching_controlplane_seq": [0, 7], "slo": {"ttft_ms": 800.0, "tpot_ms": 40.0}}
     without_slo = cpa.generate_request_input(dispatch(), 0, 1)
-    assert without_slo.sampling_params["custom_params"] == {"_fairbatching_dispatch_seq": 7}
+    assert without_slo.sampling_params["custom_params"] == {"_fairbatching_controlplane_seq": [0, 7]}
     obj.normalize_batch_and_arguments()
 
 
@@ -90,14 +90,16 @@ def test_the_dispatch_seq_is_what_the_scheduler_side_reads_and_the_slo_front_doo
 
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sglang_ext.adapter.dp_pab import DISPATCH_SEQ_KEY, dispatch_seq_of
-    from sglang_ext.policy.slo import SloCatalog
+    from sglang_ext.adapter.custom_params import custom_param
+    from sglang_ext.adapter.dp_pab import dispatch_seq_of
     from sglang_ext.adapter.admission.slo_validation import check_request_slo
+    from sglang_ext.policy.slo import SloCatalog
 
-    assert cpa.DISPATCH_SEQ_KEY == DISPATCH_SEQ_KEY
-    obj = cpa.generate_request_input(dispatch(seq=123, slo=p.SloSpec(slo_class="relaxed")), 0, 1)
+    obj = cpa.generate_request_input(dispatch(seq=123, slo=p.SloSpec(slo_class="relaxed")), 0, 1,
+                                     daemon_slot=1)
     req = SimpleNamespace(sampling_params=SamplingParams(**obj.sampling_params))
-    assert dispatch_seq_of(req) == 123
+    assert custom_param(req, cpa.CONTROLPLANE_SEQ_KEY) == [1, 123]
+    assert dispatch_seq_of(req) is None  # not the DP controller's numbering
     catalog = SloCatalog.from_toml(REPO / "configs" / "slo.toml")
     check_request_slo(catalog, obj.sampling_params)
     bad = cpa.generate_request_input(dispatch(slo=p.SloSpec(slo_class="no-such-class")), 0, 1)
@@ -161,6 +163,22 @@ def test_settings_need_both_addresses_and_fairbatching() -> None:
         cpa.settings_from_environment({**env, cpa.RANK_NAME_ENV: "has space"}, fairbatching_on=True)
     named = cpa.settings_from_environment({**env, cpa.RANK_NAME_ENV: "gpu-a"}, fairbatching_on=True)
     assert named.rank_prefix == "gpu-a"
+
+
+def test_several_daemons_are_comma_separated_and_paired_in_order() -> None:
+    env = {cpa.CONTROLPLANE_ENV: "tcp://10.0.0.5:5561, tcp://10.0.0.6:5561",
+           cpa.REPORTS_ENV: "tcp://10.0.0.5:5562,tcp://10.0.0.6:5562"}
+    settings = cpa.settings_from_environment(env, fairbatching_on=True)
+    assert settings.rank_addresses == ("tcp://10.0.0.5:5561", "tcp://10.0.0.6:5561")
+    assert settings.report_addresses == ("tcp://10.0.0.5:5562", "tcp://10.0.0.6:5562")
+    assert settings.rank_address == "tcp://10.0.0.5:5561"
+    with pytest.raises(cpa.ControlPlaneConfigError, match="names 2 daemons and .* 1"):
+        cpa.settings_from_environment({**env, cpa.REPORTS_ENV: "tcp://10.0.0.5:5562"}, fairbatching_on=True)
+    with pytest.raises(cpa.ControlPlaneConfigError, match="distinct"):
+        cpa.settings_from_environment({cpa.CONTROLPLANE_ENV: "tcp://a:1,tcp://a:1",
+                                       cpa.REPORTS_ENV: "tcp://a:2,tcp://b:2"}, fairbatching_on=True)
+    with pytest.raises(cpa.ControlPlaneConfigError, match="expected tcp"):
+        cpa.settings_from_environment({**env, cpa.CONTROLPLANE_ENV: "tcp://a:1,"}, fairbatching_on=True)
 
 
 def test_curve_settings_go_together_and_their_key_files_are_checked_at_start_up(tmp_path) -> None:
@@ -434,8 +452,9 @@ def _fake_scheduler(pab: int = 777, seq: int = 9) -> Any:
     a, b, c, d, e = (NS(seqlen=0) for _ in range(5))
     stats = NS(get_kv_token_stats=lambda: (100, 0.1))
     classes = {"interactive": Slo(0.5, 0.03), "standard": Slo(2.0, 0.05)}
+    echoes = {0: seq, 1: 3}
     return NS(
-        fairbatching=NS(pab_tokens=pab, highest_dispatch_seq=seq, parked=NS(reqs=[c]),
+        fairbatching=NS(pab_tokens=pab, controlplane_echo=echoes.get, echoes=echoes, parked=NS(reqs=[c]),
                         class_budgets={"interactive": -40, "standard": 700},
                         config=NS(catalog=NS(classes=classes))),
         running_batch=NS(reqs=[a, b]),
@@ -452,8 +471,41 @@ def test_a_schedulers_load_counts_parked_admitted_and_chunked_requests_as_runnin
 
     assert load_of(_fake_scheduler()) == RankLoad(pab_tokens=777, running=5, waiting=2,
                                                   total_tokens=115, free_kv_tokens=900,
-                                                  echoed_dispatch_seq=9,
+                                                  echoed_dispatch_seqs=(9,),
                                                   class_budgets=(("interactive", -40), ("standard", 700)))
+    assert load_of(_fake_scheduler(), daemons=2).echoed_dispatch_seqs == (9, 3)
+
+
+def test_each_daemon_gets_the_same_load_with_its_own_echo() -> None:
+    import time
+
+    from controlplane.reporter import ReportPublisher, ReportThrottle
+    from sglang_ext.adapter.scheduler.controlplane_reports import SchedulerReports
+
+    context = zmq.Context()
+    pulls = [context.socket(zmq.PULL) for _ in range(2)]
+    ports = [pull.bind_to_random_port("tcp://127.0.0.1") for pull in pulls]
+    publishers = [ReportPublisher(f"tcp://127.0.0.1:{port}", "srv:1/0", 42, context=context)
+                  for port in ports]
+    reports = SchedulerReports(publishers, ReportThrottle(interval_s=10.0, min_gap_s=0.0))
+    try:
+        channel = p.report_channel()
+        deadline = time.monotonic() + 30.0
+        for publisher, pull in zip(publishers, pulls):  # connected: see the test below
+            while not (publisher.publish(0, 0, 0, 0, 0, 0, 0.0) and pull.poll(100)):
+                assert time.monotonic() < deadline, "a publisher never connected"
+            while pull.poll(100):
+                pull.recv()
+        reports.maybe_publish(_fake_scheduler())
+        (first,), (second,) = ([channel.decode(pull.recv())] for pull in pulls if pull.poll(5000))
+        assert (first.echoed_dispatch_seq, second.echoed_dispatch_seq) == (9, 3)
+        assert (first.pab_tokens, first.running, first.class_budgets) == \
+            (second.pab_tokens, second.running, second.class_budgets)
+    finally:
+        reports.close()
+        for pull in pulls:
+            pull.close(linger=0)
+        context.term()
 
 
 def test_reports_are_numbered_throttled_and_carry_the_step_time() -> None:
@@ -483,7 +535,7 @@ def test_reports_are_numbered_throttled_and_carry_the_step_time() -> None:
         scheduler = _fake_scheduler()
         reports.maybe_publish(scheduler)
         reports.maybe_publish(scheduler)  # unchanged, inside the interval: not sent
-        scheduler.fairbatching.highest_dispatch_seq = 10
+        scheduler.fairbatching.echoes[0] = 10
         reports.maybe_publish(scheduler)
         received = []
         while pull.poll(1000):

@@ -422,3 +422,21 @@ def test_an_e2e_slo_is_paced_for_the_requests_max_new_tokens(sglang_modules, top
     assert view("bad", 20, {"e2e_ms": 1_000, "tpot_ms": 5}).slo == view("default", 20).slo
     assert view("chat", 96, {"class": "chat"}).slo == catalog.classes["chat"]  # not e2e: as is
     assert view("unset", None, {"class": "code"}).slo == catalog.classes["code"]  # nominal
+
+
+def test_scheduler_echoes_each_control_plane_daemons_dispatches_apart(sglang_modules, topology) -> None:
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_ext.adapter.controlplane_agent import CONTROLPLANE_SEQ_KEY, MAX_DAEMONS
+    from sglang_ext.adapter.scheduler.requests import RequestRecords
+    from sglang_ext.policy.slo import Slo, SloCatalog
+
+    records = RequestRecords(SloCatalog("standard", {"standard": Slo(2.0, 0.05)}))
+    stamps = ([0, 10**15 + 5], [1, 7], [0, 10**15 + 2], [1, True], [MAX_DAEMONS, 3], [-1, 3], [0], "0:9")
+    for index, stamp in enumerate(stamps):
+        sp = sglang_modules.sampling_params.SamplingParams(max_new_tokens=4,
+                                                           custom_params={CONTROLPLANE_SEQ_KEY: stamp})
+        records.prefill_view(Req(f"r{index}", None, [1, 2, 3], sp))
+    assert records.controlplane_echo == {0: 10**15 + 5, 1: 7}
+    assert records.highest_dispatch_seq == 0  # the DP controller's numbering is another one
+

@@ -1,9 +1,10 @@
 """Each scheduler's load reports to the control-plane daemon (``docs/controlplane.md``).
 
-One :class:`controlplane.reporter.ReportPublisher` per DP rank (the scheduler process
-with pipeline, attention-TP and attention-CP rank 0 -- the one SGLang gives an idle
-sleeper), for rank ``<prefix>/<dp_rank>`` and the server's epoch
-(:mod:`sglang_ext.adapter.controlplane_agent`). A report goes out
+One :class:`controlplane.reporter.ReportPublisher` per DP rank and daemon (the scheduler
+process with pipeline, attention-TP and attention-CP rank 0 -- the one SGLang gives an
+idle sleeper), for rank ``<prefix>/<dp_rank>`` and the server's epoch
+(:mod:`sglang_ext.adapter.controlplane_agent`). With several daemons each gets the same
+load, each with the echo of its own dispatch numbering. A report goes out
 
 - after each step (``Scheduler.process_batch_result``) and on each idle pass
   (``Scheduler.on_idle``), at most every ``MIN_GAP_S`` when the load changed (running or
@@ -19,10 +20,10 @@ sleeper), for rank ``<prefix>/<dp_rank>`` and the server's epoch
 What a report says: the PAB FairBatching computed for the latest decision, and each SLO
 class's budget from the same state (``FairBatchingState.class_budgets``, which a
 scheduler that reports computes whatever its admission mode); the highest
-dispatch sequence the scheduler has ingested (``FairBatchingState.highest_dispatch_seq``,
-the same tracking the DP controller's ``pab`` method uses: it moves when the policy
-first sees a request, in the pass that computes that PAB, so a report never echoes a
-dispatch its PAB does not account for); running requests (the running batch, parked
+dispatch sequence of that daemon the scheduler has ingested
+(``FairBatchingState.controlplane_echo``: it moves when the policy first sees a request,
+in the pass that computes that PAB, so a report never echoes a dispatch its PAB does not
+account for); running requests (the running batch, parked
 decodes, the batch being launched and the chunked request), waiting requests, SGLang's
 ``total_tokens`` load (KV tokens held plus tokens of waiting prompts), free KV tokens and
 the last step's measured time.
@@ -57,7 +58,7 @@ class RankLoad:
     waiting: int
     total_tokens: int
     free_kv_tokens: int
-    echoed_dispatch_seq: int
+    echoed_dispatch_seqs: tuple[int, ...]  # per daemon slot
     class_budgets: tuple[tuple[str, int], ...] = ()  # (SLO class, tokens)
 
     @property
@@ -65,11 +66,11 @@ class RankLoad:
         """What counts as a change worth an early report."""
         from controlplane.reporter import budget_bucket
 
-        return (budget_bucket(self.pab_tokens), self.running, self.waiting, self.echoed_dispatch_seq,
+        return (budget_bucket(self.pab_tokens), self.running, self.waiting, self.echoed_dispatch_seqs,
                 tuple((name, budget_bucket(tokens)) for name, tokens in self.class_budgets))
 
 
-def load_of(scheduler: Any) -> RankLoad:
+def load_of(scheduler: Any, daemons: int = 1) -> RankLoad:
     state = scheduler.fairbatching
     seen: set[int] = set()
     running = 0
@@ -91,16 +92,17 @@ def load_of(scheduler: Any) -> RankLoad:
         waiting=len(waiting_queue),
         total_tokens=used + sum(req.seqlen for req in waiting_queue),
         free_kv_tokens=max(0, int(scheduler.max_total_num_tokens) - used),
-        echoed_dispatch_seq=int(state.highest_dispatch_seq),
+        echoed_dispatch_seqs=tuple(int(state.controlplane_echo(slot)) for slot in range(daemons)),
         class_budgets=tuple(state.class_budgets.items()),
     )
 
 
 class SchedulerReports:
-    """A scheduler's publisher, throttle and step clock (``scheduler.<REPORTER_ATTR>``)."""
+    """A scheduler's publishers (one per daemon, in slot order), throttle and step clock
+    (``scheduler.<REPORTER_ATTR>``)."""
 
-    def __init__(self, publisher: Any, throttle: Any, errors: HandledErrors | None = None) -> None:
-        self.publisher = publisher
+    def __init__(self, publishers: Any, throttle: Any, errors: HandledErrors | None = None) -> None:
+        self.publishers = list(publishers) if isinstance(publishers, (list, tuple)) else [publishers]
         self.throttle = throttle
         self.step_time_s = 0.0
         self._last_done = 0.0
@@ -120,24 +122,30 @@ class SchedulerReports:
         if done_at > start:
             self.step_time_s = done_at - start
 
+    @property
+    def publisher(self) -> Any:
+        """The first daemon's publisher."""
+        return self.publishers[0]
+
     def maybe_publish(self, scheduler: Any) -> None:
         try:
-            load = load_of(scheduler)
+            load = load_of(scheduler, len(self.publishers))
             now = time.monotonic()
             if not self.throttle.due(now, load.key):
                 return
             classes = scheduler.fairbatching.config.catalog.classes
             ttfts = {name: slo.ttft_s for name, slo in classes.items()}
             budgets = pack_class_budgets(dict(load.class_budgets), ttfts)
-            self.publisher.publish(load.pab_tokens, load.running, load.waiting, load.total_tokens,
-                                   load.free_kv_tokens, load.echoed_dispatch_seq, self.step_time_s,
-                                   budgets)
+            for publisher, echo in zip(self.publishers, load.echoed_dispatch_seqs):
+                publisher.publish(load.pab_tokens, load.running, load.waiting, load.total_tokens,
+                                  load.free_kv_tokens, echo, self.step_time_s, budgets)
             self.throttle.published(now, load.key)
         except Exception:  # a report is never worth a scheduler; counted and logged
             self.errors.record(REPORT_FAILED_SITE, "control plane: load report failed")
 
     def close(self) -> None:
-        self.publisher.close()
+        for publisher in self.publishers:
+            publisher.close()
 
 
 class ReportingPoller:
@@ -182,8 +190,10 @@ def attach_reports(scheduler: Any, settings: Any) -> SchedulerReports | None:
         return None
     dp_rank = parallel.dp_rank if parallel.dp_rank is not None else 0
     rank = f"{rank_prefix_of(settings, scheduler.server_args)}/{dp_rank}"
-    publisher = ReportPublisher(settings.report_address, rank, settings.epoch, curve=settings.curve_peer())
-    reports = SchedulerReports(publisher, ReportThrottle(INTERVAL_S, MIN_GAP_S),
+    curve = settings.curve_peer()
+    publishers = [ReportPublisher(address, rank, settings.epoch, curve=curve)
+                  for address in settings.report_addresses]
+    reports = SchedulerReports(publishers, ReportThrottle(INTERVAL_S, MIN_GAP_S),
                                errors=scheduler.fairbatching.errors)
     setattr(scheduler, REPORTER_ATTR, reports)
     sleeper = getattr(scheduler, "idle_sleeper", None)
@@ -191,7 +201,7 @@ def attach_reports(scheduler: Any, settings: Any) -> SchedulerReports | None:
     if poller is not None and not isinstance(poller, ReportingPoller):
         sleeper.poller = ReportingPoller(poller, lambda: reports.maybe_publish(scheduler))
     logger.info("control plane: scheduler reports as %s (epoch %d) to %s", rank, settings.epoch,
-                settings.report_address)
+                ", ".join(settings.report_addresses))
     return reports
 
 

@@ -16,6 +16,7 @@ from collections.abc import Container, Iterable
 from typing import Any
 
 from sglang_ext.adapter.admission.budget_gate import ADMISSION_STAMP_KEY
+from sglang_ext.adapter.controlplane_agent import CONTROLPLANE_SEQ_KEY, MAX_DAEMONS
 from sglang_ext.adapter.custom_params import custom_param
 from sglang_ext.adapter.dp_pab import dispatch_seq_of
 from sglang_ext.adapter.ingress_time import arrival_time
@@ -66,6 +67,9 @@ class RequestRecords:
         # per admission gate (its token), the highest admission number seen: echoed in the
         # load snapshot so the gate can end its debits (sglang_ext.adapter.admission.budget_gate)
         self.admission_echo: dict[str, int] = {}
+        # per control-plane daemon (its slot), the highest dispatch seq seen: echoed in
+        # that daemon's reports (sglang_ext.adapter.scheduler.controlplane_reports)
+        self.controlplane_echo: dict[int, int] = {}
         self.ready_at = -math.inf
         self._calibrating = False
         self._held: list[LiveRequestView] = []
@@ -104,6 +108,7 @@ class RequestRecords:
         if dispatch_seq is not None:
             self.highest_dispatch_seq = max(self.highest_dispatch_seq, dispatch_seq)
         self._echo_admission(custom_param(req, ADMISSION_STAMP_KEY))
+        self._echo_controlplane(custom_param(req, CONTROLPLANE_SEQ_KEY))
         arrival = arrival_time(req)
         if arrival < self.ready_at:
             arrival = self.ready_at
@@ -125,6 +130,15 @@ class RequestRecords:
             del echo[next(iter(echo))]  # the gate seen first: at most one per TokenizerManager
         if seq > echo.get(token, 0):
             echo[token] = seq
+
+    def _echo_controlplane(self, stamp: Any) -> None:
+        if not (isinstance(stamp, list) and len(stamp) == 2):
+            return
+        slot, seq = stamp
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in stamp) or not 0 <= slot < MAX_DAEMONS:
+            return
+        if seq > self.controlplane_echo.get(slot, 0):
+            self.controlplane_echo[slot] = seq
 
     def decode_view(self, req: Any, in_flight: bool, in_flight_ends_at: float) -> LiveRequestView:
         """A decoding request. Under the overlap scheduler ``in_flight`` requests have a

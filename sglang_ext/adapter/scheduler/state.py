@@ -164,6 +164,10 @@ class FairBatchingState:
     def highest_dispatch_seq(self) -> int:
         return self.records.highest_dispatch_seq
 
+    def controlplane_echo(self, slot: int) -> int:
+        """The highest dispatch seq of control-plane daemon ``slot`` this rank has seen."""
+        return self.records.controlplane_echo.get(slot, 0)
+
     @property
     def parked_reqs(self) -> list[Any]:
         return [] if self.parked is None else list(self.parked.reqs)
