@@ -401,13 +401,20 @@ class AsyncClient:
                                   cancel_sent=True))
 
     async def ping(self, timeout_s: float | None = None) -> Pong:
+        """The current daemon's ``Pong``. With several daemons, one that does not answer
+        in time is left for the next address (the error is still raised)."""
         self._start()
         nonce = next(self._nonces)
         reply: asyncio.Future[Pong] = asyncio.get_running_loop().create_future()
         self._pings[nonce] = reply
+        incarnation = self._incarnation
         try:
             self._send(Ping(nonce))
             return await self._reply(reply, timeout_s)
+        except DaemonUnavailable as error:
+            if len(self.addresses) > 1 and self._incarnation == incarnation:  # not moved meanwhile
+                self._next_daemon(str(error))
+            raise
         finally:
             self._pings.pop(nonce, None)
 
@@ -572,10 +579,9 @@ class AsyncClient:
                 await self.ping(_bounded(self.connect_timeout_s, _time_left(deadline_at, request_id)))
             except DaemonUnavailable as error:
                 _time_left(deadline_at, request_id)  # a deadline that passed meanwhile wins
-                self._daemon_id = None
                 if len(self.addresses) > 1:
-                    inbox.incarnation = None  # this request's loss is the one returned here
-                    self._next_daemon(str(error))
+                    continue  # the move to the next daemon left this request a _Lost
+                self._daemon_id = None
                 return _Lost(str(error))
 
     async def _ensure_daemon(self, deadline_at: float | None, request_id: str, *, chat: bool = False) -> None:
@@ -588,11 +594,10 @@ class AsyncClient:
                 await self.ping(_bounded(self.connect_timeout_s, _time_left(deadline_at, request_id)))
             except DaemonUnavailable as error:
                 _time_left(deadline_at, request_id)
-                tried += 1
+                tried += 1  # with several daemons, the ping moved to the next one
                 if tried >= len(self.addresses):
                     error.request_id = request_id
                     raise
-                self._next_daemon(str(error))
         protocol = self._daemon_protocol
         if protocol is not None and protocol < BATCH_PROTOCOL_VERSION:
             older = f"version {protocol}" if protocol else "a version older than 4"

@@ -749,6 +749,27 @@ async def test_a_request_that_loses_both_daemons_raises_daemon_unavailable(two_a
 
 
 @run_in_loop
+async def test_a_daemon_gone_silent_is_left_for_the_other_and_its_request_resubmitted(two_addresses) -> None:
+    daemons = [await FakeDaemon(a, hang, daemon_id=f"fake-{i}").start() for i, a in enumerate(two_addresses)]
+    try:
+        async with AsyncClient(two_addresses, **FAST) as client:
+            task = asyncio.create_task(client.generate("Hi", request_id="patient"))
+            silent, (other,) = await one_submitted(*daemons)
+            other.script = serve_ok
+            silent.answer_pings = False  # alive and connected, but it answers nothing
+            result = await asyncio.wait_for(task, 5.0)
+            assert (result.request_id, result.attempts) == ("patient", 2)
+            assert client.address == other.address
+            silent.answer_pings, other.answer_pings = True, False
+            with pytest.raises(errors.DaemonUnavailable):
+                await client.ping()
+            assert client.address == silent.address  # a health check that fails moves it too
+    finally:
+        for daemon in daemons:
+            await daemon.stop()
+
+
+@run_in_loop
 async def test_a_client_that_starts_on_an_unreachable_daemon_moves_to_the_next(two_addresses) -> None:
     dead_address, live_address = two_addresses
     daemon = await FakeDaemon(live_address, serve_ok).start()
