@@ -15,6 +15,9 @@ at one rate before the next rate, so the machine's drift touches all alike):
   or halved at an edge, at most ``MAX_EXTENSIONS`` times; ``Bench.sweep``), plus the fixed
   flags of ``SMG_CA_EXTRA`` (worker overload protection and the warm-up slice off; why:
   beside it);
+* ``smg-ll``       -- ``smg launch --policy least_load`` (queued token work over each
+  backend's throughput, with its KV-pressure term; smg's defaults for those), its limits
+  swept and its extra flags as ``smg-ca``'s (``TUNED_SMG``);
 * ``cp-default``   -- the daemon with its default balancer (``policy`` not set:
   ``pab_cache_aware``, prefix affinity within each rank's PAB; the prefix tree's knobs smg
   ``cache_aware``'s defaults) behind its OpenAI gateway (``fairbatching-controlplane gateway``);

@@ -7,31 +7,34 @@ import os
 from collections.abc import Iterable, Sequence
 
 from benchmarks.routers.records import added_latency, cpu_per_1000, percentile
-from benchmarks.routers.stack import ROUTERS
+from benchmarks.routers.stack import ROUTERS, TUNED_SMG
 from benchmarks.routers.traffic import WORKLOADS
 
 
 def router_label(point: dict) -> str:
     router = point["router"]
-    if router == "smg-ca":
+    if router in TUNED_SMG:
         limits = point.get("limits") or {}
-        return f"smg-ca (C={limits.get('max_concurrent')}, Q={limits.get('queue_size')})"
+        return f"{router} (C={limits.get('max_concurrent')}, Q={limits.get('queue_size')})"
     return router
 
 
 def main_points(points: Iterable[dict]) -> list[dict]:
-    """The points of the comparison table: every router's at every rate (smg-ca's at the
-    limits tuned for that rate: a per-rate sweep's, else those of a workload sweep run at
-    that rate, else the workload's last sweep's; the last saved point per key)."""
+    """The points of the comparison table: every router's at every rate (a tuned smg
+    router's, :data:`TUNED_SMG`, at the limits tuned for that rate: a per-rate sweep's,
+    else those of a workload sweep run at that rate, else the workload's last sweep's; the
+    last saved point per key)."""
     points = list(points)
-    tuned = tuned_limits(points)
-    at_rate = {**swept_rate_limits(points), **rate_tuned_limits(points)}
+    tuned = {router: tuned_limits(points, router) for router in TUNED_SMG}
+    at_rate = {router: {**swept_rate_limits(points, router), **rate_tuned_limits(points, router)}
+               for router in TUNED_SMG}
     chosen: dict[tuple, dict] = {}
     for p in points:
         if "error" in p or "result" not in p:
             continue
-        if p["router"] == "smg-ca":
-            best = at_rate.get((p["workload"], p["rate"]), tuned.get(p["workload"]))
+        router = p["router"]
+        if router in TUNED_SMG:
+            best = at_rate[router].get((p["workload"], p["rate"]), tuned[router].get(p["workload"]))
             if best is None or (p["limits"]["max_concurrent"], p["limits"]["queue_size"]) != best:
                 continue
         chosen[(p["workload"], p["rate"], p["router"])] = p
@@ -40,47 +43,48 @@ def main_points(points: Iterable[dict]) -> list[dict]:
                                                   else 99, p["rate"], order.get(p["router"], 99)))
 
 
-def sweep_points(points: Iterable[dict], workload: str) -> list[dict]:
+def sweep_points(points: Iterable[dict], workload: str, router: str = "smg-ca") -> list[dict]:
     chosen: dict[tuple, dict] = {}
     for p in points:
-        if p.get("workload") == workload and p.get("router") == "smg-ca" and p.get("phase") in ("sweep", "rate-sweep") \
+        if p.get("workload") == workload and p.get("router") == router and p.get("phase") in ("sweep", "rate-sweep") \
                 and "result" in p:
             chosen[(p["rate"], p["limits"]["max_concurrent"], p["limits"]["queue_size"])] = p
     return list(chosen.values())
 
 
-def tuned_limits(points: Iterable[dict]) -> dict[str, tuple[int, int]]:
-    """Per workload, the (concurrency, queue) the last sweep chose (saved with its points)."""
-    return {w: tuple(t["limits"]) for w, t in tuned_records(points).items()}
+def tuned_limits(points: Iterable[dict], router: str = "smg-ca") -> dict[str, tuple[int, int]]:
+    """Per workload, the (concurrency, queue) ``router``'s last sweep chose (saved with its points)."""
+    return {w: tuple(t["limits"]) for w, t in tuned_records(points, router).items()}
 
 
-def swept_rate_limits(points: Iterable[dict]) -> dict[tuple[str, float], tuple[int, int]]:
+def swept_rate_limits(points: Iterable[dict], router: str = "smg-ca") -> dict[tuple[str, float], tuple[int, int]]:
     """Per (workload, rate), the limits a workload sweep run at that rate chose (a later
     invocation may sweep the same workload again at a higher rate)."""
     return {(p["workload"], p["tuned"]["rate"]): tuple(p["tuned"]["limits"]) for p in points
-            if p.get("router") == "smg-ca" and p.get("tuned") is not None and "rate" in p["tuned"]}
+            if p.get("router") == router and p.get("tuned") is not None and "rate" in p["tuned"]}
 
 
-def rate_tuned_limits(points: Iterable[dict]) -> dict[tuple[str, float], tuple[int, int]]:
+def rate_tuned_limits(points: Iterable[dict], router: str = "smg-ca") -> dict[tuple[str, float], tuple[int, int]]:
     """Per (workload, rate), the limits a per-rate concurrency sweep chose, where one ran."""
     return {(p["workload"], p["rate"]): tuple(p["rate_tuned"]["limits"]) for p in points
-            if p.get("router") == "smg-ca" and p.get("rate_tuned") is not None}
+            if p.get("router") == router and p.get("rate_tuned") is not None}
 
 
-def tuned_records(points: Iterable[dict]) -> dict[str, dict]:
+def tuned_records(points: Iterable[dict], router: str = "smg-ca") -> dict[str, dict]:
     tuned = {}
     for p in points:
-        if p.get("router") == "smg-ca" and p.get("tuned") is not None:
+        if p.get("router") == router and p.get("tuned") is not None:
             tuned[p["workload"]] = p["tuned"]
     return tuned
 
 
-def sweep_summary(points: Sequence[dict], workload: str) -> dict | None:
-    """The sweep's points, its choice and whether it is interior in each swept dimension."""
-    sweep = sweep_points(points, workload)
+def sweep_summary(points: Sequence[dict], workload: str, router: str = "smg-ca") -> dict | None:
+    """``router``'s sweep: its points, its choice and whether it is interior in each swept
+    dimension."""
+    sweep = sweep_points(points, workload, router)
     if not sweep:
         return None
-    tuned = tuned_records(points).get(workload) or {}
+    tuned = tuned_records(points, router).get(workload) or {}
     rows = [{"max_concurrent": p["limits"]["max_concurrent"], "queue_size": p["limits"]["queue_size"],
              "rate": p["rate"], "good": p["result"]["good"], "goodput": p["result"]["goodput"],
              "attainment": p["result"]["attainment"], "ttft_p99": p["result"]["ttft_ms"]["p99"],
@@ -88,7 +92,7 @@ def sweep_summary(points: Sequence[dict], workload: str) -> dict | None:
              "server_died": bool(p.get("server_died"))} for p in sweep]
     rows.sort(key=lambda r: (-r["rate"], r["queue_size"], r["max_concurrent"]))
     per_rate = {f"{p['rate']:g}": p["rate_tuned"] for p in points
-                if p.get("workload") == workload and p.get("router") == "smg-ca" and p.get("rate_tuned")}
+                if p.get("workload") == workload and p.get("router") == router and p.get("rate_tuned")}
     return {"rate": tuned.get("rate", rows[0]["rate"]), "points": rows, "best": tuned.get("limits"),
             "grids": {k: tuned.get(k) for k in ("concurrency_grid", "queue_grid", "queue_during_concurrency")},
             "verdicts": tuned.get("verdicts", {}), "per_rate": per_rate}

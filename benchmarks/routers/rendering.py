@@ -28,6 +28,7 @@ from benchmarks.routers.stack import (
     SERVER_ARGS,
     SMG_CA_EXTRA,
     SMG_QUEUE_TIMEOUT_S,
+    TUNED_SMG,
 )
 from benchmarks.routers.traffic import (
     BURST_CV,
@@ -68,7 +69,7 @@ def router_commands(points: Sequence[dict], commands: Sequence[str]) -> list[str
     for p in main_points(points):
         if p.get("command") and p["router"] not in seen:
             seen.add(p["router"])
-            note = "  # C and Q per workload and rate: the tables" if p["router"] == "smg-ca" else ""
+            note = "  # C and Q per workload and rate: the tables" if p["router"] in TUNED_SMG else ""
             lines.append(f"# {p['router']}: {p['command']}{note}")
     return lines
 
@@ -110,9 +111,10 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
         f"- Runs: {meta.get('seconds', '?')} s of arrivals (Poisson; bursty: gamma, CV {BURST_CV:g}; seed {SEED}) "
         "per point, "
         "the servers' prefix caches flushed before each, every router at a rate before the next rate.",
-        "- Routers: `smg-rr` = smg `--policy round_robin`, its defaults; `smg-ca` = `--policy "
-        f"cache_aware {' '.join(SMG_CA_EXTRA)}` with `--max-concurrent-requests C --queue-size Q "
-        f"--queue-timeout-secs {SMG_QUEUE_TIMEOUT_S}`, C and Q swept (below); "
+        "- Routers: `smg-rr` = smg `--policy round_robin`, its defaults; `smg-ca` / `smg-ll` = "
+        f"`--policy cache_aware` / `least_load` (queued token work over throughput, with its "
+        f"KV-pressure term), each with `{' '.join(SMG_CA_EXTRA)} --max-concurrent-requests C "
+        f"--queue-size Q --queue-timeout-secs {SMG_QUEUE_TIMEOUT_S}`, C and Q swept (below); "
         f"{daemon_routers_text(meta.get('chars_per_token', '?'))} smg and the daemon restart for every run "
         "(their prefix trees start empty, like the servers' flushed caches).",
         ("- *router CPU*: utime + stime of the router's processes (smg: one; the daemon: daemon + "
@@ -181,28 +183,8 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
             lines.append(f"\n† a server died during this run (its requests failed; the stack was restarted "
                          f"before the next run): `{first[:300]}`")
         lines.append("")
-        sweep = sweep_summary(points, workload)
-        if sweep:
-            lines += [f"smg cache_aware sweep at {sweep['rate']:g} req/s (queue timeout "
-                      f"{SMG_QUEUE_TIMEOUT_S} s): best C={sweep['best'][0] if sweep['best'] else '?'}, "
-                      f"Q={sweep['best'][1] if sweep['best'] else '?'}; concurrency "
-                      f"{sweep['verdicts'].get('max_concurrent', '?')}, queue size "
-                      f"{sweep['verdicts'].get('queue_size', '?')}.", "",
-                      *[f"Per-rate concurrency sweep at {r} req/s (where the limits above left SLO misses; "
-                        f"Q={t['limits'][1]}): best C={t['limits'][0]}, {t['verdict']} in {t['grid']}."
-                        for r, t in sorted(sweep["per_rate"].items(), key=lambda kv: float(kv[0]))],
-                      *([""] if sweep["per_rate"] else []),
-                      "| rate | C (max concurrent) | Q (queue size) | goodput | attainment | failed | TTFT p99 ms | TPOT p99 ms |",
-                      "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-            for s in sweep["points"]:
-                chosen = sweep["per_rate"].get(f"{s['rate']:g}", {}).get("limits") or (
-                    sweep["best"] if s["rate"] == sweep["rate"] else None)
-                mark = "**" if chosen and (s["max_concurrent"], s["queue_size"]) == tuple(chosen) else ""
-                crashed = " †" if s.get("server_died") else ""
-                lines.append(f"| {s['rate']:g} | {mark}{s['max_concurrent']}{mark}{crashed} | {mark}{s['queue_size']}{mark} | "
-                             f"{s['goodput']:.2f} | {s['attainment']:.3f} | {s['failed']} | "
-                             f"{_fmt(s['ttft_p99'])} | {_fmt(s['tpot_p99'], 1)} |")
-            lines.append("")
+        for router, policy in TUNED_SMG.items():
+            lines += _sweep_lines(sweep_summary(points, workload, router), policy)
     probes = probe_summary(points)
     if probes:
         lines += ["## Router added latency (unloaded) and CPU", "",
@@ -236,13 +218,40 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def _sweep_lines(sweep: dict | None, policy: str) -> list[str]:
+    """A tuned smg router's sweep of one workload: its choice and every point."""
+    if not sweep:
+        return []
+    lines = [f"smg {policy} sweep at {sweep['rate']:g} req/s (queue timeout "
+             f"{SMG_QUEUE_TIMEOUT_S} s): best C={sweep['best'][0] if sweep['best'] else '?'}, "
+             f"Q={sweep['best'][1] if sweep['best'] else '?'}; concurrency "
+             f"{sweep['verdicts'].get('max_concurrent', '?')}, queue size "
+             f"{sweep['verdicts'].get('queue_size', '?')}.", "",
+             *[f"Per-rate concurrency sweep at {r} req/s (where the limits above left SLO misses; "
+               f"Q={t['limits'][1]}): best C={t['limits'][0]}, {t['verdict']} in {t['grid']}."
+               for r, t in sorted(sweep["per_rate"].items(), key=lambda kv: float(kv[0]))],
+             *([""] if sweep["per_rate"] else []),
+             "| rate | C (max concurrent) | Q (queue size) | goodput | attainment | failed | TTFT p99 ms | TPOT p99 ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in sweep["points"]:
+        chosen = sweep["per_rate"].get(f"{s['rate']:g}", {}).get("limits") or (
+            sweep["best"] if s["rate"] == sweep["rate"] else None)
+        mark = "**" if chosen and (s["max_concurrent"], s["queue_size"]) == tuple(chosen) else ""
+        crashed = " †" if s.get("server_died") else ""
+        lines.append(f"| {s['rate']:g} | {mark}{s['max_concurrent']}{mark}{crashed} | {mark}{s['queue_size']}{mark} | "
+                     f"{s['goodput']:.2f} | {s['attainment']:.3f} | {s['failed']} | "
+                     f"{_fmt(s['ttft_p99'])} | {_fmt(s['tpot_p99'], 1)} |")
+    lines.append("")
+    return lines
+
+
 def render_json(points: Sequence[dict], meta: dict) -> dict:
     return {
         "meta": meta,
         "slo": SLO,
         "comparison": [{k: p.get(k) for k in ("workload", "rate", "router", "limits", "result", "prefill",
                                               "cpu", "probe_added")} for p in main_points(points)],
-        "sweeps": {w: sweep_summary(points, w) for w in WORKLOADS},
+        "sweeps": {router: {w: sweep_summary(points, w, router) for w in WORKLOADS} for router in TUNED_SMG},
         "added_latency": probe_summary(points),
         "cpu": cpu_summary(points),
         "smg_wins": wins(points, "smg"),

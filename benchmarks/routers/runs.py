@@ -1,5 +1,5 @@
 """The comparison's runs: the plan, and every (workload, rate, router) run saved as a point
-as soon as it finishes, smg cache_aware's limits swept first."""
+as soon as it finishes, the tuned smg routers' limits swept first."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from benchmarks.routers.stack import (
     EMBEDDED_ROUTERS,
     ROUTERS,
     SMG_QUEUE_TIMEOUT_S,
+    TUNED_SMG,
     Router,
     Stack,
 )
@@ -32,8 +33,8 @@ QUICK_SECONDS = 12.0
 
 @dataclass(frozen=True)
 class Plan:
-    """What to run: workloads and rates, seconds of arrivals per run, smg cache_aware's
-    sweep, the routers."""
+    """What to run: workloads and rates, seconds of arrivals per run, the sweep of the
+    tuned smg routers' limits, the routers."""
 
     workloads: tuple[str, ...]
     rates: dict[str, tuple[float, ...]]
@@ -67,8 +68,8 @@ class Bench:
     def router(self, name: str, limits: dict | None, tag: str) -> Router:
         if name == "smg-rr":
             return self.stack.start_smg(name, "round_robin", None, tag)
-        if name == "smg-ca":
-            return self.stack.start_smg(name, "cache_aware", limits, tag)
+        if name in TUNED_SMG:
+            return self.stack.start_smg(name, TUNED_SMG[name], limits, tag)
         self.stack.stop_smg()
         return self.stack.start_daemon(DAEMON_POLICY[name], embedded=name in EMBEDDED_ROUTERS)
 
@@ -147,8 +148,8 @@ class Bench:
         self.meta["notes"].append(note)
         self.stack.restart()
 
-    def sweep(self, workload: str) -> dict:
-        """Coordinate sweep of smg cache_aware's limits at the workload's top rate."""
+    def sweep(self, workload: str, router: str = "smg-ca") -> dict:
+        """Coordinate sweep of a tuned smg router's limits at the workload's top rate."""
         plan = self.plan
         rate = max(plan.rates[workload])
 
@@ -156,7 +157,7 @@ class Bench:
             return {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
 
         def measured(c: int, q: int) -> dict:
-            p = self.run(workload, rate, "smg-ca", limits(c, q), phase="sweep")
+            p = self.run(workload, rate, router, limits(c, q), phase="sweep")
             r = p.get("result") or {"good": -1, "ttft_ms": {"p99": None}}
             return {"c": c, "q": q, "good": r["good"], "ttft_p99": r["ttft_ms"]["p99"]}
 
@@ -180,31 +181,33 @@ class Bench:
                  "queue_during_concurrency": q0, "queue_grid": q_grid,
                  "verdicts": {"max_concurrent": sweep_verdict(c_grid, c_best, 1),
                               "queue_size": sweep_verdict(q_grid, q_best, 0) if len(q_grid) > 1 else "not swept"}}
-        key = (workload, rate, "smg-ca", (c_best, q_best))
+        key = (workload, rate, router, (c_best, q_best))
         point = dict(self.runs[key], tuned=tuned)  # saved again, with the choice
         append_point(self.points_path, point)
         self.runs[key] = point
-        print(f"  {workload}: smg-ca tuned to C={c_best}, Q={q_best} ({tuned['verdicts']})", file=sys.stderr)
+        print(f"  {workload}: {router} tuned to C={c_best}, Q={q_best} ({tuned['verdicts']})", file=sys.stderr)
         return tuned
 
     def workload(self, workload: str) -> None:
-        tuned, limits = None, None
-        if "smg-ca" in self.plan.routers:
-            tuned = self.sweep(workload)
-            c, q = tuned["limits"]
-            limits = {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
+        tuned: dict[str, dict] = {}
+        limits: dict[str, dict] = {}
+        for router in self.plan.routers:
+            if router in TUNED_SMG:
+                tuned[router] = self.sweep(workload, router)
+                c, q = tuned[router]["limits"]
+                limits[router] = {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
         for rate in self.plan.rates[workload]:
             for name in self.plan.routers:
-                point = self.run(workload, rate, name, limits if name == "smg-ca" else None,
-                                 tuned=tuned if name == "smg-ca" else None)
-                if name == "smg-ca" and self.plan.per_rate and rate != tuned["rate"] \
+                point = self.run(workload, rate, name, limits.get(name), tuned=tuned.get(name))
+                if name in tuned and self.plan.per_rate and rate != tuned[name]["rate"] \
                         and point.get("result", {}).get("attainment", 1.0) < 1.0:
-                    self.rate_sweep(workload, rate, tuned)
+                    self.rate_sweep(workload, rate, tuned[name], name)
 
-    def rate_sweep(self, workload: str, rate: float, tuned: dict) -> None:
+    def rate_sweep(self, workload: str, rate: float, tuned: dict, router: str = "smg-ca") -> None:
         """Where the limits tuned at the top rate leave SLO misses at a lower rate, sweep the
         concurrency limit at that rate too (the queue size as tuned), edges extended: each
-        rate gets smg-ca at its best, as the other benchmarks tune baselines per point."""
+        rate gets the tuned smg router at its best, as the other benchmarks tune baselines
+        per point."""
         q = tuned["limits"][1]
         grid = sorted(set(self.plan.sweep_concurrency) | {tuned["limits"][0]})
         extensions = 0
@@ -212,7 +215,7 @@ class Bench:
             results = []
             for c in sorted(grid):
                 limits = {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
-                p = self.run(workload, rate, "smg-ca", limits, phase="rate-sweep")
+                p = self.run(workload, rate, router, limits, phase="rate-sweep")
                 r = p.get("result") or {"good": -1, "ttft_ms": {"p99": None}}
                 results.append({"c": c, "good": r["good"], "ttft_p99": r["ttft_ms"]["p99"]})
             best = pick_best(results, "c")["c"]
@@ -222,9 +225,9 @@ class Bench:
             grid.append(extra)
             extensions += 1
         choice = {"limits": [best, q], "grid": sorted(grid), "verdict": sweep_verdict(grid, best, 1)}
-        key = (workload, rate, "smg-ca", (best, q))
+        key = (workload, rate, router, (best, q))
         point = dict(self.runs[key], rate_tuned=choice)
         append_point(self.points_path, point)
         self.runs[key] = point
-        print(f"  {workload} at {rate:g}: smg-ca concurrency re-tuned to C={best} ({choice['verdict']})",
+        print(f"  {workload} at {rate:g}: {router} concurrency re-tuned to C={best} ({choice['verdict']})",
               file=sys.stderr, flush=True)

@@ -43,7 +43,10 @@ SERVER_ARGS = ("--max-total-tokens", str(KV_TOKENS), "--max-prefill-tokens", str
 SMG_CA_EXTRA = ("--disable-worker-overload-protection", "--worker-warmup-secs", "0")
 SMG_QUEUE_TIMEOUT_S = 2  # = the TTFT target (whole seconds: smg's flag is an integer)
 
-ROUTERS = ("smg-rr", "smg-ca", "cp-default", "cp-one", "cp-pab", "cp-least")
+ROUTERS = ("smg-rr", "smg-ca", "smg-ll", "cp-default", "cp-one", "cp-pab", "cp-least")
+#: the smg routers whose admission limits (``--max-concurrent-requests``, ``--queue-size``)
+#: are swept per workload and rate, and the smg policy each runs
+TUNED_SMG = {"smg-ca": "cache_aware", "smg-ll": "least_load"}
 #: The daemon's routers: name -> its ``policy`` key (None: not set, the daemon's default).
 DAEMON_POLICY = {"cp-default": None, "cp-one": None, "cp-pab": "pab", "cp-least": "pab_least_loaded"}
 #: The daemon's routers whose gateway runs in the daemon's process (``serve --http``);
@@ -265,7 +268,7 @@ class Stack:
                    "--worker-urls", *self.server_urls, "--policy", policy,
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                    "--log-level", "warn"]
-        if policy == "cache_aware":
+        if policy in TUNED_SMG.values():
             command += list(self.smg_ca_extra)
         if limits is not None:
             command += ["--max-concurrent-requests", str(limits["max_concurrent"]),

@@ -392,6 +392,28 @@ def test_a_second_sweep_at_a_higher_rate_leaves_the_first_rates_choice_in_place(
     assert chosen == {18.0: 256, 30.0: 512}
 
 
+def test_each_tuned_smg_router_keeps_its_own_choice_and_sweep_table() -> None:
+    lim = lambda c, q: {"max_concurrent": c, "queue_size": q, "queue_timeout_s": 2}  # noqa: E731
+    points = synthetic_points()
+    least = {"limits": [64, 16], "rate": 16.0, "concurrency_grid": [16, 64, 256],
+             "queue_during_concurrency": 16, "queue_grid": [16],
+             "verdicts": {"max_concurrent": "interior", "queue_size": "not swept"}}
+    points += [point("prefix", 16.0, "smg-ll", 13.5, lim(16, 16), "sweep"),
+               point("prefix", 16.0, "smg-ll", 12.0, lim(256, 16), "sweep"),
+               point("prefix", 16.0, "smg-ll", 14.5, lim(64, 16), "sweep", tuned=least),
+               point("prefix", 8.0, "smg-ll", 8.0, lim(64, 16), tuned=least),
+               point("prefix", 8.0, "smg-ll", 6.0, lim(32, 16))]  # not its choice: left out
+    chosen = {(p["router"], p["rate"]): p["limits"]["max_concurrent"] for p in main_points(points)
+              if p["router"] in ("smg-ca", "smg-ll")}
+    assert chosen == {("smg-ca", 8.0): 32, ("smg-ca", 16.0): 32, ("smg-ll", 8.0): 64, ("smg-ll", 16.0): 64}
+    assert tuned_limits(points, "smg-ll") == {"prefix": (64, 16)} and tuned_limits(points) == {"prefix": (32, 16)}
+    text = render_markdown(points, {})
+    assert "smg least_load sweep at 16 req/s" in text and "smg cache_aware sweep at 16 req/s" in text
+    assert "| 16 | smg-ll (C=64, Q=16) | **14.50** |" in text
+    assert "goodput, prefix at 16 req/s: 14.50 (smg-ll) against 13.00 (cp-least)" in "\n".join(wins(points, "smg"))
+    assert render_json(points, {})["sweeps"]["smg-ll"]["prefix"]["best"] == [64, 16]
+
+
 def test_main_points_keep_only_the_tuned_cache_aware_limits_and_skip_errors() -> None:
     rows = main_points(synthetic_points())
     ca = [p for p in rows if p["router"] == "smg-ca"]
@@ -441,7 +463,7 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     assert "## Router added latency" in text and "| smg-rr |" in text
     assert "scripts/bench_routers.sh" in text and "- a note" in text
     data = render_json(synthetic_points(), meta)
-    assert data["sweeps"]["prefix"]["best"] == [32, 16] and data["sweeps"]["azure"] is None
+    assert data["sweeps"]["smg-ca"]["prefix"]["best"] == [32, 16] and data["sweeps"]["smg-ca"]["azure"] is None
     assert data["added_latency"]["cp-pab"]["added_ms"] == pytest.approx(3.5)
     assert data["cpu"]["prefix"]["cp-default"]["router_s_per_1000"] == pytest.approx(30.0)
     assert data["cpu"]["prefix"]["cp-least"]["router_s_per_1000_tokens"] == pytest.approx(0.165)
