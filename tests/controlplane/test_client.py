@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 import zmq
@@ -701,6 +702,17 @@ def two_addresses() -> tuple[str, str]:
     return tuple(f"tcp://127.0.0.1:{port}" for port in free_ports(2))
 
 
+@contextlib.asynccontextmanager
+async def hanging_daemons(addresses: Sequence[str]):
+    """A FakeDaemon that holds every request on each address, stopped at the end."""
+    daemons = [await FakeDaemon(a, hang, daemon_id=f"fake-{i}").start() for i, a in enumerate(addresses)]
+    try:
+        yield daemons
+    finally:
+        for daemon in daemons:
+            await daemon.stop()  # idempotent: a test may have stopped it
+
+
 async def one_submitted(*daemons: FakeDaemon) -> tuple[FakeDaemon, list[FakeDaemon]]:
     """The daemon that received the first submit, and the others."""
     await eventually(lambda: any(d.submits for d in daemons))
@@ -717,28 +729,22 @@ def test_several_addresses_must_be_distinct() -> None:
 
 @run_in_loop
 async def test_a_request_whose_daemon_dies_is_submitted_to_the_other_with_the_same_id(two_addresses) -> None:
-    daemons = [await FakeDaemon(a, hang, daemon_id=f"fake-{i}").start() for i, a in enumerate(two_addresses)]
-    try:
-        async with AsyncClient(two_addresses, **FAST) as client:
-            task = asyncio.create_task(client.generate("Hi", request_id="survivor"))
-            dead, (other,) = await one_submitted(*daemons)
-            other.script = serve_ok
-            await dead.stop()  # its end of the connection closes, as a killed process's does
-            result = await asyncio.wait_for(task, 3.0)
-            assert (result.request_id, result.attempts) == ("survivor", 2)
-            assert [s.request_id for s in other.submits] == ["survivor"]
-            assert client.address == other.address and client.daemon_id == other.daemon_id
-            assert (await client.generate("again")).attempts == 1  # it stays on the live one
-    finally:
-        for daemon in daemons:
-            if daemon._socket is not None and not daemon._socket.closed:
-                await daemon.stop()
+    async with hanging_daemons(two_addresses) as daemons, AsyncClient(two_addresses, **FAST) as client:
+        task = asyncio.create_task(client.generate("Hi", request_id="survivor"))
+        dead, (other,) = await one_submitted(*daemons)
+        other.script = serve_ok
+        await dead.stop()  # its end of the connection closes, as a killed process's does
+        result = await asyncio.wait_for(task, 3.0)
+        assert (result.request_id, result.attempts) == ("survivor", 2)
+        assert [s.request_id for s in other.submits] == ["survivor"]
+        assert client.address == other.address and client.daemon_id == other.daemon_id
+        assert (await client.generate("again")).attempts == 1  # it stays on the live one
 
 
 @run_in_loop
 async def test_a_request_that_loses_both_daemons_raises_daemon_unavailable(two_addresses) -> None:
-    daemons = [await FakeDaemon(a, hang, daemon_id=f"fake-{i}").start() for i, a in enumerate(two_addresses)]
-    async with AsyncClient(two_addresses, max_retries=5, **FAST) as client:
+    async with hanging_daemons(two_addresses) as daemons, \
+            AsyncClient(two_addresses, max_retries=5, **FAST) as client:
         task = asyncio.create_task(client.generate("Hi"))
         first, (second,) = await one_submitted(*daemons)
         await first.stop()
@@ -750,23 +756,18 @@ async def test_a_request_that_loses_both_daemons_raises_daemon_unavailable(two_a
 
 @run_in_loop
 async def test_a_daemon_gone_silent_is_left_for_the_other_and_its_request_resubmitted(two_addresses) -> None:
-    daemons = [await FakeDaemon(a, hang, daemon_id=f"fake-{i}").start() for i, a in enumerate(two_addresses)]
-    try:
-        async with AsyncClient(two_addresses, **FAST) as client:
-            task = asyncio.create_task(client.generate("Hi", request_id="patient"))
-            silent, (other,) = await one_submitted(*daemons)
-            other.script = serve_ok
-            silent.answer_pings = False  # alive and connected, but it answers nothing
-            result = await asyncio.wait_for(task, 5.0)
-            assert (result.request_id, result.attempts) == ("patient", 2)
-            assert client.address == other.address
-            silent.answer_pings, other.answer_pings = True, False
-            with pytest.raises(errors.DaemonUnavailable):
-                await client.ping()
-            assert client.address == silent.address  # a health check that fails moves it too
-    finally:
-        for daemon in daemons:
-            await daemon.stop()
+    async with hanging_daemons(two_addresses) as daemons, AsyncClient(two_addresses, **FAST) as client:
+        task = asyncio.create_task(client.generate("Hi", request_id="patient"))
+        silent, (other,) = await one_submitted(*daemons)
+        other.script = serve_ok
+        silent.answer_pings = False  # alive and connected, but it answers nothing
+        result = await asyncio.wait_for(task, 5.0)
+        assert (result.request_id, result.attempts) == ("patient", 2)
+        assert client.address == other.address
+        silent.answer_pings, other.answer_pings = True, False
+        with pytest.raises(errors.DaemonUnavailable):
+            await client.ping()
+        assert client.address == silent.address  # a health check that fails moves it too
 
 
 @run_in_loop
