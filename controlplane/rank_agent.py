@@ -406,10 +406,13 @@ class RankAgent:
             self._on_daemon_lost()
 
     def _on_daemon_lost(self) -> None:
-        """The connection to the daemon dropped: end what ran over it, leave, join again."""
+        """The connection to the daemon dropped: end what ran over it, leave, join again.
+        Ranks not welcomed yet have their ``Hello`` retried by the keepalive already."""
         self._pump.read_now()  # what the daemon said before the drop comes first
         self.counters["daemon_disconnects"] += 1
-        ranks = self._served()
+        joined = [rank for rank in self._served() if rank in self._welcomed]
+        if not joined and not self._requests:
+            return  # the daemon knew nothing of ours (a handshake that failed, say)
         logger.warning("agent %s: the daemon connection dropped; ending %d running requests and "
                        "joining again", self.agent_id, len(self._requests))
         self._forget(lambda rank: True)
@@ -418,9 +421,9 @@ class RankAgent:
         self._blocked_output_count = 0
         self._room.set()
         self._welcomed.clear()
-        for rank in ranks:
+        for rank in joined:
             self._enqueue(Goodbye(rank=rank, epoch=self.epoch))
-        for rank in ranks:
+        for rank in joined:
             self._enqueue(self._hello(rank))
 
     async def _end_requests(self) -> None:
