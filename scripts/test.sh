@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite (what CI runs), in an environment with the `dev` and `sglang`
-# extras and SGLang patched (see _env.sh). Extra arguments go to pytest, e.g.
+# The whole test suite (what CI runs), in an environment with the `dev`, `sglang` and
+# `ray` extras and SGLang patched (see _env.sh). Extra arguments go to pytest, e.g.
 #   scripts/test.sh -m "not slow and not e2e"    # the fast part (docs/tests.md)
-FB_EXTRAS="${FB_EXTRAS:-dev,sglang}"
+FB_EXTRAS="${FB_EXTRAS:-dev,sglang,ray}"
 source "$(dirname "$0")/_env.sh"
 exec python -m pytest "$@"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import time
@@ -32,6 +31,13 @@ from sglang_ext.sim.disagg import (
     DEFAULT_SPLIT,
     DisaggConfig,
     DisaggConfigError,
+)
+from sglang_ext.sim.executors import (
+    EXECUTORS,
+    ExecutorError,
+    ExecutorSpec,
+    check_available,
+    open_pool,
 )
 from sglang_ext.sim.fitting.calibration import offline_step_model, profile_steps
 from sglang_ext.sim.fitting.grid_fit import fit_grid, read_grid_meta
@@ -195,6 +201,28 @@ def _disaggregated_names() -> list[str]:
     return [name for name in POLICIES.names() if POLICIES.get(name).disaggregated]
 
 
+def _add_executor(parser: argparse.ArgumentParser, jobs_help: str) -> None:
+    group = parser.add_argument_group("where the simulations run (sglang_ext.sim.executors)")
+    group.add_argument("--jobs", type=int, help=jobs_help)
+    group.add_argument(
+        "--executor", choices=EXECUTORS, default="process",
+        help="process: worker processes on this machine; ray: tasks on a Ray cluster (the "
+        "`ray` extra), the same results (default: %(default)s)",
+    )
+    group.add_argument(
+        "--ray-address", metavar="ADDRESS",
+        help="the Ray cluster to run on (as ray.init's address: auto, HOST:PORT, "
+        "ray://HOST:PORT); default: RAY_ADDRESS when set, else a local instance of --jobs CPUs",
+    )
+
+
+def _executor_spec(args: argparse.Namespace) -> ExecutorSpec:
+    """``--executor`` / ``--ray-address``, refused now if they cannot run here."""
+    spec = ExecutorSpec(args.executor, args.ray_address)
+    check_available(spec)
+    return spec
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     workload = parser.add_argument_group("workload")
     workload.add_argument("--trace", type=Path, help="trace file (default: the bundled Azure sample)")
@@ -318,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--cdf-rate", type=positive_float,
                        help="load whose latency CDFs are plotted (default: the middle rate)")
-    sweep.add_argument("--jobs", type=int, help="worker processes (default: all cores)")
+    _add_executor(sweep, "simulations at once: worker processes, or a local Ray instance's "
+                  "CPUs (default: all cores)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_admission(sweep)
     _add_disagg(sweep)
@@ -328,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the shipped FairBatching against the three strongest baselines, one SLO class "
         "and three (scripts/demo.sh; every policy: scripts/demo.sh --all, the sweep)",
     )
-    show.add_argument("--jobs", type=int, help="worker processes (default: all cores)")
+    _add_executor(show, "simulations at once: worker processes, or a local Ray instance's "
+                  "CPUs (default: all cores)")
     show.add_argument("--no-progress", action="store_true", help="no progress bar")
     show.add_argument("--out", type=Path, help="output directory (default: out/demo-<time>)")
     cap = commands.add_parser(
@@ -363,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--min-group-requests", type=positive_int, default=MIN_GROUP_REQUESTS,
                      help="the fewest requests a prompt bucket or SLO class needs to be the "
                      "worst one (default: %(default)d)")
-    cap.add_argument("--jobs", type=int, help="policies bisected at once (default: all cores)")
+    _add_executor(cap, "policies bisected at once: worker processes, or a local Ray "
+                  "instance's CPUs (default: all cores)")
     _add_admission(cap)
     _add_disagg(cap)
     _common(cap)
@@ -586,6 +617,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     from sglang_ext.sim.plots import plot_effective_rps, plot_fairness, plot_latency_cdfs
 
+    executor = _executor_spec(args)
     several_classes = args.class_mix is not None and len(args.class_mix.fractions) > 1
     names = _with_admission(args.policies or default_policies(several_classes), args.admission)
     plan = plan_sweep(names, args.budgets)
@@ -611,7 +643,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     with tqdm(total=0, unit="sim", disable=args.no_progress, file=sys.stderr) as bar:
         document, samples = run_sweep(
-            scenario, plan, rates, cdf_rate=cdf_rate, jobs=args.jobs, progress=bar.update,
+            scenario, plan, rates, cdf_rate=cdf_rate, jobs=args.jobs, executor=executor,
+            progress=bar.update,
             planned=lambda n: (setattr(bar, "total", bar.total + n), bar.refresh()),
         )
     if any(POLICIES.get(spec.base).disaggregated for spec in plan.runs) or any(
@@ -644,6 +677,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from sglang_ext.sim.plots import demo_figure, save_figure
 
+    executor = _executor_spec(args)
     shipped = demo.shipped_policy()
     sweep_parser = build_parser()
     cases = []
@@ -670,7 +704,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     with tqdm(total=total, unit="sim", disable=args.no_progress, file=sys.stderr) as bar:
         for case, scenario, baselines, plan in cases:
             document, _ = run_sweep(scenario, plan, QUICK_RATES, cdf_rate=case.table_rate,
-                                    jobs=args.jobs, progress=bar.update)
+                                    jobs=args.jobs, executor=executor, progress=bar.update)
             write_results(document, out / case.slug)
             documents.append(document)
     for (case, _, baselines, plan), document in zip(cases, documents):
@@ -695,7 +729,7 @@ _capacity_scenario: Scenario | None = None
 
 def _capacity_init(scenario: Scenario) -> None:
     global _capacity_scenario
-    _capacity_scenario = scenario  # a worker's (forked: a scenario does not pickle)
+    _capacity_scenario = scenario  # a worker's (forked, or shipped by Ray's cloudpickle)
 
 
 def _capacity_job(job: tuple) -> tuple[str, capacity.CapacitySearch, float]:
@@ -717,8 +751,7 @@ def _capacity_job(job: tuple) -> tuple[str, capacity.CapacitySearch, float]:
 
 
 def _cmd_capacity(args: argparse.Namespace) -> int:
-    from concurrent.futures import ProcessPoolExecutor
-
+    executor = _executor_spec(args)
     labels = _with_admission(args.policies, args.admission)
     specs = list({spec.label: spec for spec in map(parse_policy, labels)}.values())
     scenario = _scenario(args, _disagg_config(args, specs))
@@ -731,15 +764,11 @@ def _cmd_capacity(args: argparse.Namespace) -> int:
     if args.min_rate and args.max_rate and args.min_rate >= args.max_rate:
         raise CliError("--min-rate must be below --max-rate")
     jobs = [(spec, options, args.min_group_requests) for spec in specs]
-    workers = max(1, min(len(jobs), args.jobs or os.cpu_count() or 1))
     began = time.perf_counter()
-    if workers == 1:
-        _capacity_init(scenario)
-        done = list(map(_capacity_job, jobs))
-    else:
-        with ProcessPoolExecutor(workers, initializer=_capacity_init,
-                                 initargs=(scenario,)) as pool:
-            done = list(pool.map(_capacity_job, jobs))
+    pool = open_pool(executor, args.jobs, _capacity_init, (scenario,), tasks=len(jobs))
+    workers = pool.workers
+    with pool.executor:
+        done = list(pool.executor.map(_capacity_job, jobs))
     wall = time.perf_counter() - began
     runs = [RunResult(label, load, None) for label, search, _ in done
             for load in search.loads.values()]
@@ -862,7 +891,8 @@ def _cmd_fit_grid(args: argparse.Namespace) -> int:
 
 USER_ERRORS = (
     CliError, WorkloadError, ProfileError, SloError, PolicySpecError, StepModelError,
-    TunedSettingsError, ClusterConfigError, DisaggConfigError, GridError, json.JSONDecodeError,
+    TunedSettingsError, ClusterConfigError, DisaggConfigError, GridError, ExecutorError,
+    json.JSONDecodeError,
 )
 
 

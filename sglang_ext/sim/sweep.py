@@ -23,16 +23,15 @@ a run without an e2e request every version-1 field keeps its value.
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog
 from sglang_ext.sim import capacity
+from sglang_ext.sim.executors import PROCESSES, ExecutorSpec, open_pool
 from sglang_ext.sim.fitting.tuning import Search, TuningResult, tune
 from sglang_ext.sim.metrics import MIN_GROUP_REQUESTS, LatencySamples
 from sglang_ext.sim.runner import (
@@ -152,11 +151,6 @@ def _run_job(job: tuple[PolicySpec, float, bool]) -> RunResult:
     return simulate(_scenario, spec, rate, keep_samples=keep)
 
 
-class _InProcess(Executor):
-    def map(self, fn, *iterables, timeout=None, chunksize=1):  # noqa: ARG002
-        return map(fn, *iterables)
-
-
 def run_sweep(
     scenario: Scenario,
     plan: SweepPlan,
@@ -164,27 +158,23 @@ def run_sweep(
     *,
     cdf_rate: float,
     jobs: int | None = None,
+    executor: ExecutorSpec = PROCESSES,
     progress: Callable[[int], None] | None = None,
     planned: Callable[[int], None] | None = None,
 ) -> tuple[dict, dict[str, LatencySamples]]:
     """Returns (results.json document, per-policy latency samples at ``cdf_rate``).
 
-    ``progress(n)`` after every ``n`` finished simulations; ``planned(n)`` whenever
-    ``n`` more are scheduled (tuning decides as it goes)."""
-    workers = max(1, jobs or os.cpu_count() or 1)
+    The simulations run on ``executor`` with ``jobs`` workers
+    (``sglang_ext.sim.executors.open_pool``), with the same results on any. ``progress(n)`` after every ``n`` finished simulations;
+    ``planned(n)`` whenever ``n`` more are scheduled (tuning decides as it goes)."""
     results: dict[str, list[RunResult]] = {}
-    if workers == 1:
-        _init_worker(scenario)
-        executor: Executor = _InProcess()
-    else:
-        executor = ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(scenario,))
-    with executor:
+    with open_pool(executor, jobs, _init_worker, (scenario,)).executor as pool:
         def run(specs: Sequence[PolicySpec]) -> None:
             fresh = [spec for spec in dict.fromkeys(specs) if spec.label not in results]
             work = [(spec, rate, rate == cdf_rate) for spec in fresh for rate in rates]
             if planned:
                 planned(len(work))
-            for result in executor.map(_run_job, work, chunksize=1):
+            for result in pool.map(_run_job, work, chunksize=1):
                 results.setdefault(result.policy, []).append(result)
                 if progress:
                     progress(1)
