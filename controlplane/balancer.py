@@ -6,7 +6,10 @@ as :class:`RankView` values built from the last reports plus its own dispatches 
 a seeded RNG) but does no I/O. ``choose`` returns a rank name, or None when the policy
 declines: no rank given, or (the balancers that route on budget, ``routes_on_budget``:
 the ``pab`` policies) no rank's budget covers the prompt (``pab_least_loaded`` and
-``pab_cache_aware``: the part of it the rank does not hold).
+``pab_cache_aware``: the part of it the rank does not hold). ``spill`` is the choice a
+budget policy makes when no budget covers: its own order without the budget filter
+(the daemon's ``on_no_budget = "spill"``: the rank's own admission then decides); every
+other policy's ``spill`` is its ``choose``.
 
 ``slo_class`` names the SLO class whose budget a request is judged by (the ``pab``
 policies; :func:`routing_class` maps a request's SLO onto one); None, or a class a
@@ -24,6 +27,7 @@ budget with the uncached rest only.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,10 +96,21 @@ class Balancer(Protocol):
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
                slo_class: str | None = None, prompt: Prompt | None = None) -> str | None: ...
 
+    def spill(self, ranks: Sequence[RankView], prompt_tokens: int,
+              slo_class: str | None = None, prompt: Prompt | None = None) -> str | None: ...
+
     def record(self, rank: str, prompt: Prompt | None, prompt_tokens: int) -> int: ...
 
 
-class _Oblivious:
+class _Spills:
+    """``spill`` of a policy that routes on no budget: its ``choose``."""
+
+    def spill(self, ranks: Sequence[RankView], prompt_tokens: int,
+              slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
+        return self.choose(ranks, prompt_tokens, slo_class, prompt)  # type: ignore[attr-defined]
+
+
+class _Oblivious(_Spills):
     """A policy that keeps no record of what it routed where."""
 
     routes_on_budget = False
@@ -107,18 +122,27 @@ class _Oblivious:
 class PabBalancer(_Oblivious):
     """The rank whose effective PAB (of the request's class) covers the prompt with the
     most to spare (ties: the first given); None when no rank's budget covers it (the
-    caller queues or rejects)."""
+    caller queues, rejects or spills: then the largest budget, covering or not, of the
+    ranks that reported one)."""
 
     name = "pab"
     routes_on_budget = True
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
                slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
+        return self._largest(ranks, slo_class, prompt_tokens)
+
+    def spill(self, ranks: Sequence[RankView], prompt_tokens: int,
+              slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
+        return self._largest(ranks, slo_class, -math.inf)
+
+    @staticmethod
+    def _largest(ranks: Sequence[RankView], slo_class: str | None, at_least: float) -> str | None:
         best: str | None = None
         best_budget = 0.0
         for view in ranks:
             budget = view.budget(slo_class)
-            if budget is None or budget < prompt_tokens:
+            if budget is None or budget < at_least:
                 continue
             if best is None or budget > best_budget:
                 best, best_budget = view.rank, budget
@@ -198,7 +222,7 @@ class CacheAwareSettings:
             raise ValueError(f"cache threshold must be in [0, 1], got {self.cache_threshold}")
 
 
-class _AffinityPolicy:
+class _AffinityPolicy(_Spills):
     """The prefix tree and the last prompt's match, kept so that ``record`` after
     ``choose`` does not hash the prompt again."""
 
@@ -280,7 +304,9 @@ class PabLeastLoadedBalancer(_AffinityPolicy):
     online-learned step model) and herds onto the rank that looks fastest. Why the uncached
     part: a rank computes only that, so judging the whole prompt declines requests a rank
     holding their prefix could start at once (with shared prefixes under load, most of
-    them), and debiting it understates the rank's budget until its next report."""
+    them), and debiting it understates the rank's budget until its next report.
+
+    ``spill``: the same choice over every rank, budgets ignored."""
 
     name = "pab_least_loaded"
     routes_on_budget = True
@@ -292,6 +318,14 @@ class PabLeastLoadedBalancer(_AffinityPolicy):
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
                slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
+        return self._choose(ranks, prompt_tokens, slo_class, prompt, within_budget=True)
+
+    def spill(self, ranks: Sequence[RankView], prompt_tokens: int,
+              slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
+        return self._choose(ranks, prompt_tokens, slo_class, prompt, within_budget=False)
+
+    def _choose(self, ranks: Sequence[RankView], prompt_tokens: int, slo_class: str | None,
+                prompt: Prompt | None, *, within_budget: bool) -> str | None:
         count = len(ranks)
         if count == 0:
             return None
@@ -306,9 +340,10 @@ class PabLeastLoadedBalancer(_AffinityPolicy):
         least_score = 0.0
         for offset in range(count):
             view = ranks[(start + offset) % count]
-            cached = 0 if match is None else match.cached_tokens(view.rank, prompt_tokens)
-            if not budget_covers(view, prompt_tokens - cached, slo_class):
-                continue
+            if within_budget:
+                cached = 0 if match is None else match.cached_tokens(view.rank, prompt_tokens)
+                if not budget_covers(view, prompt_tokens - cached, slo_class):
+                    continue
             score = request_count_score(view)
             if affinity is not None and affinity.ratio(view.rank) > threshold:
                 key = (affinity.ratio(view.rank), -score)

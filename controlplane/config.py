@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -25,6 +25,8 @@ PolicyName = Literal[
     "pab", "pab_least_loaded", "pab_cache_aware", "cache_aware", "round_robin", "request_count",
     "total_tokens", "power_of_two",
 ]
+OnNoBudget = Literal["reject", "queue", "spill"]
+ON_NO_BUDGET: tuple[str, ...] = get_args(OnNoBudget)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
@@ -41,7 +43,7 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     curve_authorized_keys_dir: str | None = None  # the .key files of every peer let in
 
     policy: PolicyName = "pab_cache_aware"  # prefix affinity within each rank's PAB
-    on_no_budget: Literal["reject", "queue"] = "reject"
+    on_no_budget: OnNoBudget = "reject"
     retry_after_s: PositiveFloat = 0.25
     queue_ttl_s: PositiveFloat = 5.0  # the longest wait; a request with a TTFT target waits at most that
     max_queued: PositiveInt = 1024

@@ -297,6 +297,12 @@ class DispatcherCore:
             return self.balancer.choose(views, pending.prompt_tokens, slo_class)
         return self.balancer.choose(views, pending.prompt_tokens, slo_class, prompt)
 
+    def _spill(self, views: list[RankView], pending: Pending, slo_class: str | None) -> str | None:
+        prompt = pending.affinity_prompt
+        if prompt is None:
+            return self.balancer.spill(views, pending.prompt_tokens, slo_class)
+        return self.balancer.spill(views, pending.prompt_tokens, slo_class, prompt)
+
     def _place(self, request_id: str, pending: Pending, now: float) -> list[Send]:
         views, fresh = self._views(now)
         views = [v for v in views if v.rank not in pending.tried]
@@ -320,6 +326,11 @@ class DispatcherCore:
             reason = RejectReason.NO_BUDGET
         else:
             reason, detail = RejectReason.OVERLOADED, "every rank is at its in-flight cap"
+        if self.config.on_no_budget == "spill" and reason is RejectReason.NO_BUDGET:
+            rank = self._spill(views, pending, slo_class)
+            if rank is not None:
+                self.counters["spilled"] += 1
+                return self._dispatch(request_id, pending, rank)
         if self.config.on_no_budget == "queue" and reason is RejectReason.NO_BUDGET:
             ttl = self._queue_ttl(pending.submit, class_ttfts)
             queued_until = pending.received_at + ttl

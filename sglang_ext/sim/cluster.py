@@ -20,7 +20,10 @@ sequence it accounts for reconciles the debits.
   (a trace's own or ``--class-mix``); a request without a class by the default class's
   PAB, as the daemon does.
 - **No covering budget** (the ``pab`` balancers: the balancer returns None): the
-  daemon's ``on_no_budget = "queue"``, as its ``DispatcherCore`` queues. The request
+  daemon's ``on_no_budget`` (``ClusterConfig.on_no_budget``). ``"reject"``: the request
+  is rejected (``no_budget``). ``"spill"``: it goes to the balancer's ``spill`` choice
+  (its own order, budgets ignored) and the rank's own admission decides. ``"queue"``
+  (the default), as the daemon's ``DispatcherCore`` queues: the request
   waits in an admission queue retried in arrival order on every report, where one that
   does not fit does not hold back a later one that does; past its own TTFT target from
   its arrival (at most ``queue_ttl_s``) it is rejected (``queue_timeout``): it has missed
@@ -56,7 +59,7 @@ from controlplane.balancer import (
     RankView,
     make_balancer,
 )
-from controlplane.config import DaemonConfig
+from controlplane.config import ON_NO_BUDGET, DaemonConfig
 from controlplane.ledger import DispatchLedger
 from sglang_ext.policy.slo import Slo
 from sglang_ext.sim.engine import SimEngine
@@ -85,6 +88,7 @@ class ClusterConfig:
     queue_ttl_s: float = DEFAULT_QUEUE_TTL_S
     max_queued: int = DEFAULT_MAX_QUEUED
     rank_cache_tokens: int | None = None  # a rank's prefix cache bound (None: its free KV)
+    on_no_budget: str = "queue"  # the daemon's: reject, queue or spill
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -99,6 +103,9 @@ class ClusterConfig:
             raise ClusterConfigError(f"queue TTL must be > 0 s, got {self.queue_ttl_s}")
         if self.max_queued < 1:
             raise ClusterConfigError(f"max queued must be >= 1, got {self.max_queued}")
+        if self.on_no_budget not in ON_NO_BUDGET:
+            raise ClusterConfigError(f"unknown on_no_budget {self.on_no_budget!r}; expected one "
+                                     f"of {', '.join(ON_NO_BUDGET)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +226,7 @@ class ClusterSimulation:
         self.rejected_by_dispatcher: dict[int, RequestRecord] = {}
         self.counters = {
             "queued": 0, "queue_timeout": 0, "overloaded": 0, "dispatched_from_queue": 0,
+            "no_budget": 0, "spilled": 0,
             "max_queue_depth": 0, "reports": 0, "prompt_tokens_dispatched": 0,
             "prompt_tokens_cached": 0,
         }
@@ -308,11 +316,19 @@ class ClusterSimulation:
         return views
 
     def _arrive(self, now: float, queued: _Queued) -> None:
-        chosen = self._choose(self._views(), queued)
+        views = self._views()
+        chosen = self._choose(views, queued)
         if chosen is None:
-            self._enqueue(queued)
-        else:
-            self._dispatch(now, queued, self.ranks[int(chosen)])
+            on_no_budget = self.cluster.on_no_budget
+            if on_no_budget == "queue":
+                self._enqueue(queued)
+                return
+            if on_no_budget == "reject":
+                self._reject(queued, "no_budget")
+                return
+            chosen = self._spill(views, queued)
+            self.counters["spilled"] += 1
+        self._dispatch(now, queued, self.ranks[int(chosen)])
 
     def _choose(self, views: list[RankView], queued: _Queued) -> str | None:
         request = queued.request
@@ -320,6 +336,13 @@ class ClusterSimulation:
             return self.balancer.choose(views, request.prompt_tokens, request.slo_class or None)
         return self.balancer.choose(views, request.prompt_tokens, request.slo_class or None,
                                     queued.prompt)
+
+    def _spill(self, views: list[RankView], queued: _Queued) -> str:
+        request = queued.request
+        if queued.prompt is None:
+            return self.balancer.spill(views, request.prompt_tokens, request.slo_class or None)
+        return self.balancer.spill(views, request.prompt_tokens, request.slo_class or None,
+                                   queued.prompt)
 
     def _queue_ttl(self, queued: _Queued) -> float:
         """How long after its arrival a request may wait: its TTFT target, at most
@@ -426,6 +449,7 @@ class ClusterSimulation:
             "balancer": self.cluster.balancer,
             "report_delay_s": self.cluster.report_delay_s,
             "queue_ttl_s": self.cluster.queue_ttl_s,
+            "on_no_budget": self.cluster.on_no_budget,
             "steps": sum(engine.steps for engine in engines),
             "gpu_busy_fraction": busy / (duration * len(engines)) if duration > 0 else 0.0,
             "dispatched_per_rank": dispatched,

@@ -22,6 +22,7 @@ from sglang_ext.sim.cluster import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_QUEUE_TTL_S,
     DEFAULT_REPORT_DELAY_S,
+    ON_NO_BUDGET,
     ClusterConfig,
     ClusterConfigError,
     simulate_cluster,
@@ -403,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="data-parallel ranks behind the control plane's balancer, one offered load",
         description="N simulated ranks, each running --policy, behind one dispatcher that "
         "routes with the control plane's balancer and PAB ledger (reports reach it "
-        "--report-delay-ms late). The pab balancers' `on_no_budget = \"queue\"`: a request "
-        "no rank's budget covers waits in a FIFO admission queue, rejected after --queue-ttl.",
+        "--report-delay-ms late). A request no rank's budget covers (the pab balancers) "
+        "is handled by --on-no-budget, the daemon's on_no_budget.",
     )
     cluster.add_argument("--ranks", type=positive_int, default=8, help="data-parallel ranks")
     cluster.add_argument("--balancer", choices=BALANCERS, default="pab",
@@ -417,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--report-delay-ms", type=non_negative_float,
                          default=DEFAULT_REPORT_DELAY_S * 1e3,
                          help="a rank's report reaches the dispatcher this late")
+    cluster.add_argument("--on-no-budget", choices=ON_NO_BUDGET, default="queue",
+                         help="a request no rank's budget covers: rejected, queued (for at "
+                         "most its TTFT target, capped by --queue-ttl) or spilled to the "
+                         "balancer's choice with budgets ignored (default: %(default)s)")
     cluster.add_argument("--queue-ttl", type=positive_float, default=DEFAULT_QUEUE_TTL_S,
                          help="seconds a request may wait in the pab balancers' admission "
                          "queue (the daemon's queue_ttl_s)")
@@ -806,6 +811,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         report_delay_s=args.report_delay_ms / 1e3,
         queue_ttl_s=args.queue_ttl,
         max_queued=args.max_queued,
+        on_no_budget=args.on_no_budget,
     )
     scenario = _scenario(args)
     rate = args.rate or scenario.workload.mean_rate * config.ranks
@@ -818,7 +824,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         "balancer": config.balancer,
         "rank_policy": spec.label,
         "report_delay_s": config.report_delay_s,
-        "on_no_budget": "queue",
+        "on_no_budget": config.on_no_budget,
         "queue_ttl_s": config.queue_ttl_s,
         "max_queued": config.max_queued,
     }
@@ -827,8 +833,9 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     print(
         f"\ndispatched per rank {load['dispatched_per_rank']} (max/mean "
         f"{load['dispatch_imbalance']:.2f}); rejected {load['rejected']} "
-        f"(dispatcher: {load['queue_timeout']} queue timeout, {load['overloaded']} overloaded; "
-        f"ranks: {load['rejected_by_ranks']}); {load['queued']} queued"
+        f"(dispatcher: {load['queue_timeout']} queue timeout, {load['overloaded']} overloaded, "
+        f"{load['no_budget']} no budget; ranks: {load['rejected_by_ranks']}); "
+        f"{load['queued']} queued, {load['spilled']} spilled"
     )
     path = write_results(document, _out_dir(args))
     print(f"\nwrote {path}")

@@ -266,3 +266,32 @@ def test_routing_class_maps_explicit_targets_onto_classes() -> None:
     assert routing_class(ttfts, "relaxed", 1.0) == "interactive"
     assert routing_class({"a": 1.0, "b": 1.0}, "b", 1.0) == "b"  # a tie keeps its own class
     assert routing_class({}, "relaxed", 1.0) is None  # no class known: the default
+
+
+# ---------------------------------------------------------------- spill
+def test_spill_is_choose_for_every_policy_that_routes_on_no_budget() -> None:
+    ranks = [view("a", pab=10.0, running=3), view("b", pab=5.0, waiting=1), view("c")]
+    for name in BALANCERS:
+        if make_balancer(name).routes_on_budget:
+            continue
+        chosen, spilled = make_balancer(name, seed=3), make_balancer(name, seed=3)
+        assert [chosen.choose(ranks, 100) for _ in range(6)] == \
+            [spilled.spill(ranks, 100) for _ in range(6)], name
+
+
+def test_pab_spills_to_the_largest_budget_covering_or_not() -> None:
+    ranks = [view("a", pab=999), view("b", pab=-50), view("c", pab=None), view("d", pab=400)]
+    balancer = make_balancer("pab")
+    assert balancer.choose(ranks, 1000) is None
+    assert balancer.spill(ranks, 1000) == "a"
+    assert balancer.spill([view("b", pab=-50), view("d", pab=-10)], 1000) == "d"
+    assert balancer.spill([view("c", pab=None)], 1000) is None  # never reported
+
+
+def test_pab_least_loaded_spills_to_the_least_loaded_of_every_rank() -> None:
+    balancer = make_balancer("pab_least_loaded")
+    ranks = [view("a", pab=999, running=4), view("b", pab=-50, running=1),
+             view("c", pab=None, running=2)]
+    assert balancer.choose(ranks, 1000) is None
+    assert {balancer.spill(ranks, 1000) for _ in range(6)} == {"b"}
+    assert balancer.spill([], 1000) is None

@@ -229,3 +229,13 @@ def test_pab_least_loaded_uses_the_requests_class_budget_for_the_uncached_part()
 def test_bad_threshold_is_refused() -> None:
     with pytest.raises(ValueError):
         CacheAwareSettings(cache_threshold=1.5)
+
+
+def test_pab_cache_aware_spills_to_the_longest_match_whatever_its_budget() -> None:
+    balancer = make_balancer("pab_cache_aware", cache_aware=SMALL)
+    balancer.record("a", SYSTEM, 1000)
+    prompt = SYSTEM + "a question of twenty"
+    ranks = [view("a", pab=10, waiting=5), view("b", pab=20)]
+    assert balancer.choose(ranks, 1000, None, prompt) is None
+    assert balancer.spill(ranks, 1000, None, prompt) == "a"
+    assert balancer.spill(ranks, 1000, None, "an unrelated prompt, long enough") == "b"

@@ -102,6 +102,35 @@ def test_no_budget_queues_until_a_report_covers_it_or_the_ttl_passes():
     assert (reject.request_id, reject.reason) == ("b", RejectReason.QUEUE_TIMEOUT) and core.queued == 0
 
 
+def test_no_budget_spills_to_the_policys_choice_with_budgets_ignored():
+    core = make_core(policy="pab_least_loaded", on_no_budget="spill")
+    join(core, "r0", pab=1_000)
+    join(core, "r1", pab=500)
+    report(core, "r0", 1_000, seq=2, running=5)
+    (dispatch,) = dispatches(submit(core, "a", tokens=2_000))
+    assert dispatch.rank == "r1" and core.queued == 0  # the lighter load, though no budget covers
+    assert core.counters["spilled"] == 1 and core.ledger.effective_budget("r1") == -1_500
+    (covered,) = dispatches(submit(core, "b", tokens=800))
+    assert covered.rank == "r0" and core.counters["spilled"] == 1
+
+
+def test_a_spilled_request_a_rank_refuses_spills_once_to_each_other_rank():
+    core = make_core(on_no_budget="spill")
+    join(core, "r0", pab=1_000)
+    join(core, "r1", pab=500)
+    (first,) = dispatches(submit(core, "a", tokens=2_000))
+    assert first.rank == "r0"
+    refused = Done("r0", 1, "a", FinishReason.ERROR, error="r0 admission refused", no_budget=True,
+                   dispatch_seq=first.dispatch_seq)
+    (second,) = dispatches(core.on_agent(b"agent-r0", refused, 0.1))
+    assert second.rank == "r1" and core.counters["spilled"] == 2
+    refused = Done("r1", 1, "a", FinishReason.ERROR, error="r1 admission refused", no_budget=True,
+                   dispatch_seq=second.dispatch_seq)
+    (reject,) = replies(core.on_agent(b"agent-r1", refused, 0.2), Reject)
+    assert (reject.reason, reject.detail) == (RejectReason.NO_BUDGET, "r1 admission refused")
+    assert core.idle
+
+
 def test_duplicate_in_flight_id_is_refused_but_a_finished_one_may_return():
     core = make_core()
     join(core, "r0")

@@ -57,7 +57,7 @@ def check_conservation(simulation: ClusterSimulation, count: int) -> None:
     for record in simulation.records.values():
         assert record.rejected or record.aborted or record.finished
     counters = simulation.counters
-    assert counters["queue_timeout"] + counters["overloaded"] == len(rejected)
+    assert counters["queue_timeout"] + counters["overloaded"] + counters["no_budget"] == len(rejected)
     assert [rank.dispatched for rank in simulation.ranks] == [len(ids) for ids in by_rank]
     for rank in simulation.ranks:
         assert simulation.ledger.outstanding_dispatches(rank.name) == 0, "debits reconciled"
@@ -131,6 +131,22 @@ def test_pab_never_dispatches_a_prompt_the_effective_budget_cannot_cover() -> No
     assert simulation.counters["queued"] > 0
 
 
+@pytest.mark.parametrize("on_no_budget", ["reject", "spill"])
+def test_no_covering_budget_rejects_or_spills_instead_of_queueing(on_no_budget: str) -> None:
+    workload = burst(40, prompt=3000, output=30)
+    simulation = run(workload, 3, "pab_least_loaded", catalog=TIGHT, on_no_budget=on_no_budget)
+    check_conservation(simulation, len(workload))
+    counters = simulation.counters
+    assert counters["queued"] == 0
+    if on_no_budget == "reject":
+        assert counters["no_budget"] > 0 and counters["spilled"] == 0
+        assert len(simulation.placement) == len(workload) - counters["no_budget"]
+    else:
+        assert counters["spilled"] > 0 and counters["no_budget"] == 0
+        assert len(simulation.placement) == len(workload)
+        assert sorted(rank.dispatched for rank in simulation.ranks)[0] >= 12  # still spread
+
+
 def test_pab_spreads_a_burst_across_ranks_between_reports() -> None:
     # 16 arrivals within 1.6 ms: no report reaches the dispatcher before the last one,
     # so only the ledger's debits can spread them.
@@ -178,6 +194,8 @@ def test_report_delay_only_changes_when_the_dispatcher_learns() -> None:
         ({"ranks": 2, "balancer": "pab", "report_delay_s": -1.0}, "report delay"),
         ({"ranks": 2, "balancer": "pab", "queue_ttl_s": 0.0}, "queue TTL"),
         ({"ranks": 2, "balancer": "pab", "max_queued": 0}, "max queued"),
+        ({"ranks": 2, "balancer": "pab", "on_no_budget": "drop"},
+         "unknown on_no_budget 'drop'; expected one of reject, queue, spill"),
     ],
 )
 def test_config_errors_say_what_is_wrong(fields: dict, message: str) -> None:
