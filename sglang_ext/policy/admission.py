@@ -202,7 +202,8 @@ class AdmissionSettings:
     @property
     def label(self) -> str:
         """``reject``, ``defer``, ``defer:latest``, ``defer:fair``, ``defer:0.5`` or
-        ``reject:pab`` (the simulator's policy-label suffix)."""
+        ``reject:pab``, then ``:max_defer=S`` where ``max_defer_s`` is not the default
+        (the simulator's policy-label suffix)."""
         parts = [self.mode.value]
         if self.rule is not AdmissionRule.EDF:
             parts.append(self.rule.value)
@@ -211,6 +212,8 @@ class AdmissionSettings:
                 parts.append(self.give_up.value)
         elif self.give_up is not None and self.give_up != 1.0:
             parts.append(f"{self.give_up:g}")
+        if self.max_defer_s != DEFAULT_MAX_DEFER_S:
+            parts.append(f"max_defer={self.max_defer_s:g}")
         return ":".join(parts)
 
 

@@ -15,6 +15,8 @@ from sglang_ext.policy.policies import POLICIES
 #: Sarathi's and fb-fb's budgets swept by default: 32 to 8192, doubling; a sweep then
 #: refines around the best (``sglang_ext.sim.fitting.tuning``).
 DEFAULT_TOKEN_BUDGETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+#: ``[admission]`` numbers a policy label may set, by the label's name for them
+ADMISSION_NUMBERS = {"max_defer": "max_defer_s"}
 
 
 class PolicySpecError(ValueError):
@@ -49,17 +51,33 @@ def _number(value: float) -> str:
 
 
 def parse_admission(text: str) -> AdmissionSettings:
-    """``MODE[:RULE][:GIVE_UP]`` (``reject``, ``defer``, ``reject:pab``, ``defer:latest``,
-    ``defer:0.5``: a length weight)."""
+    """``MODE[:RULE][:GIVE_UP][:max_defer=S]`` (``reject``, ``defer``, ``reject:pab``,
+    ``defer:latest``, ``defer:0.5``: a length weight; ``defer:max_defer=0.5``: the
+    ``[admission]`` ``max_defer_s``)."""
     mode, *options = text.split(":")
-    words = {}
+    words: dict[str, str] = {}
+    numbers: dict[str, float] = {}
     for option in options:
+        name, equals, value = option.partition("=")
+        if equals:
+            if name not in ADMISSION_NUMBERS or not _is_number(value):
+                raise PolicySpecError(
+                    f"admission {text!r}: expected {' or '.join(f'{n}=SECONDS' for n in ADMISSION_NUMBERS)}, "
+                    f"got {option!r}")
+            key = ADMISSION_NUMBERS[name]
+            if key in numbers:
+                raise PolicySpecError(f"admission {text!r}: two values for its {name}")
+            numbers[key] = float(value)
+            continue
         key = "give_up" if option in {g.value for g in GiveUp} or _is_number(option) else "rule"
         if key in words:
             raise PolicySpecError(f"admission {text!r}: two values for its {key}")
         words[key] = option
+    if numbers and mode != "defer":
+        raise PolicySpecError(f"admission {text!r}: max_defer is how long mode 'defer' keeps "
+                              f"a late prefill; mode {mode!r} keeps none")
     try:
-        return AdmissionSettings.parse(mode, **words)
+        return AdmissionSettings.parse(mode, **words, **numbers)
     except AdmissionError as exc:
         raise PolicySpecError(str(exc)) from None
 
