@@ -336,21 +336,26 @@ class PabLeastLoadedBalancer(_AffinityPolicy):
         self._start = start + 1
         affine: RankView | None = None
         affine_key = (0.0, 0.0)
+        held = False  # some rank holds the prompt past the threshold, eligible or not
         least: RankView | None = None
         least_score = 0.0
         for offset in range(count):
             view = ranks[(start + offset) % count]
+            holds = affinity is not None and affinity.ratio(view.rank) > threshold
+            held = held or holds
             if within_budget:
                 cached = 0 if match is None else match.cached_tokens(view.rank, prompt_tokens)
                 if not budget_covers(view, prompt_tokens - cached, slo_class):
                     continue
             score = request_count_score(view)
-            if affinity is not None and affinity.ratio(view.rank) > threshold:
+            if holds:
                 key = (affinity.ratio(view.rank), -score)
                 if affine is None or key > affine_key:
                     affine, affine_key = view, key
             if least is None or score < least_score:
                 least, least_score = view, score
+        if affine is None and held:
+            return None  # never moved to a rank that holds none of it
         chosen = affine or least
         return None if chosen is None else chosen.rank
 
@@ -360,8 +365,12 @@ class PabCacheAwareBalancer(PabLeastLoadedBalancer):
     when its budget covers the part of the prompt it does not hold (the prompt less its
     believed cached tokens): a rank that cannot fit that prefill before the class's
     deadline is never chosen. Among eligible ranks whose match ratio exceeds the threshold,
-    the longest match (ties: the lower vLLM load score); none: ``pab_least_loaded`` over
-    the eligible ranks. None when no rank is eligible (the caller queues or rejects)."""
+    the longest match (ties: the lower vLLM load score). When ranks hold the prompt past
+    the threshold but none of them is eligible, None: the request is not moved to a rank
+    that holds none of it, where its whole prefix would be computed again, the capacity
+    the other requests need once budgets run out (the caller queues, rejects or spills,
+    which sends it to the longest match). When no rank holds it: ``pab_least_loaded``
+    over the eligible ranks, None when none is."""
 
     name = "pab_cache_aware"
     prefers_cached = True

@@ -178,12 +178,17 @@ def test_pab_cache_aware_leaves_a_cached_rank_that_cannot_meet_the_deadline() ->
     assert balancer.choose(ranks, 1000, None, prompt) == "b"  # next best match that fits
     ranks = [view("a", pab=10), view("b", pab=100), view("c", pab=5000, waiting=3),
              view("d", pab=5000)]
-    assert balancer.choose(ranks, 1000, None, prompt) == "d"  # then least loaded by PAB
+    # c and d hold none of it: moving it there computes the whole prefix again
+    assert balancer.choose(ranks, 1000, None, prompt) is None
+    assert balancer.spill(ranks, 1000, None, prompt) == "a"
+    unheld = "an unrelated prompt, long enough to fill blocks"
+    assert balancer.choose(ranks, 1000, None, unheld) == "d"  # no holder: least loaded by PAB
 
 
 def test_pab_cache_aware_judges_by_the_requests_class_budget() -> None:
     balancer = make_balancer("pab_cache_aware", cache_aware=SMALL)
     balancer.record("a", SYSTEM, 1000)
+    balancer.record("b", SYSTEM[:400], 1000)  # a shorter match, past the threshold
     ranks = [view("a", pab=5000, class_pab={"interactive": 10}), view("b", pab=5000)]
     assert balancer.choose(ranks, 1000, "interactive", SYSTEM + "question") == "b"
     assert balancer.choose(ranks, 1000, "standard", SYSTEM + "question") == "a"

@@ -793,11 +793,13 @@ def two_ranks_after_a_shared_prefix(policy: str):
     return core, shared, first, first.rank, "r1" if first.rank == "r0" else "r0"
 
 
-def test_pab_cache_aware_leaves_the_holder_when_its_budget_cannot_cover_the_rest():
+def test_pab_cache_aware_does_not_move_a_held_prompt_its_holder_cannot_cover():
     core, shared, first, holder, other = two_ranks_after_a_shared_prefix("pab_cache_aware")
     report(core, holder, 50, seq=2, echo=first.dispatch_seq)  # less than the uncached 100 tokens
-    (second,) = dispatches(text_submit(core, "second", shared + "r" * 400))
-    assert second.rank == other
+    (declined,) = replies(text_submit(core, "second", shared + "r" * 400), Reject)
+    assert declined.reason is RejectReason.NO_BUDGET  # the other rank holds none of it
+    (unheld,) = dispatches(text_submit(core, "unheld", "u" * 400))
+    assert unheld.rank == other
     (reject,) = replies(text_submit(core, "third", "t" * 400_000), Reject)  # nobody's budget covers it
     assert reject.reason is RejectReason.NO_BUDGET and "less what it holds" in reject.detail
 

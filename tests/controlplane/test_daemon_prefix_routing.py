@@ -144,7 +144,7 @@ def test_requests_sharing_a_prefix_go_to_the_rank_that_holds_it(two_ranks):
 
 
 @pytest.mark.parametrize("two_ranks", ["pab_cache_aware"], indirect=True)
-def test_pab_cache_aware_leaves_the_holder_only_when_its_budget_cannot_cover_the_rest(two_ranks):
+def test_pab_cache_aware_keeps_a_held_prompt_on_its_holder_while_its_budget_covers_the_rest(two_ranks):
     _, ranks, client = two_ranks
     by_name = {rank.rank: rank for rank in ranks}
     for rank in ranks:
@@ -160,6 +160,7 @@ def test_pab_cache_aware_leaves_the_holder_only_when_its_budget_cannot_cover_the
     by_name[holder].report(5)  # covers not even the uncached rest now
     client.wait_for_budgets({holder: 5})
     reply, rank = client.request(completion("third", SHARED + "third?"), ranks)
-    assert isinstance(reply, p.Finish) and rank == other
+    # the other rank's budget covers all of it, but it holds none of the prefix
+    assert isinstance(reply, p.Reject) and reply.reason is p.RejectReason.NO_BUDGET and rank is None
     reply, rank = client.request(completion("unshared", "z" * 2_000), ranks)  # 500 tokens, held nowhere
     assert isinstance(reply, p.Finish) and rank == other
