@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable, Sequence
 
 from benchmarks.routers.records import added_latency, cpu_per_1000, percentile
-from benchmarks.routers.stack import ROUTERS, TUNED_SMG
+from benchmarks.routers.stack import ROUTERS, TUNED_SMG, limits_key
 from benchmarks.routers.traffic import WORKLOADS
 
 
@@ -15,7 +15,8 @@ def router_label(point: dict) -> str:
     router = point["router"]
     if router in TUNED_SMG:
         limits = point.get("limits") or {}
-        return f"{router} (C={limits.get('max_concurrent')}, Q={limits.get('queue_size')})"
+        reserved = f", R={limits['interactive_reserved']}" if "interactive_reserved" in limits else ""
+        return f"{router} (C={limits.get('max_concurrent')}, Q={limits.get('queue_size')}{reserved})"
     return router
 
 
@@ -35,7 +36,7 @@ def main_points(points: Iterable[dict]) -> list[dict]:
         router = p["router"]
         if router in TUNED_SMG:
             best = at_rate[router].get((p["workload"], p["rate"]), tuned[router].get(p["workload"]))
-            if best is None or (p["limits"]["max_concurrent"], p["limits"]["queue_size"]) != best:
+            if best is None or limits_key(p["limits"]) != best:
                 continue
         chosen[(p["workload"], p["rate"], p["router"])] = p
     order = {r: i for i, r in enumerate(ROUTERS)}
@@ -48,23 +49,24 @@ def sweep_points(points: Iterable[dict], workload: str, router: str = "smg-ca") 
     for p in points:
         if p.get("workload") == workload and p.get("router") == router and p.get("phase") in ("sweep", "rate-sweep") \
                 and "result" in p:
-            chosen[(p["rate"], p["limits"]["max_concurrent"], p["limits"]["queue_size"])] = p
+            chosen[(p["rate"], *limits_key(p["limits"]))] = p
     return list(chosen.values())
 
 
-def tuned_limits(points: Iterable[dict], router: str = "smg-ca") -> dict[str, tuple[int, int]]:
-    """Per workload, the (concurrency, queue) ``router``'s last sweep chose (saved with its points)."""
+def tuned_limits(points: Iterable[dict], router: str = "smg-ca") -> dict[str, tuple[int, ...]]:
+    """Per workload, the limits (:func:`~benchmarks.routers.stack.limits_key`) ``router``'s last
+    sweep chose (saved with its points)."""
     return {w: tuple(t["limits"]) for w, t in tuned_records(points, router).items()}
 
 
-def swept_rate_limits(points: Iterable[dict], router: str = "smg-ca") -> dict[tuple[str, float], tuple[int, int]]:
+def swept_rate_limits(points: Iterable[dict], router: str = "smg-ca") -> dict[tuple[str, float], tuple[int, ...]]:
     """Per (workload, rate), the limits a workload sweep run at that rate chose (a later
     invocation may sweep the same workload again at a higher rate)."""
     return {(p["workload"], p["tuned"]["rate"]): tuple(p["tuned"]["limits"]) for p in points
             if p.get("router") == router and p.get("tuned") is not None and "rate" in p["tuned"]}
 
 
-def rate_tuned_limits(points: Iterable[dict], router: str = "smg-ca") -> dict[tuple[str, float], tuple[int, int]]:
+def rate_tuned_limits(points: Iterable[dict], router: str = "smg-ca") -> dict[tuple[str, float], tuple[int, ...]]:
     """Per (workload, rate), the limits a per-rate concurrency sweep chose, where one ran."""
     return {(p["workload"], p["rate"]): tuple(p["rate_tuned"]["limits"]) for p in points
             if p.get("router") == router and p.get("rate_tuned") is not None}
@@ -86,15 +88,18 @@ def sweep_summary(points: Sequence[dict], workload: str, router: str = "smg-ca")
         return None
     tuned = tuned_records(points, router).get(workload) or {}
     rows = [{"max_concurrent": p["limits"]["max_concurrent"], "queue_size": p["limits"]["queue_size"],
+             **({"interactive_reserved": p["limits"]["interactive_reserved"]}
+                if "interactive_reserved" in p["limits"] else {}),
              "rate": p["rate"], "good": p["result"]["good"], "goodput": p["result"]["goodput"],
              "attainment": p["result"]["attainment"], "ttft_p99": p["result"]["ttft_ms"]["p99"],
              "tpot_p99": p["result"]["tpot_ms"]["p99"], "failed": p["result"]["failed"],
              "server_died": bool(p.get("server_died"))} for p in sweep]
-    rows.sort(key=lambda r: (-r["rate"], r["queue_size"], r["max_concurrent"]))
+    rows.sort(key=lambda r: (-r["rate"], r.get("interactive_reserved", 0), r["queue_size"], r["max_concurrent"]))
     per_rate = {f"{p['rate']:g}": p["rate_tuned"] for p in points
                 if p.get("workload") == workload and p.get("router") == router and p.get("rate_tuned")}
     return {"rate": tuned.get("rate", rows[0]["rate"]), "points": rows, "best": tuned.get("limits"),
-            "grids": {k: tuned.get(k) for k in ("concurrency_grid", "queue_grid", "queue_during_concurrency")},
+            "grids": {k: tuned.get(k) for k in ("concurrency_grid", "queue_grid", "queue_during_concurrency",
+                                                "reserved_grid", "reserved_during_limits") if k in tuned},
             "verdicts": tuned.get("verdicts", {}), "per_rate": per_rate}
 
 

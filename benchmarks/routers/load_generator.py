@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from benchmarks.routers.records import DEFAULT_CLASS, SLO, Record, added_latency
+from benchmarks.routers.stack import SMG_PRIORITY_CLASS, SMG_PRIORITY_HEADER
 from benchmarks.routers.traffic import Request, words_text
 from benchmarks.support.sse import json_events_async
 
@@ -19,8 +20,10 @@ PROBE_OUTPUT_TOKENS = 2
 
 
 async def run_requests(url: str, model: str | None, requests: Sequence[Request], texts: Sequence[str],
-                       timeout_s: float = REQUEST_TIMEOUT_S) -> list[Record]:
-    """Send every request at its time (open loop), streamed; one Record each."""
+                       timeout_s: float = REQUEST_TIMEOUT_S,
+                       headers: Callable[[Request], dict[str, str]] | None = None) -> list[Record]:
+    """Send every request at its time (open loop), streamed, with ``headers(request)``;
+    one Record each."""
     import aiohttp
 
     records = [Record(r.index, r.at_s, r.output_tokens, slo_class=r.slo_class or DEFAULT_CLASS) for r in requests]
@@ -33,7 +36,8 @@ async def run_requests(url: str, model: str | None, requests: Sequence[Request],
             if delay > 0:
                 await asyncio.sleep(delay)
             record.sent_s = time.perf_counter() - origin
-            tasks.append(asyncio.create_task(_one(session, url, model, request, text, record, origin)))
+            tasks.append(asyncio.create_task(_one(session, url, model, request, text, record, origin,
+                                                  None if headers is None else headers(request))))
         await asyncio.gather(*tasks)
     return records
 
@@ -51,13 +55,18 @@ def completion_body(model: str | None, prompt: str, max_tokens: int, slo_class: 
     return body
 
 
+def smg_priority_headers(request: Request) -> dict[str, str]:
+    """smg's priority scheduler's header: the request's SLO class as smg names it."""
+    return {SMG_PRIORITY_HEADER: SMG_PRIORITY_CLASS[request.slo_class or DEFAULT_CLASS]}
+
+
 async def _one(session, url: str, model: str | None, request: Request, text: str, record: Record,
-               origin: float) -> None:
+               origin: float, headers: dict[str, str] | None = None) -> None:
     import aiohttp
 
     body = completion_body(model, text, request.output_tokens, request.slo_class)
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:
             record.status = response.status
             if response.status != 200:
                 record.error = f"http {response.status}: {(await response.text())[:120]}"

@@ -24,9 +24,12 @@ from benchmarks.routers.stack import (
     DAEMON_DEFAULT_POLICY,
     DAEMON_POLICY,
     EMBEDDED_ROUTERS,
+    PRIORITY_SMG,
     ROUTERS,
     SERVER_ARGS,
     SMG_CA_EXTRA,
+    SMG_PRIORITY_CLASS,
+    SMG_PRIORITY_HEADER,
     SMG_QUEUE_TIMEOUT_S,
     TUNED_SMG,
 )
@@ -115,6 +118,13 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
         f"`--policy cache_aware` / `least_load` (queued token work over throughput, with its "
         f"KV-pressure term), each with `{' '.join(SMG_CA_EXTRA)} --max-concurrent-requests C "
         f"--queue-size Q --queue-timeout-secs {SMG_QUEUE_TIMEOUT_S}`, C and Q swept (below); "
+        "`smg-prio` = `smg-ca` with smg's priority admission scheduler (`--priority-scheduler-enabled`, "
+        "`--priority-scheduler-default-max-class interactive`), each request's class in the "
+        f"`{SMG_PRIORITY_HEADER}` header ("
+        + ", ".join(f"{ours} -> {theirs}" for ours, theirs in SMG_PRIORITY_CLASS.items())
+        + "), every class's queue Q deep with its TTFT (whole seconds, at least 1) as its queue "
+        "timeout and starvation threshold, R of the C slots reserved for `interactive`, which may "
+        "preempt requests not yet streaming; C, Q and R swept; "
         f"{daemon_routers_text(meta.get('chars_per_token', '?'))} smg and the daemon restart for every run "
         "(their prefix trees start empty, like the servers' flushed caches).",
         ("- *router CPU*: utime + stime of the router's processes (smg: one; the daemon: daemon + "
@@ -184,7 +194,8 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
                          f"before the next run): `{first[:300]}`")
         lines.append("")
         for router, policy in TUNED_SMG.items():
-            lines += _sweep_lines(sweep_summary(points, workload, router), policy)
+            name = f"{policy} + priority scheduler" if router in PRIORITY_SMG else policy
+            lines += _sweep_lines(sweep_summary(points, workload, router), name)
     probes = probe_summary(points)
     if probes:
         lines += ["## Router added latency (unloaded) and CPU", "",
@@ -222,24 +233,34 @@ def _sweep_lines(sweep: dict | None, policy: str) -> list[str]:
     """A tuned smg router's sweep of one workload: its choice and every point."""
     if not sweep:
         return []
+    best = sweep["best"]
+    reserved = any("interactive_reserved" in s for s in sweep["points"])
     lines = [f"smg {policy} sweep at {sweep['rate']:g} req/s (queue timeout "
-             f"{SMG_QUEUE_TIMEOUT_S} s): best C={sweep['best'][0] if sweep['best'] else '?'}, "
-             f"Q={sweep['best'][1] if sweep['best'] else '?'}; concurrency "
-             f"{sweep['verdicts'].get('max_concurrent', '?')}, queue size "
-             f"{sweep['verdicts'].get('queue_size', '?')}.", "",
+             f"{SMG_QUEUE_TIMEOUT_S} s): best C={best[0] if best else '?'}, "
+             f"Q={best[1] if best else '?'}"
+             + (f", R={best[2] if best and len(best) > 2 else '?'}" if reserved else "")
+             + f"; concurrency {sweep['verdicts'].get('max_concurrent', '?')}, queue size "
+             f"{sweep['verdicts'].get('queue_size', '?')}"
+             + (f", interactive reserved {sweep['verdicts'].get('interactive_reserved', '?')}"
+                if reserved else "") + ".", "",
              *[f"Per-rate concurrency sweep at {r} req/s (where the limits above left SLO misses; "
                f"Q={t['limits'][1]}): best C={t['limits'][0]}, {t['verdict']} in {t['grid']}."
                for r, t in sorted(sweep["per_rate"].items(), key=lambda kv: float(kv[0]))],
              *([""] if sweep["per_rate"] else []),
-             "| rate | C (max concurrent) | Q (queue size) | goodput | attainment | failed | TTFT p99 ms | TPOT p99 ms |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| rate | C (max concurrent) | Q (queue size) | "
+             + ("R (interactive reserved) | " if reserved else "")
+             + "goodput | attainment | failed | TTFT p99 ms | TPOT p99 ms |",
+             "|---:|---:|---:|" + ("---:|" if reserved else "") + "---:|---:|---:|---:|---:|"]
     for s in sweep["points"]:
         chosen = sweep["per_rate"].get(f"{s['rate']:g}", {}).get("limits") or (
-            sweep["best"] if s["rate"] == sweep["rate"] else None)
-        mark = "**" if chosen and (s["max_concurrent"], s["queue_size"]) == tuple(chosen) else ""
+            best if s["rate"] == sweep["rate"] else None)
+        key = (s["max_concurrent"], s["queue_size"]) + (
+            (s["interactive_reserved"],) if "interactive_reserved" in s else ())
+        mark = "**" if chosen and key == tuple(chosen) else ""
         crashed = " †" if s.get("server_died") else ""
+        r_cell = f"{mark}{s['interactive_reserved']}{mark} | " if reserved else ""
         lines.append(f"| {s['rate']:g} | {mark}{s['max_concurrent']}{mark}{crashed} | {mark}{s['queue_size']}{mark} | "
-                     f"{s['goodput']:.2f} | {s['attainment']:.3f} | {s['failed']} | "
+                     f"{r_cell}{s['goodput']:.2f} | {s['attainment']:.3f} | {s['failed']} | "
                      f"{_fmt(s['ttft_p99'])} | {_fmt(s['tpot_p99'], 1)} |")
     lines.append("")
     return lines

@@ -4,6 +4,7 @@ as soon as it finishes, the tuned smg routers' limits swept first."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import time
@@ -11,17 +12,19 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.routers.load_generator import probe, run_requests
+from benchmarks.routers.load_generator import probe, run_requests, smg_priority_headers
 from benchmarks.routers.records import cpu_per_1000, prefill_summary, summarize
 from benchmarks.routers.process_probes import crash_summary
 from benchmarks.routers.stack import (
     DAEMON_POLICY,
     EMBEDDED_ROUTERS,
+    PRIORITY_SMG,
     ROUTERS,
     SMG_QUEUE_TIMEOUT_S,
     TUNED_SMG,
     Router,
     Stack,
+    limits_key,
 )
 from benchmarks.routers.limit_sweep import edge_extension, pick_best, sweep_verdict
 from benchmarks.routers.traffic import SEED, bundled_azure_lengths, prompt_text, workload_requests
@@ -46,6 +49,16 @@ class Plan:
     quick: bool
     routers: tuple[str, ...] = ROUTERS
     per_rate: bool = True
+    #: the priority scheduler's slots reserved for ``interactive``: held at the first while C
+    #: and Q are swept, then swept at the best C and Q (never C or more)
+    sweep_reserved: tuple[int, ...] = (0, 4, 16)
+
+
+def smg_limits(c: int, q: int, reserved: int | None = None) -> dict:
+    """A tuned smg router's limits: C, Q, the queue timeout and, for the priority
+    scheduler's routers, the interactive class's reserved slots."""
+    limits = {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
+    return limits if reserved is None else limits | {"interactive_reserved": reserved}
 
 
 class Bench:
@@ -61,9 +74,7 @@ class Bench:
         self.runs: dict[tuple, dict] = {}
         for p in load_points(points_path):  # --append: runs already saved are not run again
             if "result" in p and "error" not in p:
-                limits = p.get("limits")
-                self.runs[(p["workload"], p["rate"], p["router"],
-                           None if limits is None else (limits["max_concurrent"], limits["queue_size"]))] = p
+                self.runs[(p["workload"], p["rate"], p["router"], limits_key(p.get("limits")))] = p
 
     def router(self, name: str, limits: dict | None, tag: str) -> Router:
         if name == "smg-rr":
@@ -75,11 +86,11 @@ class Bench:
 
     def run(self, workload: str, rate: float, name: str, limits: dict | None = None, phase: str = "main",
             tuned: dict | None = None) -> dict:
-        key = (workload, rate, name, None if limits is None else (limits["max_concurrent"], limits["queue_size"]))
+        key = (workload, rate, name, limits_key(limits))
         if key in self.runs:
             return self.runs[key]
-        tag = f"{workload}-r{rate:g}-{name}" + ("" if limits is None else
-                                                f"-c{limits['max_concurrent']}-q{limits['queue_size']}")
+        tag = f"{workload}-r{rate:g}-{name}" + ("" if limits is None else "".join(
+            f"-{letter}{value}" for letter, value in zip("cqr", limits_key(limits))))
         print(f"  {tag} ...", file=sys.stderr, flush=True)
         requests = workload_requests(workload, rate, self.plan.seconds, SEED, self.azure)
         texts = [prompt_text(r, self.stack.words, SEED) for r in requests]
@@ -99,7 +110,8 @@ class Bench:
             cpu0, servers0 = router.cpu_s(), self.stack.servers_cpu_s()
             load0 = os.getloadavg()
             t0 = time.monotonic()
-            records = asyncio.run(run_requests(router.url, router.model, requests, texts))
+            headers = smg_priority_headers if name in PRIORITY_SMG else None
+            records = asyncio.run(run_requests(router.url, router.model, requests, texts, headers=headers))
             wall = time.monotonic() - t0
             cpu1, servers1 = router.cpu_s(), self.stack.servers_cpu_s()
             time.sleep(0.3)  # the last steps reach the step logs
@@ -153,21 +165,22 @@ class Bench:
         plan = self.plan
         rate = max(plan.rates[workload])
 
-        def limits(c: int, q: int) -> dict:
-            return {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
+        prioritised = router in PRIORITY_SMG
+        r0 = plan.sweep_reserved[0]
 
-        def measured(c: int, q: int) -> dict:
-            p = self.run(workload, rate, router, limits(c, q), phase="sweep")
-            r = p.get("result") or {"good": -1, "ttft_ms": {"p99": None}}
-            return {"c": c, "q": q, "good": r["good"], "ttft_p99": r["ttft_ms"]["p99"]}
+        def measured(c: int, q: int, r: int = r0) -> dict:
+            p = self.run(workload, rate, router, smg_limits(c, q, r if prioritised else None), phase="sweep")
+            result = p.get("result") or {"good": -1, "ttft_ms": {"p99": None}}
+            return {"c": c, "q": q, "r": r, "good": result["good"], "ttft_p99": result["ttft_ms"]["p99"]}
 
-        def line(key: str, grid: list[int], fixed: dict, lower: int) -> tuple[int, list[int]]:
+        def line(key: str, grid: list[int], fixed: dict, lower: int,
+                 below: float = math.inf) -> tuple[int, list[int]]:
             extensions = 0
             while True:
                 results = [measured(**{**fixed, key: v}) for v in sorted(grid)]
                 best = pick_best(results, key)[key]
                 extra = edge_extension(grid, best, lower) if extensions < plan.max_extensions else None
-                if extra is None:
+                if extra is None or extra >= below:
                     return best, sorted(grid)
                 grid.append(extra)
                 extensions += 1
@@ -181,11 +194,17 @@ class Bench:
                  "queue_during_concurrency": q0, "queue_grid": q_grid,
                  "verdicts": {"max_concurrent": sweep_verdict(c_grid, c_best, 1),
                               "queue_size": sweep_verdict(q_grid, q_best, 0) if len(q_grid) > 1 else "not swept"}}
-        key = (workload, rate, router, (c_best, q_best))
+        if prioritised:
+            grid = sorted({r for r in plan.sweep_reserved if r < c_best} | {r0})
+            r_best, r_grid = line("r", grid, {"c": c_best, "q": q_best}, 0, below=c_best)
+            tuned["limits"].append(r_best)
+            tuned |= {"reserved_during_limits": r0, "reserved_grid": r_grid}
+            tuned["verdicts"]["interactive_reserved"] = sweep_verdict(r_grid, r_best, 0)
+        key = (workload, rate, router, tuple(tuned["limits"]))
         point = dict(self.runs[key], tuned=tuned)  # saved again, with the choice
         append_point(self.points_path, point)
         self.runs[key] = point
-        print(f"  {workload}: {router} tuned to C={c_best}, Q={q_best} ({tuned['verdicts']})", file=sys.stderr)
+        print(f"  {workload}: {router} tuned to {tuned['limits']} ({tuned['verdicts']})", file=sys.stderr)
         return tuned
 
     def workload(self, workload: str) -> None:
@@ -194,8 +213,7 @@ class Bench:
         for router in self.plan.routers:
             if router in TUNED_SMG:
                 tuned[router] = self.sweep(workload, router)
-                c, q = tuned[router]["limits"]
-                limits[router] = {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
+                limits[router] = smg_limits(*tuned[router]["limits"])
         for rate in self.plan.rates[workload]:
             for name in self.plan.routers:
                 point = self.run(workload, rate, name, limits.get(name), tuned=tuned.get(name))
@@ -208,13 +226,13 @@ class Bench:
         concurrency limit at that rate too (the queue size as tuned), edges extended: each
         rate gets the tuned smg router at its best, as the other benchmarks tune baselines
         per point."""
-        q = tuned["limits"][1]
-        grid = sorted(set(self.plan.sweep_concurrency) | {tuned["limits"][0]})
+        c_tuned, q, *reserved = tuned["limits"]
+        grid = sorted({c for c in self.plan.sweep_concurrency if not reserved or c > reserved[0]} | {c_tuned})
         extensions = 0
         while True:
             results = []
             for c in sorted(grid):
-                limits = {"max_concurrent": c, "queue_size": q, "queue_timeout_s": SMG_QUEUE_TIMEOUT_S}
+                limits = smg_limits(c, q, *reserved)
                 p = self.run(workload, rate, router, limits, phase="rate-sweep")
                 r = p.get("result") or {"good": -1, "ttft_ms": {"p99": None}}
                 results.append({"c": c, "good": r["good"], "ttft_p99": r["ttft_ms"]["p99"]})
@@ -224,8 +242,8 @@ class Bench:
                 break
             grid.append(extra)
             extensions += 1
-        choice = {"limits": [best, q], "grid": sorted(grid), "verdict": sweep_verdict(grid, best, 1)}
-        key = (workload, rate, router, (best, q))
+        choice = {"limits": [best, q, *reserved], "grid": sorted(grid), "verdict": sweep_verdict(grid, best, 1)}
+        key = (workload, rate, router, tuple(choice["limits"]))
         point = dict(self.runs[key], rate_tuned=choice)
         append_point(self.points_path, point)
         self.runs[key] = point

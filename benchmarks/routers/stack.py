@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -23,10 +24,11 @@ from benchmarks.routers.process_probes import StepLogTail, group_cpu_s, proc_cpu
 from benchmarks.routers.traffic import chars_per_token
 from benchmarks.server.emulated import PROFILE, TIME_SCALE, write_fb_config
 from benchmarks.server.stock_server import launch
-from benchmarks.support.paths import pythonpath_with_checkout
+from benchmarks.support.paths import REPO, pythonpath_with_checkout
 from benchmarks.support.ports import free_ports
 from benchmarks.support.processes import spawn, stop_group
 from controlplane.config import DaemonConfig
+from sglang_ext.policy.slo import SloCatalog
 
 KV_TOKENS = 65_536  # per server: holds half of the shared prefixes with room to run, not all
 MAX_PREFILL_TOKENS = 16_384
@@ -43,10 +45,43 @@ SERVER_ARGS = ("--max-total-tokens", str(KV_TOKENS), "--max-prefill-tokens", str
 SMG_CA_EXTRA = ("--disable-worker-overload-protection", "--worker-warmup-secs", "0")
 SMG_QUEUE_TIMEOUT_S = 2  # = the TTFT target (whole seconds: smg's flag is an integer)
 
-ROUTERS = ("smg-rr", "smg-ca", "smg-ll", "cp-default", "cp-one", "cp-pab", "cp-least")
+ROUTERS = ("smg-rr", "smg-ca", "smg-ll", "smg-prio", "cp-default", "cp-one", "cp-pab", "cp-least")
 #: the smg routers whose admission limits (``--max-concurrent-requests``, ``--queue-size``)
 #: are swept per workload and rate, and the smg policy each runs
-TUNED_SMG = {"smg-ca": "cache_aware", "smg-ll": "least_load"}
+TUNED_SMG = {"smg-ca": "cache_aware", "smg-ll": "least_load", "smg-prio": "cache_aware"}
+#: the smg routers that run smg's priority admission scheduler, each request's class named
+#: by the ``x-smg-priority`` header; their limits add the slots reserved for ``interactive``
+PRIORITY_SMG = frozenset({"smg-prio"})
+SMG_PRIORITY_HEADER = "x-smg-priority"
+#: the SLO classes of ``configs/slo.toml`` as smg's priority classes name them
+SMG_PRIORITY_CLASS = {"interactive": "interactive", "standard": "default", "relaxed": "bulk"}
+
+
+def limits_key(limits: dict | None) -> tuple[int, ...] | None:
+    """A tuned smg router's limits as the points key them: (C, Q), and the interactive
+    class's reserved slots R for the priority scheduler's routers."""
+    if limits is None:
+        return None
+    key = (limits["max_concurrent"], limits["queue_size"])
+    return key + (limits["interactive_reserved"],) if "interactive_reserved" in limits else key
+
+
+def priority_scheduler_yaml(limits: dict, ttft_s: dict[str, float]) -> str:
+    """smg's ``--priority-scheduler-config``: per class (:data:`SMG_PRIORITY_CLASS`) a queue
+    of ``queue_size`` whose timeout and starvation threshold are the class's TTFT target
+    rounded up to whole seconds (smg's fields are integers; a request queued past its TTFT
+    has missed it), ``interactive`` with ``interactive_reserved`` slots of
+    ``max_concurrent`` reserved and the right to preempt requests not yet streaming."""
+    lines = ["classes:"]
+    for slo_class, smg_class in SMG_PRIORITY_CLASS.items():
+        seconds = max(1, math.ceil(ttft_s[slo_class]))
+        interactive = smg_class == "interactive"
+        reserved = limits["interactive_reserved"] if interactive else 0
+        lines.append(
+            f"  {smg_class}: {{reserved_floor: {reserved}, reserved_per_slot: 0.0, "
+            f"queue_size: {limits['queue_size']}, queue_timeout_secs: {seconds}, "
+            f"starvation_threshold_secs: {seconds}, can_preempt: {str(interactive).lower()}}}")
+    return "\n".join(lines) + "\n"
 #: The daemon's routers: name -> its ``policy`` key (None: not set, the daemon's default).
 DAEMON_POLICY = {"cp-default": None, "cp-one": None, "cp-pab": "pab", "cp-least": "pab_least_loaded"}
 #: The daemon's routers whose gateway runs in the daemon's process (``serve --http``);
@@ -66,6 +101,12 @@ def daemon_router_name(policy: str | None, embedded: bool = False) -> str:
             return name
     raise KeyError(f"no router runs the daemon with policy {policy!r} (embedded gateway: {embedded}); "
                    f"known: {DAEMON_POLICY}, embedded: {sorted(EMBEDDED_ROUTERS)}")
+
+
+def class_ttfts() -> dict[str, float]:
+    """Each SLO class's TTFT target, from ``configs/slo.toml`` (what the servers load)."""
+    catalog = SloCatalog.from_toml(REPO / "configs" / "slo.toml")
+    return {name: slo.ttft_s for name, slo in catalog.classes.items()}
 
 
 def check_daemon_config(text: str, source: object = "<bench daemon config>") -> None:
@@ -274,6 +315,11 @@ class Stack:
             command += ["--max-concurrent-requests", str(limits["max_concurrent"]),
                         "--queue-size", str(limits["queue_size"]),
                         "--queue-timeout-secs", str(limits["queue_timeout_s"])]
+        if name in PRIORITY_SMG:
+            config = self.raw / f"smg-{tag}-priority.yaml"
+            config.write_text(priority_scheduler_yaml(limits, class_ttfts()))
+            command += ["--priority-scheduler-enabled", "--priority-scheduler-config", str(config),
+                        "--priority-scheduler-default-max-class", "interactive"]
         self.smg_process = spawn(command, self.raw / f"smg-{tag}.log")
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -288,6 +334,8 @@ class Stack:
         shown = [os.path.basename(command[0]), *command[1:]]
         shown[shown.index("--port") + 1] = "PORT"
         shown[shown.index("--prometheus-port") + 1] = "PORT2"
+        if "--priority-scheduler-config" in shown:
+            shown[shown.index("--priority-scheduler-config") + 1] = "PRIORITY.yaml"
         i = shown.index("--worker-urls")
         shown[i + 1:i + 3] = ["http://127.0.0.1:A", "http://127.0.0.1:B"]
         return Router(name, url, self.served_model, (self.smg_process.pid,), shlex.join(shown), limits)
