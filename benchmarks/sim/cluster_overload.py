@@ -19,9 +19,13 @@ late) at its overload rates, 1.5x and 2x the best baseline's capacity as its com
   behind every router, so neither side of a PAB comparison has a rank setting the other
   lacks.
 
-The verdict per workload and rate: the best PAB configuration over the best of all the
-others, with each side's on-time share per prompt-length bucket and per SLO class (who
-pays). Uses ``--jobs`` processes (about 10 minutes at 2)::
+Every configuration runs at every arrival seed of ``--seeds`` (default 0, 1, 2: past
+capacity the cluster is chaotic, a 0.05% change of rate moves one configuration's on-time
+req/s by 5%); a cell is the mean over the seeds. The verdict per workload and rate: the
+best PAB configuration over the best of all the others by that mean, with the ratio per
+seed and each side's on-time share per prompt-length bucket and per SLO class (who pays).
+``--only REGEX`` runs the configurations whose label matches. Uses ``--jobs`` processes
+(about 15 minutes per seed at 2)::
 
     source scripts/_env.sh
     python -m benchmarks.sim.cluster_overload --jobs 2   # writes docs/bench/cluster_overload.{md,json}
@@ -30,7 +34,11 @@ pays). Uses ``--jobs`` processes (about 10 minutes at 2)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
+import shlex
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -108,12 +116,13 @@ def _group_attainment(groups: dict) -> dict[str, float]:
     return {name: round(group["attainment"], 4) for name, group in groups.items()}
 
 
-def _job(job: tuple[str, str, float, Configuration]) -> tuple[str, str, Configuration, dict, float]:
-    name, key, rate, configuration = job
+def _job(job: tuple[str, str, float, Configuration, int]
+         ) -> tuple[str, str, Configuration, int, dict, float]:
+    name, key, rate, configuration, seed = job
     case = _cases[name]
     began = time.perf_counter()
     load = simulate_cluster(
-        case.scenario, parse_policy(configuration.policy), rate,
+        dataclasses.replace(case.scenario, seed=seed), parse_policy(configuration.policy), rate,
         ClusterConfig(RANKS, configuration.router, on_no_budget=configuration.on_no_budget),
         prefixes=case.prefixes).load
     point = {
@@ -125,7 +134,22 @@ def _job(job: tuple[str, str, float, Configuration]) -> tuple[str, str, Configur
         "rejected": load["rejected"], "queue_timeout": load["queue_timeout"],
         "spilled": load["spilled"], "dispatch_imbalance": round(load["dispatch_imbalance"], 3),
     }
-    return name, key, configuration, point, time.perf_counter() - began
+    return name, key, configuration, seed, point, time.perf_counter() - began
+
+
+def mean_point(by_seed: dict[int, dict]) -> dict:
+    """One configuration at one rate over its seeds: the means, and each seed's on-time req/s."""
+    points = list(by_seed.values())
+    mean = dict(points[0])
+    for field in ("effective_rps", "attainment"):
+        mean[field] = statistics.fmean(p[field] for p in points)
+    for field in ("by_prompt_bucket", "by_slo_class"):
+        mean[field] = {group: round(statistics.fmean(p[field][group] for p in points), 4)
+                       for group in points[0][field]}
+    for field in ("rejected", "queue_timeout", "spilled"):
+        mean[field] = statistics.fmean(p[field] for p in points)
+    mean["seeds"] = {str(seed): round(p["effective_rps"], 2) for seed, p in sorted(by_seed.items())}
+    return mean
 
 
 def best_sjf_timeout(points: dict[str, dict]) -> tuple[float, list[float]]:
@@ -139,29 +163,43 @@ def best_sjf_timeout(points: dict[str, dict]) -> tuple[float, list[float]]:
     return best, sorted(by_timeout)
 
 
-def run_all(cases: dict[str, Case], rates: dict[str, dict[str, float]], jobs: int
-            ) -> tuple[dict, float]:
-    results = {name: {key: {} for key in rates[name]} for name in cases}
+def run_all(cases: dict[str, Case], rates: dict[str, dict[str, float]], seeds: Sequence[int],
+            jobs: int, only: re.Pattern | None = None) -> tuple[dict, float]:
+    """Every configuration (``only``: those whose label it matches) at every rate and seed;
+    a configuration's point is its mean over the seeds."""
+    by_seed: dict[str, dict[str, dict[str, dict[int, dict]]]] = {
+        name: {key: {} for key in rates[name]} for name in cases}
     cpu_s = 0.0
-    work = [(name, key, rate, c) for name, case in cases.items()
+
+    def wanted(configurations: list[Configuration]) -> list[Configuration]:
+        return [c for c in configurations if only is None or only.search(c.label)]
+
+    work = [(name, key, rate, c, seed) for name, case in cases.items()
             for key, rate in rates[name].items()
-            for c in sjf_configurations(case, SJF_TIMEOUTS) + fixed_configurations(case)]
+            for c in wanted(sjf_configurations(case, SJF_TIMEOUTS) + fixed_configurations(case))
+            for seed in seeds]
     with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(cases,)) as pool:
         while work:
-            for done, (name, key, configuration, point, seconds) in enumerate(
+            for done, (name, key, configuration, seed, point, seconds) in enumerate(
                     pool.map(_job, work, chunksize=1), 1):
-                results[name][key][configuration.label] = point
+                by_seed[name][key].setdefault(configuration.label, {})[seed] = point
                 cpu_s += seconds
-                print(f"[{done}/{len(work)}] {name} {key}: {configuration.label} "
+                print(f"[{done}/{len(work)}] {name} {key} seed {seed}: {configuration.label} "
                       f"{point['effective_rps']:.1f} ({seconds:.0f} s)", file=sys.stderr, flush=True)
             work = []
             for name, case in cases.items():  # widen the timeout while its best is at an edge
                 for key, rate in rates[name].items():
-                    best, tried = best_sjf_timeout(results[name][key])
+                    points = {label: mean_point(p) for label, p in by_seed[name][key].items()}
+                    if not any(p["policy"].startswith(SJF + ",") for p in points.values()):
+                        continue
+                    best, tried = best_sjf_timeout(points)
                     wider = (best / 2 if best == tried[0] else best * 1.5 if best == tried[-1]
                              else None)
                     if wider and SJF_TIMEOUT_BOUNDS[0] <= wider <= SJF_TIMEOUT_BOUNDS[1]:
-                        work += [(name, key, rate, c) for c in sjf_configurations(case, (wider,))]
+                        work += [(name, key, rate, c, seed)
+                                 for c in wanted(sjf_configurations(case, (wider,))) for seed in seeds]
+    results = {name: {key: {label: mean_point(p) for label, p in points.items()}
+                      for key, points in by_rate.items()} for name, by_rate in by_seed.items()}
     return results, cpu_s
 
 
@@ -172,13 +210,19 @@ def verdicts(results: dict) -> dict:
         for key, points in by_rate.items():
             pab = [(label, p) for label, p in points.items() if p["router"].startswith("pab")]
             other = [(label, p) for label, p in points.items() if not p["router"].startswith("pab")]
+            if not pab or not other:
+                continue
             ours_label, ours = max(pab, key=lambda item: item[1]["effective_rps"])
             theirs_label, theirs = max(other, key=lambda item: item[1]["effective_rps"])
-            best_sjf, tried = best_sjf_timeout(points)
+            best_sjf, tried = best_sjf_timeout(points) if any(
+                p["policy"].startswith(SJF + ",") for p in points.values()) else (None, [])
             out[name][key] = {
                 "ours": ours_label, "baseline": theirs_label,
                 "ratio": ours["effective_rps"] / theirs["effective_rps"],
                 "ours_rps": ours["effective_rps"], "baseline_rps": theirs["effective_rps"],
+                "ratio_per_seed": {seed: rps / theirs["seeds"][seed]
+                                   for seed, rps in ours.get("seeds", {}).items()
+                                   if theirs.get("seeds", {}).get(seed)},
                 "sjf_timeouts": tried, "best_sjf_timeout": best_sjf,
             }
     return out
@@ -201,7 +245,9 @@ def markdown(doc: dict, command: str) -> str:
          "baseline's capacity). On time: effective req/s. `(queue)` / `(spill)`: the pab "
          "routers' `on_no_budget`. `max_defer=S`: the FairBatching ranks' `[admission]` "
          f"`max_defer_s` (default 2). SJF timeouts swept per point: {SJF_TIMEOUTS} widened "
-         "while the best is at an edge."),
+         f"while the best is at an edge. Each cell is the mean over arrival seeds "
+         f"{', '.join(map(str, doc['seeds']))} (Azure's trace arrivals do not depend on it)"
+         + (f"; configurations matching `{doc['only']}` only" if doc.get("only") else "") + "."),
         "",
     ]
     for name, by_rate in doc["results"].items():
@@ -218,13 +264,18 @@ def markdown(doc: dict, command: str) -> str:
             lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
         lines.append("")
         for key in keys:
-            verdict = doc["verdicts"][name][key]
+            verdict = doc["verdicts"][name].get(key)
+            if verdict is None:
+                continue
             ours = by_rate[key][verdict["ours"]]
             theirs = by_rate[key][verdict["baseline"]]
             lines.append(
-                f"- {key}: best PAB / best other {verdict['ratio']:.2f}x (`{verdict['ours']}` "
+                f"- {key}: best PAB / best other {verdict['ratio']:.2f}x (per seed "
+                + ", ".join(f"{r:.2f}x" for r in verdict["ratio_per_seed"].values())
+                + f"; `{verdict['ours']}` "
                 f"{verdict['ours_rps']:.1f} vs `{verdict['baseline']}` {verdict['baseline_rps']:.1f}; "
-                f"SJF timeout best at {verdict['best_sjf_timeout']:g} of {verdict['sjf_timeouts']}). "
+                f"SJF timeout best at {verdict['best_sjf_timeout']} of {verdict['sjf_timeouts']}; "
+                f"per seed {ours['seeds']} against {theirs['seeds']}). "
                 f"On-time share, PAB/other, per prompt bucket: {_groups(ours, theirs, 'by_prompt_bucket')}; "
                 f"per SLO class: {_groups(ours, theirs, 'by_slo_class')}.")
         lines.append("")
@@ -246,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated subset of " + ", ".join(WORKLOADS))
     parser.add_argument("--rates", type=Path, default=DOCS_BENCH / "cluster_sim.json",
                         help="a cluster_sim results JSON whose overload rates to run")
+    parser.add_argument("--seeds", default="0,1,2",
+                        help="arrival seeds, comma-separated; a cell is their mean (default %(default)s)")
+    parser.add_argument("--only", help="run only the configurations whose label matches this regex")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -258,6 +312,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
     try:
+        seeds = sorted({int(seed) for seed in args.seeds.split(",") if seed.strip()})
+    except ValueError:
+        parser.error(f"--seeds {args.seeds!r}: expected integers, comma-separated")
+    if not seeds:
+        parser.error("--seeds: at least one")
+    try:
+        only = None if args.only is None else re.compile(args.only)
+    except re.error as exc:
+        parser.error(f"--only {args.only!r}: {exc}")
+    try:
         rates = committed_rates(args.rates)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         parser.error(f"--rates {args.rates}: not a cluster_sim results JSON ({exc})")
@@ -267,14 +331,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = {name: case for name, case in build_cases(args.trace, args.requests).items()
              if name in names}
     start = time.perf_counter()
-    results, cpu_s = run_all(cases, {n: rates[n] for n in names}, args.jobs)
+    results, cpu_s = run_all(cases, {n: rates[n] for n in names}, seeds, args.jobs, only)
+    if not any(points for by_rate in results.values() for points in by_rate.values()):
+        parser.error(f"--only {args.only!r} matches no configuration")
     doc = {"machine": machine_info(), "wall_s": round(time.perf_counter() - start, 1),
            "simulation_cpu_s": round(cpu_s, 1), "jobs": args.jobs, "requests": args.requests,
            "ranks": RANKS, "profile": cluster_sim.PROFILE,
            "cases": {name: case.description for name, case in cases.items()},
-           "rates": {n: rates[n] for n in names}, "results": results,
+           "rates": {n: rates[n] for n in names}, "seeds": seeds, "only": args.only, "results": results,
            "verdicts": verdicts(results)}
     command = "python -m benchmarks.sim.cluster_overload --jobs 2"
+    if args.seeds != "0,1,2":
+        command += f" --seeds {args.seeds}"
+    if args.only:
+        command += f" --only {shlex.quote(args.only)}"
     if args.requests != cluster_sim.DEFAULT_REQUESTS:
         command += f" --requests {args.requests}"
     if names != list(WORKLOADS):

@@ -25,7 +25,18 @@ def test_every_router_runs_over_both_rank_settings_and_pab_in_both_modes() -> No
 
 def point(policy: str, router: str, rps: float) -> dict:
     return {"policy": policy, "router": router, "effective_rps": rps,
-            "by_prompt_bucket": {"<512": rps / 400}, "by_slo_class": {"standard": rps / 400}}
+            "by_prompt_bucket": {"<512": rps / 400}, "by_slo_class": {"standard": rps / 400},
+            "seeds": {"0": rps - 10, "1": rps + 10}}
+
+
+def test_a_point_over_seeds_is_their_mean_and_keeps_each_seeds_figure() -> None:
+    by_seed = {seed: point(cluster_sim.FAIRBATCHING, "cache_aware", rps) | {
+        "attainment": rps / 400, "rejected": 0, "queue_timeout": 0, "spilled": seed}
+        for seed, rps in ((0, 200.0), (1, 260.0))}
+    mean = cluster_overload.mean_point(by_seed)
+    assert mean["effective_rps"] == 230.0 and mean["spilled"] == 0.5
+    assert mean["by_slo_class"] == {"standard": 0.575}
+    assert mean["seeds"] == {"0": 200.0, "1": 260.0}
 
 
 def test_the_best_sjf_timeout_prefers_the_shorter_on_a_tie() -> None:
@@ -47,19 +58,34 @@ def test_the_verdict_divides_the_best_pab_by_the_best_of_the_rest() -> None:
     verdict = cluster_overload.verdicts(results)["w"]["2x"]
     assert (verdict["ours"], verdict["baseline"]) == ("ours", "load")
     assert verdict["ratio"] == pytest.approx(240 / 230)
+    assert verdict["ratio_per_seed"] == pytest.approx({"0": 230 / 220, "1": 250 / 240})
 
 
 @pytest.mark.slow
 def test_a_short_run_writes_both_files(tmp_path: Path) -> None:
     rates = tmp_path / "cluster_sim.json"
-    rates.write_text(json.dumps({"workloads": {"azure": {"overload_rates": {"2x": 60.0}}}}))
-    code = cluster_overload.main(["--requests", "40", "--workloads", "azure", "--rates", str(rates),
-                                  "--out", str(tmp_path)])
+    rates.write_text(json.dumps({"workloads": {"prefix": {"overload_rates": {"2x": 60.0}}}}))
+    code = cluster_overload.main(["--requests", "40", "--workloads", "prefix", "--rates", str(rates),
+                                  "--seeds", "0,1", "--only", "cache_aware", "--out", str(tmp_path)])
     assert code == 0
     document = json.loads((tmp_path / "cluster_overload.json").read_text())
-    verdict = document["verdicts"]["azure"]["2x"]
+    verdict = document["verdicts"]["prefix"]["2x"]
     assert verdict["ours_rps"] > 0 and verdict["baseline_rps"] > 0
+    assert set(verdict["ratio_per_seed"]) == {"0", "1"}
+    assert all("cache_aware" in label for label in document["results"]["prefix"]["2x"])
     assert "best PAB / best other" in (tmp_path / "cluster_overload.md").read_text()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--seeds", "a,b"], "--seeds 'a,b': expected integers"),
+    (["--only", "("], "--only '('"),
+    (["--workloads", "nope"], "--workloads: expected names"),
+])
+def test_bad_options_are_refused_before_anything_runs(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cluster_overload.main([*argv, "--no-write"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_rates_from_a_file_that_is_not_a_results_document_are_refused(tmp_path: Path, capsys) -> None:
