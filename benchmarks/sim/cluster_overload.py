@@ -304,9 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    if not names or any(n not in WORKLOADS for n in names):
-        parser.error(f"--workloads: expected names from {', '.join(WORKLOADS)}")
+    names = cluster_sim.workload_names(parser, args.workloads)
     if args.requests < 2:
         parser.error("--requests must be >= 2")
     if args.jobs < 1:

@@ -389,6 +389,14 @@ def markdown(doc: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def workload_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """``--workloads``: names from :data:`WORKLOADS`, comma-separated (a parser error else)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in WORKLOADS for n in names):
+        parser.error(f"--workloads: expected names from {', '.join(WORKLOADS)}")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=SHARED_AZURE_TRACE, help="Azure trace CSV")
@@ -403,9 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    if not names or any(n not in WORKLOADS for n in names):
-        parser.error(f"--workloads: expected names from {', '.join(WORKLOADS)}")
+    names = workload_names(parser, args.workloads)
     if args.requests is not None and args.requests < 2:
         parser.error("--requests must be >= 2")
     if args.jobs < 1:
