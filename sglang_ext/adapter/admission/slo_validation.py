@@ -4,10 +4,10 @@ TokenizerManager process.
 
 "Cannot honour" is a TPOT below twice the smallest step (one decode token) predicted by
 the *initial* step model of the extension's config, the one this process has
-(``batch_former.unserviceable_slo_reason``). The schedulers' online models may drift
-from it; the batch former applies the same floor with its learned model, so a request
-the door let through that the rank then cannot serve is served best-effort without
-setting anyone's time budget.
+(``batch_former.unserviceable_slo_reason``). A scheduler that calibrated its step model at
+start-up judges each request again with the fitted model on first sight and ends one it
+cannot serve with the same 400 (``sglang_ext.adapter.scheduler.requests``); the online
+models' later drift never re-labels an admitted request.
 
 An end-to-end SLO (``e2e_ms``) is judged on the envelope the scheduler will give it
 (``sglang_ext.adapter.scheduler.requests``): paced for the request's output bound as SGLang sees

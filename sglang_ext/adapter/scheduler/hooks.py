@@ -442,12 +442,13 @@ def _process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: Any,
 
 def _poll_timeout_aborts(result: list[Any], self: Scheduler) -> list[Any]:
     """End the requests the policy gave up on (admission mode defer: no first token
-    ``max_defer_s`` past the TTFT deadline), and those KV memory can never hold (a 400),
+    ``max_defer_s`` past the TTFT deadline), and those KV memory can never hold or whose
+    SLO the calibrated device cannot serve (a 400),
     the way SGLang ends those past its waiting timeout:
     an ``AbortReq`` joins the requests it polls, so the abort frees their cache state
     and the client gets a final answer with this status."""
     state: FairBatchingState = self.fairbatching
-    if not state.pending_aborts and not state.pending_refusals:
+    if not state.pending_aborts and not state.pending_refusals and not state.records.refused:
         return result
     from http import HTTPStatus
 

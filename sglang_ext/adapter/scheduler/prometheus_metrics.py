@@ -73,9 +73,12 @@ class FairBatchingMetrics:
                                "Chosen decodes SGLang left out of a prefill step", names)
         self.refused_never_fit = Counter("fairbatching:refused_never_fit",
                                          "Requests refused: an empty KV pool cannot hold them", names)
+        self.refused_unserviceable = Counter(
+            "fairbatching:refused_unserviceable",
+            "Requests refused: their SLO is below the calibrated device's serviceable TPOT", names)
         self._counted = ("deferred_decodes", "decisions", "fallbacks", "late_prefills",
                          "deferred_expired", "overruns", "budget_below_floor", "decodes_sat_out",
-                         "refused_never_fit")
+                         "refused_never_fit", "refused_unserviceable")
         self._last_counts = (0,) * len(self._counted)
 
     def publish(self, state: Any) -> None:
@@ -97,7 +100,7 @@ class FairBatchingMetrics:
         counts = tuple(getattr(counters, name) for name in self._counted)
         counter_metrics = (self.deferred, self.decisions, self.fallbacks, self.late_prefills,
                            self.deferred_expired, self.overruns, self.below_floor, self.sat_out,
-                           self.refused_never_fit)
+                           self.refused_never_fit, self.refused_unserviceable)
         for counter, now, before in zip(counter_metrics, counts, self._last_counts, strict=True):
             if now > before:
                 counter.labels(**labels).inc(now - before)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from sglang_ext.adapter.admission.budget_gate import ADMISSION_STAMP_KEY
@@ -58,7 +58,14 @@ class RequestRecords:
     While the start-up calibration runs (:meth:`hold_arrivals` until :meth:`ready`), the
     server is not ready: a request that arrived meanwhile counts its deadlines from the
     moment it became ready, so the wait for the calibration never makes it late or ends
-    it under admission ``defer`` (SGLang's own readiness warm-up is such a request)."""
+    it under admission ``defer`` (SGLang's own readiness warm-up is such a request).
+
+    After the calibration the rank keeps a door of its own (:meth:`ready`'s ``door``):
+    the HTTP process judged each SLO with the step-model file, this rank knows the
+    device. A request that arrives after the calibration with an SLO the calibrated model
+    cannot serve is put in :attr:`refused` with the door's reason, on first sight, before
+    any step serves it; the scheduler ends it with a 400. Requests that arrived while the
+    calibration ran were admitted before the device was known and are served."""
 
     def __init__(self, catalog: SloCatalog) -> None:
         self.catalog = catalog
@@ -73,16 +80,20 @@ class RequestRecords:
         self.ready_at = -math.inf
         self._calibrating = False
         self._held: list[LiveRequestView] = []
+        self._door: Callable[[Slo], str | None] | None = None
+        self.refused: dict[Any, str] = {}  # rid -> why, until the scheduler ends it
 
     def hold_arrivals(self) -> None:
         """The calibration started: requests that arrive wait for :meth:`ready`."""
         self._calibrating = True
 
-    def ready(self, at: float) -> None:
+    def ready(self, at: float, door: Callable[[Slo], str | None] | None = None) -> None:
         """The calibration ended at ``at``: requests that came during it, and still have
-        no token, arrived at ``at``."""
+        no token, arrived at ``at``. ``door``: why a request with this SLO is refused on
+        the calibrated device (None: it is served), for the requests that arrive after."""
         self._calibrating = False
         self.ready_at = at
+        self._door = door
         for view in self._held:
             if view.next_output_index == 0 and view.arrival < at:
                 view.arrival = at
@@ -112,6 +123,10 @@ class RequestRecords:
         arrival = arrival_time(req)
         if arrival < self.ready_at:
             arrival = self.ready_at
+        elif self._door is not None and not is_calibration_rid(req.rid):
+            reason = self._door(slo)
+            if reason is not None:
+                self.refused[req.rid] = reason
         view = LiveRequestView(req.rid, arrival, slo,
                                next(self._sequence), dispatch_seq, len(req.origin_input_ids))
         if self._calibrating and not is_calibration_rid(req.rid):

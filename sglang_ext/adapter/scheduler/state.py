@@ -101,6 +101,7 @@ class Counters:
     decodes_sat_out: int = 0  # chosen decodes SGLang did not mix into a prefill step
     forced_decode_steps: int = 0  # prefill plans dropped so that those decodes run
     refused_never_fit: int = 0  # queued requests ended: an empty KV pool cannot hold them
+    refused_unserviceable: int = 0  # requests ended: their SLO is below the calibrated device's floor
 
 
 class FairBatchingState:
@@ -136,7 +137,8 @@ class FairBatchingState:
         # rids the policy ended (defer), aborted at the scheduler's next request poll;
         # at most one entry per live request (each is ended once)
         self.pending_aborts: list[Any] = []
-        # (rid, why) of queued requests KV memory can never hold, ended the same way
+        # (rid, why) of queued requests KV memory can never hold, ended the same way; the
+        # records' own (an SLO the calibrated device cannot serve) join them when taken
         self.pending_refusals: dict[Any, str] = {}
         self.counters = Counters()
         self.errors = HandledErrors(on_error=metrics.observe_error if metrics is not None else None)
@@ -253,6 +255,9 @@ class FairBatchingState:
 
     def take_refusals(self) -> dict[Any, str]:
         refusals, self.pending_refusals = self.pending_refusals, {}
+        if self.records.refused:
+            refusals.update(self.records.refused)
+            self.records.refused = {}
         return refusals
 
     def observe_completion(self, launch: StepLaunch, done_at: float) -> float | None:
@@ -283,28 +288,37 @@ class FairBatchingState:
 
     def finish_calibration(self) -> CalibrationFit | None:
         """Fit the step model to the calibration's steps and adopt it (logged); None, with
-        the file's model kept, when the steps cannot be fitted."""
+        the file's model kept, when the steps cannot be fitted. From then on a request
+        whose SLO the fitted model cannot serve is refused here (``RequestRecords``)."""
         calibration, self.calibration = self.calibration, None
         if calibration is None:
             return None
-        self.records.ready(time.perf_counter())
+        ready_at = time.perf_counter()
         current = self.policy.initial_step_model
         try:
             fit = calibration.fit(current.form, current)
         except ValueError as exc:
+            self.records.ready(ready_at)
             logger.warning("FairBatching start-up calibration kept the step-model file (%s): %s",
                            self.config.source, exc)
             return None
         self.policy.adopt_initial_model(fit.model.model, fit.model.linear)
+        self.records.ready(ready_at, self._refusal_on_this_device)
         self.calibrated = fit
         logger.info("FairBatching start-up calibration %s", fit.summary())
         for name, slo in self.config.catalog.classes.items():
             reason = unserviceable_slo_reason(slo, fit.model.model)
             if reason is not None:
                 logger.error("FairBatching: SLO class %r cannot be served on this device: %s. Its "
-                             "requests are served best effort after every request in time; raise "
-                             "its tpot_ms", name, reason)
+                             "requests are refused with a 400; raise its tpot_ms", name, reason)
         return fit
+
+    def _refusal_on_this_device(self, slo: Any) -> str | None:
+        reason = self.policy.refusal(slo)
+        if reason is None:
+            return None
+        self.counters.refused_unserviceable += 1
+        return f"unserviceable SLO on this device (calibrated at start-up): {reason}"
 
     def maybe_publish(self, now: float, force: bool = False) -> None:
         """Metrics at most every 0.5 s of steps, and (``force``, when the rank goes idle)

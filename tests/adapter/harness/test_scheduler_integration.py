@@ -363,10 +363,21 @@ def test_a_request_the_pool_can_never_hold_is_refused_and_the_queue_moves(never_
 CALIBRATION_TIME_SCALE = 12.0
 
 
+#: submitted long after the calibration's last step (the harness counts idle loops as steps)
+AFTER_CALIBRATION = (
+    {"rid": "after-interactive", "prompt_tokens": 100, "max_new_tokens": 8, "at_step": 3000,
+     "slo": {"class": "interactive"}},
+    {"rid": "after-servable", "prompt_tokens": 100, "max_new_tokens": 8, "at_step": 3000,
+     "slo": {"ttft_ms": 120000, "tpot_ms": 5000}},
+)
+
+
 @pytest.fixture(scope="module")
 def calibration_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The shipped file 3x too slow for this emulated GPU, ``calibrate = true``, and one
-    client request queued beside the calibration."""
+    """The shipped file 3x too slow for this emulated GPU, ``calibrate = true``, one
+    client request queued beside the calibration, and two after it: one of the
+    ``interactive`` class (50 ms TPOT, below what this slowed device can serve) and one
+    with a TPOT it can."""
     from sglang_ext.policy.step_model import StepModelFile
 
     tmp_path = tmp_path_factory.mktemp("calibration")
@@ -376,7 +387,7 @@ def calibration_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     config.write_text(f'policy = "fb-smooth"\nslo_file = "{REPO / "configs" / "slo.toml"}"\n'
                       f'step_model = "{tmp_path / "wrong.toml"}"\ncalibrate = true\n')
     scenario = {"requests": [{"rid": "client", "prompt_tokens": 100, "max_new_tokens": 20,
-                              "slo": {"class": "relaxed"}}],
+                              "slo": {"class": "relaxed"}}, *AFTER_CALIBRATION],
                 "overlap": False, "timeout_s": 200, "config": str(config)}
     result = run_harness(tmp_path, "calibration", scenario,
                          env_extra={"FAIRBATCHING_EMULATED_GPU_TIME_SCALE": str(CALIBRATION_TIME_SCALE)})
@@ -432,8 +443,22 @@ def test_calibration_on_a_slow_device_is_never_ended_by_defer(slow_device_calibr
     assert slow_device_calibration_run["kv_free_plus_evictable"] == slow_device_calibration_run["kv_total"]
 
 
+def test_after_calibration_a_tpot_the_device_cannot_serve_is_refused_at_first_sight(
+        calibration_run: dict) -> None:
+    """The harness feeds the scheduler directly, past the HTTP door: the calibrated rank
+    refuses the interactive request before serving a token, while a request that arrived
+    during the calibration (``client``, whose class this device cannot serve either) and
+    one with a TPOT the device can serve run to their end."""
+    outputs = calibration_run["outputs"]
+    refused = outputs["after-interactive"]
+    assert (refused["finished"], refused["tokens"]) == ("abort", 0)
+    assert (outputs["after-servable"]["tokens"], outputs["after-servable"]["finished"]) == (8, "length")
+    assert (outputs["client"]["tokens"], outputs["client"]["finished"]) == (20, "length")
+    assert calibration_run["fairbatching"]["counters"]["refused_unserviceable"] == 1
+
+
 def test_calibration_requests_reach_no_client_and_leave_nothing_behind(calibration_run: dict) -> None:
-    assert set(calibration_run["outputs"]) == {"client"}
+    assert set(calibration_run["outputs"]) == {"client", *(spec["rid"] for spec in AFTER_CALIBRATION)}
     assert calibration_run["idle"]
     assert calibration_run["kv_free_plus_evictable"] == calibration_run["kv_total"]
     assert calibration_run["fairbatching"]["errors"] == {}
