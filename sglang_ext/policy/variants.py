@@ -27,7 +27,10 @@ is its own class.
   Algorithm 1 spends it: the time budget stretches to the smallest slack and any queued
   prompt parks every decode with slack, so streams stall for hundreds of milliseconds
   while every SLO still holds. ``fb-smooth`` runs every decode in a step of one TPOT
-  whenever the prompts queued still meet their deadlines at that pace.
+  whenever the prompts queued still meet their deadlines at that pace, and always when
+  they need more KV memory than the rank has free: deferring decodes then frees no
+  memory for them, holds the deferred requests' memory longer, and what the longer step
+  admits is retracted and recomputed once the running outputs fill the pool.
 - ``fb-steady``: ``fb-smooth`` that never falls back to Algorithm 1's long step: every
   decode runs in every step of one TPOT and prompts fill the rest, even when an in-time
   prompt would need a decode's slack to meet its TTFT. On a GPU whose decode-only step
@@ -105,7 +108,9 @@ class FairBatchingVariant(FairBatching):
     - ``step``: ``SMOOTH`` first tries
       :func:`~sglang_ext.policy.batch_former.smooth_step` (every decode, a step of one
       TPOT) and falls back to Algorithm 1's longer step and deferrals when an in-time
-      prefill would miss its deadline at that pace; ``STEADY`` never falls back: every
+      prefill would miss its deadline at that pace, unless the in-time prompts need more
+      KV memory than is free (:meth:`_kv_bound`; then it steps as ``STEADY`` does);
+      ``STEADY`` never falls back: every
       decode still runs and the prompts take what is left of one TPOT (Algorithm 1's
       step only when nothing is in time, the lateness guard's fallback budget).
     """
@@ -183,7 +188,7 @@ class FairBatchingVariant(FairBatching):
         smooth = smooth_step(groups, coefficients, smooth_budget)
         if smooth is not None:
             groups, time_budget = smooth, smooth_budget
-        elif self.variant.step is Step.STEADY and math.isfinite(smooth_budget):
+        elif (self.variant.step is Step.STEADY or self._kv_bound(groups)) and math.isfinite(smooth_budget):
             groups = dataclasses.replace(
                 groups, init_time_budget_s=smooth_budget, deferrable_decodes=[],
                 urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
@@ -192,6 +197,23 @@ class FairBatchingVariant(FairBatching):
             time_budget = self._time_budget(groups.init_time_budget_s)
         return pack(groups, coefficients, token_budget=self.context.max_token_budget,
                     time_budget_s=time_budget)
+
+    def _kv_bound(self, groups: Triage) -> bool:
+        """Whether the in-time prompts queued need more KV memory than the rank has free
+        (the KV outlook the admission forecast keeps; False without one). Then memory,
+        not step time, holds them back: a decode deferred to lengthen the step keeps its
+        KV for longer and frees none, and what it admits beside is retracted and
+        recomputed when the running requests' outputs fill the pool."""
+        outlook = self.kv_outlook
+        if outlook is None:
+            return False
+        free = outlook.free_tokens
+        need = 0.0
+        for _, request in groups.prefills:
+            need += outlook.need_of(request)
+            if need > free:
+                return True
+        return False
 
 
 def _registered(variant: Variant) -> type[FairBatchingVariant]:

@@ -133,8 +133,9 @@ class SimEngine:
         self._record_tokens = record_tokens
         self._record_steps = record_steps
         self._check = check_invariants
-        # the KV outlook is built where the forecast reads it: arrivals under reject,
-        # every step under defer (its hopeless prefills)
+        # the KV outlook is built where the policy reads it, as the scheduler builds it
+        # under the edf rule: at arrivals under reject (the forecast), and every step under
+        # reject or defer (defer's hopeless prefills; fb-smooth's fallback)
         admission = policy.admission
         self._admission_mode = admission.mode if admission.rule is AdmissionRule.EDF else None
 
@@ -242,8 +243,8 @@ class SimEngine:
     def step(self, horizon_s: float | None = None) -> None:
         """Run one step of the policy's batch (or idle); ``horizon_s``: when the caller next
         needs the engine (an arrival), which ends a held idle period."""
-        if self._admission_mode is AdmissionMode.DEFER:
-            self._share_kv_outlook()
+        if self._admission_mode is AdmissionMode.DEFER or self._admission_mode is AdmissionMode.REJECT:
+            self._share_kv_outlook()  # every decision, as the scheduler does (forecasts_kv)
         decision = self.policy.form_batch(self._active, self.now)
         for req_id in decision.abort_ids:
             request = self._by_id.get(req_id)

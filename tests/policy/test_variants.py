@@ -576,3 +576,23 @@ def test_steady_keeps_every_decode_where_smooth_falls_back_to_algorithm_1() -> N
     assert set(kept.decode_ids) == {d.req_id for d in decodes}
     assert kept.time_budget_s <= SLO.tpot_s
     assert dict(kept.prefill_chunks)["p"] > 0
+
+
+def test_smooth_keeps_every_decode_when_the_prompts_need_more_kv_than_is_free() -> None:
+    """The same state, with the rank's KV outlook: while the in-time prompt's 8,000 tokens
+    fit the free memory fb-smooth falls back as before; when they do not, deferring
+    decodes would only hold their memory longer, and fb-smooth steps as fb-steady."""
+    from sglang_ext.policy.admission import KvOutlook
+
+    decodes = [decoded(f"d{i}", 2.0, 0.1, context=500) for i in range(4)]
+    state = [*decodes, request("p", 0.3, prefill=8000)]
+    smooth, steady = make("fb-smooth"), make("fb-steady")
+    smooth.observe_kv(KvOutlook.of(free_tokens=20_000))
+    assert smooth.form_batch(state, NOW) == make("fb-smooth").form_batch(state, NOW)
+    assert smooth.form_batch(state, NOW).time_budget_s > SLO.tpot_s
+    smooth.observe_kv(KvOutlook.of(free_tokens=7_999, releases=[(NOW + 5.0, 10_000)]))
+    assert smooth.form_batch(state, NOW) == steady.form_batch(state, NOW)
+    smooth.observe_kv(KvOutlook.of(free_tokens=7_000, new_reserve=500))
+    assert smooth.form_batch(state, NOW) == steady.form_batch(state, NOW)
+    smooth.observe_kv(KvOutlook.of(free_tokens=8_000))
+    assert smooth.form_batch(state, NOW).time_budget_s > SLO.tpot_s
