@@ -189,7 +189,12 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         chunked_view = records.prefill_view(chunked)
         views.append(chunked_view)
     waiting = self.waiting_queue if state.calibration is None else held_back(state, self.waiting_queue)
-    views += records.prefill_views(waiting)
+    queued_views = records.prefill_views(waiting)
+    if records.refused:  # refused on first sight: never planned, ended at the next poll
+        kept = [(req, view) for req, view in zip(waiting, queued_views, strict=True)
+                if req.rid not in records.refused]
+        waiting, queued_views = [req for req, _ in kept], [view for _, view in kept]
+    views += queued_views
 
     started += state.maybe_collect_garbage(views, time.perf_counter(), "slack")
     now = state.decision_time(time.perf_counter())

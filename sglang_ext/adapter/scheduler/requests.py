@@ -63,8 +63,9 @@ class RequestRecords:
     After the calibration the rank keeps a door of its own (:meth:`ready`'s ``door``):
     the HTTP process judged each SLO with the step-model file, this rank knows the
     device. A request that arrives after the calibration with an SLO the calibrated model
-    cannot serve is put in :attr:`refused` with the door's reason, on first sight, before
-    any step serves it; the scheduler ends it with a 400. Requests that arrived while the
+    cannot serve is put in :attr:`refused` with the door's reason on first sight; the
+    scheduler leaves it out of every decision and ends it with a 400 at its next request
+    poll, so no step serves it. Requests that arrived while the
     calibration ran were admitted before the device was known and are served."""
 
     def __init__(self, catalog: SloCatalog) -> None:
