@@ -59,7 +59,7 @@ STEP_MODELS = REPO / "configs" / "step_models"
 OWN_FILE = {"llama3.1-8b-h100-measured": "llama3.1-8b-h100-measured", "qwen3-14b-h20": "qwen3-14b-h20"}
 CROSSWISE = {"llama3.1-8b-h100-measured": "qwen3-14b-h20", "qwen3-14b-h20": "llama3.1-8b-h100-measured"}
 FLOOR_HEAVY = "qwen3-32b-h100nvl"
-MEASURES = ("overall", "worst_prompt_bucket", "worst_slo_class")
+MEASURES = {"overall": "overall", "worst_prompt_bucket": "worst bucket", "worst_slo_class": "worst class"}
 TARGET = "0.9"
 
 
@@ -168,8 +168,8 @@ def render(doc: dict) -> str:
     if foreign:
         worst = {m: min(foreign, key=lambda item: item[1]["cap90"][m]["ratio"] or 0.0) for m in MEASURES}
         lines += ["", "From another GPU's file, the lowest ratio: " + "; ".join(
-            f"{m.replace('_', ' ')} {worst[m][1]['cap90'][m]['ratio']:.2f}x ({worst[m][0]}, "
-            f"{worst[m][1]['start']})" for m in MEASURES) + "."]
+            f"{name} {worst[m][1]['cap90'][m]['ratio']:.2f}x ({worst[m][0]}, "
+            f"{worst[m][1]['start']})" for m, name in MEASURES.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
