@@ -6,8 +6,17 @@ from __future__ import annotations
 import pytest
 from sim_helpers import SLO, llama, make_policy, small_kv_profile, synthetic_requests
 
+from sglang_ext.bundled import CONFIGS_DIR
 from sglang_ext.policy.admission import AdmissionMode, AdmissionSettings
+from sglang_ext.policy.slo import SloCatalog
+from sglang_ext.policy.step_model import StepModelFile
 from sglang_ext.sim.engine import SimEngine
+from sglang_ext.sim.policy_spec import parse_policy
+from sglang_ext.sim.profile import bundled_profile_path, load_profile
+from sglang_ext.sim.runner import Scenario, build_policy, replay
+from sglang_ext.sim.workloads import bundled_sample
+
+NVL = "qwen3-32b-h100nvl"
 
 
 def _engine(profile, mode: AdmissionMode = AdmissionMode.REJECT) -> SimEngine:
@@ -54,3 +63,42 @@ def test_on_a_memory_bound_rank_admitted_requests_meet_their_ttft():
     blind_admitted, blind_misses = _admitted_ttft_misses(profile, share_kv=False)
     assert misses < blind_misses
     assert misses / admitted < blind_misses / blind_admitted
+
+
+def _on_time_on_a_memory_bound_device(kv_aware: bool) -> int:
+    """fb-smooth under defer on the simulated Qwen3-32B / H100 NVL (a 16 GB KV pool) with
+    its own step-model file, the bundled sample's first 120 s at 5 req/s: requests on
+    time; ``kv_aware=False`` withholds the KV outlook from its fallback only (the
+    forecast keeps it)."""
+    scenario = Scenario(bundled_sample().head(120.0), load_profile(bundled_profile_path(NVL)),
+                        SloCatalog.from_toml(CONFIGS_DIR / "slo.toml"),
+                        step_model=StepModelFile.load(CONFIGS_DIR / "step_models" / f"{NVL}.toml"))
+    policy = build_policy(scenario, parse_policy("fb-smooth+defer"))
+    if not kv_aware:
+        policy._kv_bound = lambda groups: False
+    engine, _ = replay(scenario, policy, 5.0)
+    return sum(record.slo_met for record in engine.records.values())
+
+
+def test_on_a_memory_bound_device_fb_smooth_keeps_its_decodes_running_and_more_on_time():
+    """The in-time prompts need more KV than is free: stretching the step for them frees
+    none, and what it admits is retracted."""
+    assert _on_time_on_a_memory_bound_device(True) > 1.05 * _on_time_on_a_memory_bound_device(False)
+
+
+def test_under_reject_the_policy_sees_the_outlook_of_every_step():
+    engine = _engine(llama(), AdmissionMode.REJECT)
+    engine.submit("a", 0.0, 1000, 50, SLO)
+    seen = []
+    form_batch = engine.policy.form_batch
+
+    def recording(requests, now):
+        seen.append(engine.policy.kv_outlook.free_tokens)
+        return form_batch(requests, now)
+
+    engine.policy.form_batch = recording
+    for _ in range(3):
+        used = engine.kv_used
+        engine.step()
+        assert seen[-1] == engine.kv_capacity - used
+    assert len(seen) == 3
