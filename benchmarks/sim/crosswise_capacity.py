@@ -11,8 +11,10 @@ two GPUs (``llama3.1-8b-h100-measured``, the profile of the measured H100 grid, 
 - the other of the two (crosswise: the H20's file on the H100, the H100's on the H20), and
   that file with the start-up calibration (``--calibrate``) a server runs when it names no
   file for its GPU;
-- the Qwen3-32B / H100 NVL file, a device whose decode-only step is twice as long;
 - for reference, the offline fit to the simulated GPU that ``fair_capacity`` uses.
+
+Each bisection's result is saved under ``--work`` as it ends; a run stopped midway starts
+again where it was.
 
 The baselines are that benchmark's saved scenarios (``docs/bench/fair_capacity.scenarios``):
 every family tuned for capacity on the scenario ("tuned here"). They use no step model, so
@@ -58,7 +60,6 @@ STEP_MODELS = REPO / "configs" / "step_models"
 #: each device's own shipped file, and the other device's (the crosswise pair)
 OWN_FILE = {"llama3.1-8b-h100-measured": "llama3.1-8b-h100-measured", "qwen3-14b-h20": "qwen3-14b-h20"}
 CROSSWISE = {"llama3.1-8b-h100-measured": "qwen3-14b-h20", "qwen3-14b-h20": "llama3.1-8b-h100-measured"}
-FLOOR_HEAVY = "qwen3-32b-h100nvl"
 MEASURES = {"overall": "overall", "worst_prompt_bucket": "worst bucket", "worst_slo_class": "worst class"}
 TARGET = "0.9"
 
@@ -78,7 +79,6 @@ def starts(profile: str) -> list[Start]:
     return [Start(f"own file ({own})", own),
             Start(f"crosswise file ({other})", other),
             Start(f"crosswise file ({other}), calibrated at start-up", other, calibrate=True),
-            Start(f"floor-heavy file ({FLOOR_HEAVY})", FLOOR_HEAVY),
             Start("offline fit to the simulated GPU", None)]
 
 
@@ -90,9 +90,18 @@ def saved_scenarios(source: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in found]
 
 
-def bisect_start(job: tuple[dict, Start, Path]) -> dict:
-    """Capacity of the shipped policy from ``start`` on the scenario ``job`` names."""
-    key_fields, start, trace = job
+def saved_path(work: Path, key_fields: dict, start: Start) -> Path:
+    name = re.sub(r"[^A-Za-z0-9.]+", "-", f"{ScenarioKey(**key_fields).label}--{start.label}")
+    return work / f"{name.strip('-')}.json"
+
+
+def bisect_start(job: tuple[dict, Start, Path, Path]) -> dict:
+    """Capacity of the shipped policy from ``start`` on the scenario ``job`` names, saved
+    under the work folder (and read back from there when a stopped run saved it)."""
+    key_fields, start, trace, work = job
+    saved = saved_path(work, key_fields, start)
+    if saved.is_file():
+        return json.loads(saved.read_text())
     scenario = build_scenario(ScenarioKey(**key_fields), trace)
     step_model = None if start.file is None else StepModelFile.load(STEP_MODELS / f"{start.file}.toml")
     scenario = dataclasses.replace(scenario, step_model=step_model, calibrate=start.calibrate)
@@ -102,8 +111,11 @@ def bisect_start(job: tuple[dict, Start, Path]) -> dict:
         lambda rate: simulate(scenario, spec, rate).load, targets=(float(TARGET),),
         start=scenario.workload.mean_rate * 4, tolerance=TOLERANCE,
     )
-    return {"start": dataclasses.asdict(start), "capacity": search.capacity,
-            "simulations": search.simulations, "wall_s": round(time.perf_counter() - began, 1)}
+    result = {"start": dataclasses.asdict(start), "capacity": search.capacity,
+              "simulations": search.simulations, "wall_s": round(time.perf_counter() - began, 1)}
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def collect(entries: list[dict], results: dict[tuple[str, str], dict]) -> dict:
@@ -165,11 +177,15 @@ def render(doc: dict) -> str:
               for s in doc["scenarios"]]
     foreign = [(s["scenario"], r) for s in doc["scenarios"] for r in s["rows"]
                if r["file"] is not None and not r["start"].startswith("own")]
-    if foreign:
-        worst = {m: min(foreign, key=lambda item: item[1]["cap90"][m]["ratio"] or 0.0) for m in MEASURES}
-        lines += ["", "From another GPU's file, the lowest ratio: " + "; ".join(
-            f"{name} {worst[m][1]['cap90'][m]['ratio']:.2f}x ({worst[m][0]}, "
-            f"{worst[m][1]['start']})" for m, name in MEASURES.items()) + "."]
+    lowest = []
+    for measure, name in MEASURES.items():
+        rated = [item for item in foreign if item[1]["cap90"][measure]["ratio"] is not None]
+        if rated:
+            scenario, row = min(rated, key=lambda item: item[1]["cap90"][measure]["ratio"])
+            lowest.append(f"{name} {row['cap90'][measure]['ratio']:.2f}x ({scenario}, {row['start']})")
+    if lowest:
+        lines += ["", "From another GPU's file, the lowest ratio: " + "; ".join(lowest)
+                  + " (a measure no baseline reaches at any load has no ratio)."]
     return "\n".join(lines) + "\n"
 
 
@@ -180,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, default=SHARED_AZURE_TRACE)
     parser.add_argument("--jobs", type=int, default=1, help="bisections at once")
     parser.add_argument("--only", default=None, help="scenarios whose label matches this regex")
+    parser.add_argument("--work", type=Path, default=REPO / "out" / "crosswise_capacity",
+                        help="where each bisection's result is saved (default out/crosswise_capacity)")
     parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     args = parser.parse_args(argv)
     if not args.trace.is_file():
@@ -193,11 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                if only is None or only.search(ScenarioKey(**e["scenario"]).label)]
     if not entries:
         parser.error(f"--only {args.only!r}: matches no saved scenario")
-    jobs = [(e["scenario"], start, args.trace) for e in entries
+    jobs = [(e["scenario"], start, args.trace, args.work) for e in entries
             for start in starts(e["scenario"]["profile"])]
     results: dict[tuple[str, str], dict] = {}
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        for (fields, start, _), result in zip(jobs, pool.map(bisect_start, jobs), strict=True):
+        for (fields, start, _, _), result in zip(jobs, pool.map(bisect_start, jobs), strict=True):
             label = ScenarioKey(**fields).label
             print(f"{label} / {start.label}: {result['simulations']} simulations in "
                   f"{result['wall_s']:.0f} s", file=sys.stderr)
