@@ -57,8 +57,7 @@ from sglang_ext.sim.runner import simulate
 
 SHIPPED = "fb-smooth+defer"
 STEP_MODELS = REPO / "configs" / "step_models"
-#: each device's own shipped file, and the other device's (the crosswise pair)
-OWN_FILE = {"llama3.1-8b-h100-measured": "llama3.1-8b-h100-measured", "qwen3-14b-h20": "qwen3-14b-h20"}
+#: each device's crosswise file, the other device's (its own file shares its name)
 CROSSWISE = {"llama3.1-8b-h100-measured": "qwen3-14b-h20", "qwen3-14b-h20": "llama3.1-8b-h100-measured"}
 MEASURES = {"overall": "overall", "worst_prompt_bucket": "worst bucket", "worst_slo_class": "worst class"}
 TARGET = "0.9"
@@ -75,7 +74,7 @@ class Start:
 
 
 def starts(profile: str) -> list[Start]:
-    own, other = OWN_FILE[profile], CROSSWISE[profile]
+    own, other = profile, CROSSWISE[profile]
     return [Start(f"own file ({own})", own),
             Start(f"crosswise file ({other})", other),
             Start(f"crosswise file ({other}), calibrated at start-up", other, calibrate=True),

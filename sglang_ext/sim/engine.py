@@ -243,7 +243,7 @@ class SimEngine:
     def step(self, horizon_s: float | None = None) -> None:
         """Run one step of the policy's batch (or idle); ``horizon_s``: when the caller next
         needs the engine (an arrival), which ends a held idle period."""
-        if self._admission_mode is AdmissionMode.DEFER or self._admission_mode is AdmissionMode.REJECT:
+        if self._admission_mode in (AdmissionMode.DEFER, AdmissionMode.REJECT):
             self._share_kv_outlook()  # every decision, as the scheduler does (forecasts_kv)
         decision = self.policy.form_batch(self._active, self.now)
         for req_id in decision.abort_ids:

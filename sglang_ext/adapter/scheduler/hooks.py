@@ -190,9 +190,10 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         views.append(chunked_view)
     waiting = self.waiting_queue if state.calibration is None else held_back(state, self.waiting_queue)
     queued_views = records.prefill_views(waiting)
-    if records.refused:  # refused on first sight: never planned, ended at the next poll
+    refused = state.pending_refusals
+    if refused:  # never planned: ended at the next request poll
         kept = [(req, view) for req, view in zip(waiting, queued_views, strict=True)
-                if req.rid not in records.refused]
+                if req.rid not in refused]
         waiting, queued_views = [req for req, _ in kept], [view for _, view in kept]
     views += queued_views
 
@@ -453,7 +454,7 @@ def _poll_timeout_aborts(result: list[Any], self: Scheduler) -> list[Any]:
     an ``AbortReq`` joins the requests it polls, so the abort frees their cache state
     and the client gets a final answer with this status."""
     state: FairBatchingState = self.fairbatching
-    if not state.pending_aborts and not state.pending_refusals and not state.records.refused:
+    if not state.pending_aborts and not state.pending_refusals:
         return result
     from http import HTTPStatus
 

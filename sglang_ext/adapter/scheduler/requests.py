@@ -62,11 +62,10 @@ class RequestRecords:
 
     After the calibration the rank keeps a door of its own (:meth:`ready`'s ``door``):
     the HTTP process judged each SLO with the step-model file, this rank knows the
-    device. A request that arrives after the calibration with an SLO the calibrated model
-    cannot serve is put in :attr:`refused` with the door's reason on first sight; the
-    scheduler leaves it out of every decision and ends it with a 400 at its next request
-    poll, so no step serves it. Requests that arrived while the
-    calibration ran were admitted before the device was known and are served."""
+    device. Each request that arrives after the calibration is shown to the door on first
+    sight (``FairBatchingState`` refuses one the calibrated model cannot serve). Requests
+    that arrived while the calibration ran were admitted before the device was known and
+    are served."""
 
     def __init__(self, catalog: SloCatalog) -> None:
         self.catalog = catalog
@@ -81,17 +80,16 @@ class RequestRecords:
         self.ready_at = -math.inf
         self._calibrating = False
         self._held: list[LiveRequestView] = []
-        self._door: Callable[[Slo], str | None] | None = None
-        self.refused: dict[Any, str] = {}  # rid -> why, until the scheduler ends it
+        self._door: Callable[[Any, Slo], None] | None = None
 
     def hold_arrivals(self) -> None:
         """The calibration started: requests that arrive wait for :meth:`ready`."""
         self._calibrating = True
 
-    def ready(self, at: float, door: Callable[[Slo], str | None] | None = None) -> None:
+    def ready(self, at: float, door: Callable[[Any, Slo], None] | None = None) -> None:
         """The calibration ended at ``at``: requests that came during it, and still have
-        no token, arrived at ``at``. ``door``: why a request with this SLO is refused on
-        the calibrated device (None: it is served), for the requests that arrive after."""
+        no token, arrived at ``at``. ``door`` is called with the rid and SLO of each request
+        that arrives after."""
         self._calibrating = False
         self.ready_at = at
         self._door = door
@@ -125,9 +123,7 @@ class RequestRecords:
         if arrival < self.ready_at:
             arrival = self.ready_at
         elif self._door is not None and not is_calibration_rid(req.rid):
-            reason = self._door(slo)
-            if reason is not None:
-                self.refused[req.rid] = reason
+            self._door(req.rid, slo)
         view = LiveRequestView(req.rid, arrival, slo,
                                next(self._sequence), dispatch_seq, len(req.origin_input_ids))
         if self._calibrating and not is_calibration_rid(req.rid):

@@ -137,8 +137,8 @@ class FairBatchingState:
         # rids the policy ended (defer), aborted at the scheduler's next request poll;
         # at most one entry per live request (each is ended once)
         self.pending_aborts: list[Any] = []
-        # (rid, why) of queued requests KV memory can never hold, ended the same way; the
-        # records' own (an SLO the calibrated device cannot serve) join them when taken
+        # (rid, why) of queued requests KV memory can never hold, or whose SLO the
+        # calibrated device cannot serve: left out of decisions, ended the same way
         self.pending_refusals: dict[Any, str] = {}
         self.counters = Counters()
         self.errors = HandledErrors(on_error=metrics.observe_error if metrics is not None else None)
@@ -255,9 +255,6 @@ class FairBatchingState:
 
     def take_refusals(self) -> dict[Any, str]:
         refusals, self.pending_refusals = self.pending_refusals, {}
-        if self.records.refused:
-            refusals.update(self.records.refused)
-            self.records.refused = {}
         return refusals
 
     def observe_completion(self, launch: StepLaunch, done_at: float) -> float | None:
@@ -289,7 +286,7 @@ class FairBatchingState:
     def finish_calibration(self) -> CalibrationFit | None:
         """Fit the step model to the calibration's steps and adopt it (logged); None, with
         the file's model kept, when the steps cannot be fitted. From then on a request
-        whose SLO the fitted model cannot serve is refused here (``RequestRecords``)."""
+        whose SLO the fitted model cannot serve is refused on first sight."""
         calibration, self.calibration = self.calibration, None
         if calibration is None:
             return None
@@ -303,7 +300,7 @@ class FairBatchingState:
                            self.config.source, exc)
             return None
         self.policy.adopt_initial_model(fit.model.model, fit.model.linear)
-        self.records.ready(ready_at, self._refusal_on_this_device)
+        self.records.ready(ready_at, self._refuse_if_unserviceable)
         self.calibrated = fit
         logger.info("FairBatching start-up calibration %s", fit.summary())
         for name, slo in self.config.catalog.classes.items():
@@ -313,12 +310,12 @@ class FairBatchingState:
                              "requests are refused with a 400; raise its tpot_ms", name, reason)
         return fit
 
-    def _refusal_on_this_device(self, slo: Any) -> str | None:
+    def _refuse_if_unserviceable(self, rid: Any, slo: Any) -> None:
         reason = self.policy.refusal(slo)
-        if reason is None:
-            return None
-        self.counters.refused_unserviceable += 1
-        return f"unserviceable SLO on this device (calibrated at start-up): {reason}"
+        if reason is not None:
+            self.counters.refused_unserviceable += 1
+            self.pending_refusals[rid] = (
+                f"unserviceable SLO on this device (calibrated at start-up): {reason}")
 
     def maybe_publish(self, now: float, force: bool = False) -> None:
         """Metrics at most every 0.5 s of steps, and (``force``, when the rank goes idle)
