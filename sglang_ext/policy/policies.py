@@ -34,6 +34,7 @@ from sglang_ext.policy.batch_former import (
 from sglang_ext.policy.name_registry import Registry
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.slo import Slo
+from sglang_ext.policy.speed_probe import SpeedProbe
 from sglang_ext.policy.step_model import (
     OnlineStepModel,
     StepCoefficients,
@@ -207,6 +208,27 @@ class _LatenessGuarded(BatchPolicy):
         super().__init__(context)
         self.admission = _resolved_admission(self.name, self.implied_admission, context.admission)
         self._floor: tuple[StepPredictor, ServiceFloor] | None = None  # of the model it was for
+        self._speed_probe: SpeedProbe | None = SpeedProbe(self.initial_step_model)
+
+    def observe_step(self, shape: StepShape, measured_s: float) -> None:
+        """Learns the step; over the first steps, also the device's speed against the file
+        (``sglang_ext.policy.speed_probe``): a device several times slower or faster
+        restarts the learner from the file scaled to it."""
+        super().observe_step(shape, measured_s)
+        probe = self._speed_probe
+        if probe is None:
+            return
+        factor = probe.observe(shape, measured_s)
+        if factor is not None:
+            initial = self.initial_step_model
+            learner = online_step_model(initial.with_weights([w * factor for w in initial.weights]),
+                                        learn_knee=self.context.learn_knee)
+            for seen, seconds in probe.samples:
+                learner.observe(seen, seconds)
+            learner.keep_errors(self.step_model.errors)
+            self.step_model = learner
+        if probe.done:
+            self._speed_probe = None
 
     def admit(
         self, requests: Sequence[RequestState], now: float, prompt_tokens: int, slo: Slo,
@@ -251,6 +273,7 @@ class _LatenessGuarded(BatchPolicy):
     def adopt_initial_model(self, model: StepPredictor, linear: StepCoefficients) -> None:
         super().adopt_initial_model(model, linear)
         self._floor = None
+        self._speed_probe = SpeedProbe(self.initial_step_model)
 
     def _service_floor(self) -> ServiceFloor:
         """The lateness guard's floor: serviceability from the initial model, as the

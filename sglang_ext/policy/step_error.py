@@ -115,6 +115,11 @@ class LearnedModel:
     def errors(self) -> StepErrorLog:
         return self._errors
 
+    def keep_errors(self, errors: StepErrorLog) -> None:
+        """Continue ``errors`` (another learner's log of the same steps) as this one's: the
+        errors the steps were planned with, not this learner's hindsight."""
+        self._errors = errors
+
     @property
     def recent_abs_relative_errors(self) -> tuple[float, ...]:
         return self._errors.recent
