@@ -175,8 +175,8 @@ def render(doc: dict) -> str:
          "device's speed against the file over its first steps. "
          "`python -m benchmarks.sim.step_learning`."),
         "",
-        "| device | starting file | learner | all | decode | mixed | prefill | first steps "
-        "| learned knee |",
+        ("| device | starting file | learner | all | decode | mixed | prefill | first steps "
+         "| learned knee |"),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in doc["results"]:

@@ -111,6 +111,9 @@ class BatchPolicy:
     takes_delivery_allowance = False  # applies PolicyContext.delivery_allowance_s
     keeps_linear_model = False  # the paper's linear step model whatever the file's form
     disaggregated = False  # runs on prefill and decode ranks apart (sglang_ext.sim.disagg)
+    #: the device's speed against the initial model that the learner restarted from
+    #: (``sglang_ext.policy.speed_probe``; 1: the model as given)
+    speed_factor = 1.0
 
     def __init__(self, context: PolicyContext) -> None:
         self.context = context
@@ -220,6 +223,7 @@ class _LatenessGuarded(BatchPolicy):
             return
         factor = probe.observe(shape, measured_s)
         if factor is not None:
+            self.speed_factor = factor
             initial = self.initial_step_model
             learner = online_step_model(initial.with_weights([w * factor for w in initial.weights]),
                                         learn_knee=self.context.learn_knee)
@@ -274,6 +278,7 @@ class _LatenessGuarded(BatchPolicy):
         super().adopt_initial_model(model, linear)
         self._floor = None
         self._speed_probe = SpeedProbe(self.initial_step_model)
+        self.speed_factor = 1.0
 
     def _service_floor(self) -> ServiceFloor:
         """The lateness guard's floor: serviceability from the initial model, as the

@@ -53,6 +53,8 @@ def test_on_a_device_several_times_slower_the_steps_after_the_first_few_are_plan
     unprobed_error = statistics.median(serve(unprobed, HEAVY, 24)[MIN_SAMPLES:12])
     assert probed_error < 0.2
     assert unprobed_error > 2 * probed_error
+    assert 2.0 < probed.speed_factor < 6.0  # HEAVY's steps run 2-5x the file's here
+    assert unprobed.speed_factor == 1.0
 
 
 def test_the_restarted_learner_keeps_the_log_of_the_errors_the_steps_were_planned_with():
@@ -68,6 +70,7 @@ def test_on_the_device_the_file_fits_nothing_restarts():
     learner = probed.step_model
     serve(probed, FILE, PROBE_STEPS + 4)
     assert probed.step_model is learner
+    assert probed.speed_factor == 1.0
     assert probed._speed_probe is None  # done after its steps
 
 

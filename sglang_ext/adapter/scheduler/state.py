@@ -276,7 +276,12 @@ class FairBatchingState:
                          "(predicted %.1f ms, %d new tokens, %d context)", measured * 1e3,
                          budget * 1e3, launch.predicted_s * 1e3, features.new_tokens,
                          features.total_context)
+        speed = self.policy.speed_factor
         self.policy.observe_step(features, measured)
+        if self.policy.speed_factor != speed:
+            logger.info("FairBatching: this device runs steps %.2fx as long as the step model "
+                        "predicts (median of its first steps); learning again from the model "
+                        "scaled by that", self.policy.speed_factor)
         if self.calibration is not None:
             self.calibration.record(features, measured)
         self.maybe_log(done_at)
