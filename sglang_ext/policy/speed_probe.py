@@ -7,12 +7,17 @@ because its anchor counts the file as evidence, and until then every step it pla
 that factor past its budget: on a cold start under a burst, steps of hundreds of
 milliseconds against a 50 ms TPOT.
 
-:class:`SpeedProbe` watches the first :data:`PROBE_STEPS` steps. Once it has
-:data:`MIN_SAMPLES`, the median of ``measured / file's prediction`` is the device's speed
-factor; when that leaves ``[1 / RESCALE_BAND, RESCALE_BAND]`` of the factor in use, the
-learner starts again from the file with every weight times the factor, and relearns the
-steps seen so far. The median ignores a single stalled or warm-up step. On the device a
-file was fitted to, the factor stays near 1 and nothing changes.
+:class:`SpeedProbe` watches the first :data:`PROBE_STEPS` steps. From the
+:data:`MIN_SAMPLES`-th on, when all but one of them ran more than :data:`RESCALE_BAND`
+times the file's prediction (times the factor in use), the device is slower than the
+file at every kind of step seen: the learner starts again from the file with every weight
+times the median ratio, and relearns the steps seen so far. One stalled or warm-up step
+does not decide it, and a factor that overshot comes back (never below 1). A device
+faster than the file needs no help: in the file's units its steps' regressors are large,
+and the learner's data outweigh its anchor at once, while a scaled restart on a device
+faster at some kinds of step than at others (a decode-only step as fast as the file's, a
+prefill ten times faster) would start it further off. On the device a file was fitted
+to, nothing changes.
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ class SpeedProbe:
         return len(self.samples) >= PROBE_STEPS
 
     def observe(self, shape: StepShape, measured_s: float) -> float | None:
-        """Records one step; returns the new factor when the median ratio left the band
-        around the factor in use (the learner restarts from the file times it), else None."""
+        """Records one step; returns the new factor when the learner should restart from
+        the file times it (module docstring), else None."""
         if self.done:
             return None
         self.samples.append((shape, measured_s))
@@ -53,8 +58,10 @@ class SpeedProbe:
             self.ratios.append(measured_s / predicted)
         if len(self.ratios) < MIN_SAMPLES:
             return None
-        median = statistics.median(self.ratios)
-        if self.factor / RESCALE_BAND <= median <= self.factor * RESCALE_BAND:
+        ratios = sorted(self.ratios)
+        slower = ratios[1] > self.factor * RESCALE_BAND
+        back = self.factor > 1.0 and ratios[-2] < self.factor / RESCALE_BAND
+        if not (slower or back):
             return None
-        self.factor = median
-        return median
+        self.factor = max(1.0, statistics.median(ratios))
+        return self.factor

@@ -81,7 +81,15 @@ def test_a_single_stalled_first_step_does_not_rescale():
     assert probed.step_model is learner
 
 
-def test_the_probe_reports_a_factor_only_when_the_median_leaves_the_band():
+def test_a_device_faster_than_the_file_is_left_to_the_learner():
+    probed = policy()
+    learner = probed.step_model
+    faster = KneeStepModel(*(w / 4 for w in FILE.weights), FILE.knee_tokens, 0.0)
+    serve(probed, faster, PROBE_STEPS)
+    assert probed.step_model is learner
+
+
+def test_the_probe_reports_a_factor_only_when_all_but_one_step_agree():
     shape = next(iter(synthetic_serving_stream(5, 1)))
     truth = FILE.predict_step(shape)
     probe = SpeedProbe(FILE)
@@ -90,6 +98,11 @@ def test_the_probe_reports_a_factor_only_when_the_median_leaves_the_band():
     assert probe.observe(shape, 4 * truth) == pytest.approx(4.0)
     assert probe.observe(shape, 5 * truth) is None  # within the band of 4
     assert probe.observe(shape, 4 * truth) is None
+    one_off = SpeedProbe(FILE)
+    assert [one_off.observe(shape, r * truth) for r in (4, 1)] == [None, None]
+    assert one_off.observe(shape, 4 * truth) == pytest.approx(4.0)  # one of three disagrees
+    split = SpeedProbe(FILE)
+    assert [split.observe(shape, r * truth) for r in (4, 1, 1, 4, 4)] == [None] * 5
 
 
 def test_a_calibrated_start_probes_against_the_fitted_model():
