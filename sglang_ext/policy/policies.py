@@ -215,8 +215,8 @@ class _LatenessGuarded(BatchPolicy):
 
     def observe_step(self, shape: StepShape, measured_s: float) -> None:
         """Learns the step; over the first steps, also the device's speed against the file
-        (``sglang_ext.policy.speed_probe``): a device several times slower or faster
-        restarts the learner from the file scaled to it."""
+        (``sglang_ext.policy.speed_probe``): a device slower than the file at every kind
+        of step restarts the learner from the file scaled to it."""
         super().observe_step(shape, measured_s)
         probe = self._speed_probe
         if probe is None:
