@@ -52,7 +52,9 @@ FIRST_STEPS = (3, 50)
 STEPS = 800
 TARGET = 0.05
 SHIPPED = "fb-smooth"
-LEARNERS = {"learned knee": True, f"learned knee in {SHIPPED}": True, "frozen knee": False}
+#: row label -> (the knee learned online, the learner inside the shipped policy)
+LEARNERS = {"learned knee": (True, False), f"learned knee in {SHIPPED}": (True, True),
+            "frozen knee": (False, False)}
 
 
 @dataclass(frozen=True)
@@ -151,8 +153,8 @@ def run(seed: int) -> dict:
     results = []
     for device in devices():
         for start_name, start in files.items():
-            for learner, learn_knee in LEARNERS.items():
-                outcome = learn(device, start, learn_knee, seed, in_policy=SHIPPED in learner)
+            for learner, (learn_knee, in_policy) in LEARNERS.items():
+                outcome = learn(device, start, learn_knee, seed, in_policy)
                 results.append({"device": device.name, "start": start_name, "learner": learner,
                                 **outcome})
     return {"seed": seed, "warmup_steps": WARMUP_STEPS, "first_steps": list(FIRST_STEPS),
