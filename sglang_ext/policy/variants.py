@@ -202,8 +202,7 @@ class FairBatchingVariant(FairBatching):
         """Whether the in-time prompts queued need more KV memory than the rank has free
         (the KV outlook the admission forecast keeps; False without one). Then memory,
         not step time, holds them back: a decode deferred to lengthen the step keeps its
-        KV for longer and frees none, and what it admits beside is retracted and
-        recomputed when the running requests' outputs fill the pool."""
+        KV for longer and frees none, so the prompts it would make room for wait longer."""
         outlook = self.kv_outlook
         if outlook is None:
             return False

@@ -17,9 +17,10 @@ at its arrival; an end-to-end SLO's token envelope is paced for the estimate's m
 (``Slo.with_expected_output``), and the record keeps that envelope.
 
 Memory follows SGLang: KV is allocated as tokens are computed; a new prefill starts
-only when its whole prompt fits beside the unfinished prefills (a step whose prefills
-are all blocked this way runs every decode instead, or with none, continues the started
-prefills); when decodes cannot
+only when its whole prompt and all its outputs fit beside the unfinished prefills and
+what the decoding requests reserve for their remaining outputs
+(``sglang_ext.sim.output_reserve``; a step whose prefills are all blocked this way runs
+every decode instead, or with none, continues the started prefills); when decodes cannot
 grow, requests are retracted (fewest outputs first, then longest prompt) and later
 recomputed from prompt + emitted tokens, counted as ``recomputed_tokens``.
 A held decision (``BatchDecision.hold_s``: a batch still forming) idles instead: until the
@@ -29,6 +30,7 @@ whichever is first; one tick when ``step`` is called without a horizon.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -45,6 +47,7 @@ from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision
 from sglang_ext.sim.metrics import RequestRecord
+from sglang_ext.sim.output_reserve import NewTokenRatio, reserved_outputs
 from sglang_ext.sim.profile import HardwareProfile
 from sglang_ext.sim.service_curve import make_gpu
 
@@ -128,6 +131,7 @@ class SimEngine:
         self._output_target: dict[Hashable, int] = {}
         self.output_lengths = OutputLengthModel()
         self._kv_used = 0
+        self.new_token_ratio = NewTokenRatio()
         self._seq = 0
         self._events: list[TokenEvent] = []
         self._record_tokens = record_tokens
@@ -194,6 +198,7 @@ class SimEngine:
         while self.now < time_s:
             if not self._active:
                 self.now = time_s
+                self.new_token_ratio.reset()
                 return
             self.step(time_s)
 
@@ -207,22 +212,31 @@ class SimEngine:
 
     def kv_outlook(self) -> KvOutlook:
         """The pool as the admission forecast sees it, by this engine's own rule: a prefill
-        starts when its prompt fits beside what the active requests hold, outputs are not
-        reserved (a decode that finds the pool full retracts a request, as SGLang does for
-        requests that may stop early), and a decoding request gives its memory back when
-        its last token is due, or sooner at the step cadence (``release_time``). The
-        engine knows output lengths as SGLang knows ``max_new_tokens``; the policy gets
-        sums, never a request's length."""
+        starts when its prompt and all its outputs fit beside what the active requests
+        hold and what the decoding ones reserve for their remaining outputs (SGLang's
+        reservation, ``sglang_ext.sim.output_reserve``), and a decoding request gives both
+        back when its last token is due, or sooner at the step cadence
+        (``release_time``). The engine knows output lengths as SGLang knows
+        ``max_new_tokens``; the policy gets sums, never a request's length: a queued
+        prompt is expected to reserve the median of what the active ones reserved at
+        their arrival."""
         cadence = min((request.slo.tpot_s for request in self._active), default=0.0)
+        ratio = self.new_token_ratio.current
+        free = float(self.kv_capacity - self._kv_used)
         releases = []
+        initial = []
         for request in self._active:
+            target = self._output_target[request.req_id]
+            initial.append(reserved_outputs(target))
             if request.pending_prefill:
                 continue
-            target = self._output_target[request.req_id]
+            left = target - request.next_output_index
+            reserve = reserved_outputs(left, ratio)
+            free -= reserve
             due = last_token_due(request, target)
-            releases.append((release_time(due, self.now, target - request.next_output_index, cadence),
-                             request.context))
-        return KvOutlook.of(self.kv_capacity - self._kv_used, releases)
+            releases.append((release_time(due, self.now, left, cadence), request.context + reserve))
+        new_reserve = statistics.median(initial) if initial else 0.0
+        return KvOutlook.of(free, releases, new_reserve=new_reserve)
 
     def _share_kv_outlook(self) -> None:
         self.policy.observe_kv(self.kv_outlook())
@@ -253,6 +267,8 @@ class SimEngine:
             self._abort(request)
         decodes, chunks = self._validated(decision)
         decodes = self._reserve_decode_memory(decodes)
+        if decodes:
+            self.new_token_ratio.decay_step()
         chunks = self._fit_prefills(chunks, len(decodes))
         if not decodes and not chunks and not decision.hold_s:
             # NOTE: as in SGLang, a prefill that memory blocks yields the step to decodes.
@@ -290,6 +306,7 @@ class SimEngine:
 
     def _idle(self, hold_s: float, horizon_s: float | None) -> None:
         self.idle_ticks += 1
+        self.new_token_ratio.reset()
         if hold_s > 0 and horizon_s is not None:
             wake = min(self.now + max(hold_s, MIN_HOLD_S), horizon_s)
             if wake > self.now:
@@ -320,13 +337,20 @@ class SimEngine:
         return decodes, chunks
 
     def _reserve_decode_memory(self, decodes: list[SimRequest]) -> list[SimRequest]:
+        retracted = False
         while len(decodes) > self.kv_capacity - self._kv_used:
             victim = self._retraction_victim()
             if victim is None:
                 break
             self._retract(victim)
+            retracted = True
             if victim in decodes:
                 decodes.remove(victim)
+        if retracted:
+            self.new_token_ratio.after_retraction(
+                (r.next_output_index, self._output_target[r.req_id])
+                for r in self._active if r.pending_prefill == 0
+            )
         return decodes
 
     def _retraction_victim(self) -> SimRequest | None:
@@ -371,12 +395,19 @@ class SimEngine:
             return chunks
         free = self.kv_capacity - self._kv_used - decode_tokens
         unfinished = sum(r.pending_prefill for r in self._active if r.context and r.pending_prefill)
+        ratio = self.new_token_ratio.current
+        outputs_reserved = sum(
+            reserved_outputs(self._remaining_outputs(r), ratio)
+            for r in self._active if r.pending_prefill == 0
+        )
         fitted = []
         for request, tokens in chunks:
             if request.context == 0:
-                if request.pending_prefill > free - unfinished:
+                reserve = reserved_outputs(self._remaining_outputs(request))
+                if request.pending_prefill + reserve > free - unfinished - outputs_reserved:
                     continue
                 unfinished += request.pending_prefill
+                outputs_reserved += reserve
             tokens = min(tokens, free)
             if tokens < 1:
                 break
@@ -384,6 +415,9 @@ class SimEngine:
             free -= tokens
             unfinished -= tokens  # now allocated: no longer owed to the unfinished prefills
         return fitted
+
+    def _remaining_outputs(self, request: SimRequest) -> int:
+        return self._output_target[request.req_id] - request.next_output_index
 
     @staticmethod
     def _shape(

@@ -303,14 +303,16 @@ def test_blocked_prefill_yields_the_step_to_decodes():
 
 @pytest.mark.parametrize("kv", [3500, 5000])
 def test_sglang_default_completes_under_memory_pressure(kv):
+    """Long outputs outgrow the share of them the prefill admission reserves: decodes
+    find the pool full, retract, and every request still finishes."""
     profile = small_kv_profile(kv)
     eng = engine("sglang-default", profile=profile, check_invariants=True)
-    requests = synthetic_requests(40, 20.0, seed=11)
+    requests = synthetic_requests(40, 20.0, seed=11, prompt=(10, 1000), output=(200, 1200))
     for req in requests:
         eng.advance_to(req.arrival)
         eng.submit(req.req_id, req.arrival, req.prompt, req.output, SLO)
     # a bounded drain: an engine spinning on idle ticks fails here instead of hanging
-    eng.run_until_idle(requests[-1].arrival + 60.0)
+    eng.run_until_idle(requests[-1].arrival + 300.0)
     assert not eng.has_work
     records = list(eng.records.values())
     assert all(r.finished for r in records if not r.rejected)
@@ -332,23 +334,24 @@ def test_prompts_that_fit_together_are_prefilled_together():
 
 
 def test_retraction_recomputes_prompt_and_emitted_tokens():
-    """Two decoders outgrow a small pool: the one with fewer outputs is retracted and
-    later recomputed from prompt + emitted tokens."""
+    """Two decoders outgrow a small pool (the prefill admission reserves only a share
+    of the running request's outputs): the one with fewer outputs is retracted and later
+    recomputed from prompt + emitted tokens."""
     profile = small_kv_profile(2100)
     eng = engine("sarathi", profile=profile, record_tokens=True, check_invariants=True)
-    eng.submit("old", 0.0, 1000, 100, SLO)
+    eng.submit("old", 0.0, 1000, 400, SLO)
     while eng.records["old"].tokens_emitted < 10:
         eng.step()
-    eng.submit("new", eng.now, 1000, 100, SLO)
+    eng.submit("new", eng.now, 500, 300, SLO)  # 1010 + 800 + 0.7 x 390 fit in 2100
     eng.run_until_idle(60.0)
     old, new = eng.records["old"], eng.records["new"]
     assert old.finished and new.finished
     assert new.preemptions >= 1 and old.preemptions == 0  # fewest outputs goes first
     assert new.recomputed_tokens > 0
-    assert new.prefill_tokens_computed == 1000 + new.recomputed_tokens
+    assert new.prefill_tokens_computed == 500 + new.recomputed_tokens
     assert new.prefill_completions == 1 + new.preemptions
     tokens = [e.index for e in eng.drain_tokens() if e.req_id == "new"]
-    assert tokens == list(range(100))
+    assert tokens == list(range(300))
 
 
 def test_blocked_prompt_does_not_starve_a_started_prefill():

@@ -32,15 +32,18 @@ def test_outlook_follows_the_engines_rule_and_gives_memory_back_when_the_last_to
     engine.submit("b", engine.now, 400, 30, SLO)
     decoding = engine.active_requests[0]
     outlook = engine.kv_outlook()
-    # the engine admits a prompt that fits now and reserves no outputs
-    assert outlook.free_tokens == engine.kv_capacity - engine.kv_used
-    assert outlook.reserves == {} and outlook.new_reserve == 0.0
+    # the engine admits a prompt whose prompt and outputs fit beside what the decoding
+    # request holds and the share of its remaining outputs SGLang reserves
+    remaining = 50 - decoding.next_output_index
+    reserve = remaining * engine.new_token_ratio.current
+    assert outlook.free_tokens == pytest.approx(engine.kv_capacity - engine.kv_used - reserve)
+    # a queued prompt is expected to reserve the median of the arrivals' outputs
+    assert outlook.reserves == {} and outlook.new_reserve == 40.0
     # the last token is due 49 TPOTs after the first, but at one token per TPOT (the
     # only class present) it comes no later than that from now
-    remaining = 50 - decoding.next_output_index
     due = min(decoding.first_token_time + 49 * SLO.tpot_s, engine.now + remaining * SLO.tpot_s)
     assert outlook.release_times == (pytest.approx(due),)
-    assert outlook.released_through == (decoding.context,)
+    assert outlook.released_through == (pytest.approx(decoding.context + reserve),)
 
 
 def _admitted_ttft_misses(profile, share_kv: bool) -> tuple[int, int]:
@@ -82,8 +85,9 @@ def _on_time_on_a_memory_bound_device(kv_aware: bool) -> int:
 
 def test_on_a_memory_bound_device_fb_smooth_keeps_its_decodes_running_and_more_on_time():
     """The in-time prompts need more KV than is free: stretching the step for them frees
-    none, and what it admits is retracted."""
-    assert _on_time_on_a_memory_bound_device(True) > 1.05 * _on_time_on_a_memory_bound_device(False)
+    none, and the decodes it defers hold their memory for longer (392 on time against
+    379 of 456)."""
+    assert _on_time_on_a_memory_bound_device(True) > 1.02 * _on_time_on_a_memory_bound_device(False)
 
 
 def test_under_reject_the_policy_sees_the_outlook_of_every_step():
@@ -98,7 +102,7 @@ def test_under_reject_the_policy_sees_the_outlook_of_every_step():
 
     engine.policy.form_batch = recording
     for _ in range(3):
-        used = engine.kv_used
+        expected = engine.kv_outlook().free_tokens
         engine.step()
-        assert seen[-1] == engine.kv_capacity - used
+        assert seen[-1] == expected
     assert len(seen) == 3
