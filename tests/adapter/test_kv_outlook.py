@@ -64,6 +64,24 @@ def test_running_requests_give_back_what_they_hold_when_their_last_token_is_due(
     assert outlook.new_reserve == pytest.approx((101 + 300) / 2)  # median of two
 
 
+def test_a_running_request_reserves_a_share_of_its_outputs_and_a_queued_prompt_all() -> None:
+    """SGLang's adder scales a running request's remaining outputs by ``new_token_ratio``
+    and charges a prompt it admits for all of its outputs."""
+    from sglang_ext.adapter.scheduler.kv_outlook import kv_outlook
+
+    running = _req("run", 1000, 101, produced=1, ignore_eos=False)
+    waiting = _req("wait", 500, 300, ignore_eos=False)
+    outlook = kv_outlook(
+        5000, 0.5,
+        [(running, _view("run", 1000, 1, first_token_time=12.0))],
+        [(waiting, _view("wait", 500, 0, first_token_time=None))],
+    )
+    assert outlook.free_tokens == 5000 - 0.5 * 100
+    assert outlook.released_through == (1001 + 0.5 * 100,)
+    assert outlook.reserves == {"wait": 300}
+    assert outlook.new_reserve == pytest.approx((101 + 300) / 2)
+
+
 def test_a_cut_prompts_remainder_comes_out_of_free_memory_first() -> None:
     """SGLang continues its chunked request before any queued prefill, so what it still
     needs (prompt tokens not in KV, and its outputs) is not free for the queue."""

@@ -133,13 +133,13 @@ def reference_kv_outlook(free_and_evictable, new_token_ratio, decoding, queued):
     for req, view in decoding:
         reserve = output_reserve(req, new_token_ratio)
         free -= reserve
-        initial.append(output_reserve(req, new_token_ratio, from_start=True))
+        initial.append(output_reserve(req, 1.0, from_start=True))
         releases.append((last_token_due(view, req.sampling_params.max_new_tokens or 0),
                          view.context + reserve))
     reserves = {}
     for req, view in queued:
-        reserves[view.req_id] = output_reserve(req, new_token_ratio)
-        initial.append(output_reserve(req, new_token_ratio, from_start=True))
+        reserves[view.req_id] = output_reserve(req, 1.0)
+        initial.append(output_reserve(req, 1.0, from_start=True))
     times, through, total = [], [], 0.0
     for time_s, tokens in sorted(releases):
         total += tokens

@@ -1,13 +1,13 @@
 """The rank's KV memory as SGLang's prefill admission sees it, for the admission forecast
 (:class:`sglang_ext.policy.admission.KvOutlook`).
 
-SGLang's ``PrefillAdder`` starts a prefill only if its prompt plus its reserved outputs
-(``min(max_new_tokens, CLIP_MAX_NEW_TOKENS)`` times ``new_token_ratio``, or 1 with
-``ignore_eos``) fit in the free and evictable KV, after each running request's reserve
-for its remaining outputs. The outlook mirrors that, and expects each running request to
-give back what it holds and reserves when its last token is due: its first token plus
-one TPOT per further token, the pace FairBatching keeps under load (faster service gives
-memory back earlier, so the forecast errs on the safe side).
+SGLang's ``PrefillAdder`` starts a prefill only if its prompt plus all its outputs
+(``min(max_new_tokens, CLIP_MAX_NEW_TOKENS)``) fit in the free and evictable KV, after
+each running request's reserve for its remaining outputs (those times
+``new_token_ratio``, or 1 with ``ignore_eos``). The outlook mirrors that, and expects
+each running request to give back what it holds and reserves when its last token is
+due: its first token plus one TPOT per further token, the pace FairBatching keeps under
+load (faster service gives memory back earlier, so the forecast errs on the safe side).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from sglang_ext.policy.view import RequestState
 
 
 def output_reserve(req: Any, new_token_ratio: float, *, from_start: bool = False) -> float:
-    """KV tokens SGLang's adder sets aside for ``req``'s outputs still to come (with
-    ``from_start``, for all of them, as when it arrived)."""
+    """KV tokens SGLang's adder sets aside for a running ``req``'s outputs still to come
+    (with ``from_start``, for all of them, as when it arrived); ``new_token_ratio=1`` for
+    a prompt it admits, whose outputs it charges whole."""
     params = req.sampling_params
     produced = 0 if from_start else len(req.output_ids)
     remaining = max(0, (params.max_new_tokens or 0) - produced)
@@ -43,8 +44,9 @@ def kv_outlook(
     """``decoding``: (``Req``, view) of running and parked requests; ``queued``: the
     waiting queue; ``chunked``: the cut prompt SGLang is prefilling, whose remaining
     prompt tokens and outputs come out of free memory before any queued prefill (it
-    continues first), so it needs nothing more in the forecast. An arrival is expected
-    to reserve the median of what the known requests reserved when they arrived."""
+    continues first), so it needs nothing more in the forecast. A queued prompt reserves
+    all its remaining outputs, as the adder charges them; an arrival is expected to
+    reserve the median of what the known requests reserved when they arrived."""
     free = float(free_and_evictable)
     releases = []
     initial = []
@@ -62,11 +64,12 @@ def kv_outlook(
         remaining = max_new - len(req.output_ids)
         if remaining < 0:
             remaining = 0
-        reserve = (clip if clip < remaining else remaining) * ratio
-        initial.append((clip if clip < max_new else max_new if max_new > 0 else 0) * ratio)
+        whole = clip if clip < remaining else remaining
+        initial.append(clip if clip < max_new else max_new if max_new > 0 else 0)
         if position >= split:
-            reserves[view.req_id] = reserve
+            reserves[view.req_id] = float(whole)
             continue
+        reserve = whole * ratio
         free -= reserve
         slo = view.slo
         first = view.first_token_time
