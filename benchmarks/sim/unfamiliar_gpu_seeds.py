@@ -8,9 +8,11 @@ arrivals (the seed also draws the arrivals). Configurations:
 
 - FairBatching from the H100 file, knee learned: the shipped ``fb-smooth+defer`` and
   ``fb-steady+defer`` at every ``give_up`` setting: length weights 1 (``longest``, the
-  default), 0.75, 0.5, 0.25 and 0 (``fair``), and ``latest``; and both with the start-up
-  calibration a server runs when no step-model file is named (``--calibrate``: the
-  scheduler's plan served on the device first, its fit adopted);
+  default), 0.75, 0.5, 0.25 and 0 (``fair``), and ``latest``; both with ``max_defer_s``
+  0.1 (a request still without a first token ended 0.1 s past its TTFT deadline instead
+  of 2 s); and both with the start-up calibration a server runs when no step-model file
+  is named (``--calibrate``: the scheduler's plan served on the device first, its fit
+  adopted);
 - SGLang's orders on the Sarathi batch with SGLang's waiting timeout, from the settings
   ``benchmarks.sim.unfamiliar_gpu`` tuned (``docs/bench/unfamiliar_gpu.json``), each also
   at 1/8, 1/4, 1/2, 2, 4 and 8 times its timeout and without one; of these, each family
@@ -52,6 +54,7 @@ TIMEOUT_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 SHIPPED = "fb-smooth+defer"
 GIVE_UPS = {"1": "longest (1, the default)", "0.75": "0.75", "0.5": "0.5", "0.25": "0.25",
             "0": "fair (0)", "latest": "latest"}
+SHORT_DEFER_S = 0.1  # max_defer_s of the rows that end hopeless requests soon after their deadline
 
 
 #: rows run with the simulator's start-up calibration (``--calibrate``), each its own sweep
@@ -65,6 +68,9 @@ def fairbatching_policies() -> dict[str, str]:
     for give_up, label in GIVE_UPS.items():
         spec = "fb-steady+defer" if give_up == "1" else f"fb-steady+defer:{give_up}"
         rows[spec] = f"fb-steady+defer, give_up {label}"
+    for policy in ("fb-smooth", "fb-steady"):
+        rows[f"{policy}+defer:max_defer={SHORT_DEFER_S:g}"] = (
+            f"{policy}+defer, max_defer_s {SHORT_DEFER_S:g}")
     return rows
 
 
