@@ -132,6 +132,7 @@ class SimEngine:
         self.output_lengths = OutputLengthModel()
         self._kv_used = 0
         self.new_token_ratio = NewTokenRatio()
+        self.retractions = 0
         self._seq = 0
         self._events: list[TokenEvent] = []
         self._record_tokens = record_tokens
@@ -265,10 +266,9 @@ class SimEngine:
             if request is None:
                 raise RuntimeError(f"{self.policy.name}: invalid abort of {req_id!r}")
             self._abort(request)
+        retractions = self.retractions
         decodes, chunks = self._validated(decision)
         decodes = self._reserve_decode_memory(decodes)
-        if decodes:
-            self.new_token_ratio.decay_step()
         chunks = self._fit_prefills(chunks, len(decodes))
         if not decodes and not chunks and not decision.hold_s:
             # NOTE: as in SGLang, a prefill that memory blocks yields the step to decodes.
@@ -288,6 +288,8 @@ class SimEngine:
                 return
             self._idle(decision.hold_s, horizon_s)
             return
+        if not chunks and self.retractions == retractions:
+            self.new_token_ratio.decay_step()  # as SGLang: a decode-only step, none retracted
         shape, context = self._shape(decodes, chunks)
         duration = self.gpu.measure_step_s(shape)
         start = self.now
@@ -367,6 +369,7 @@ class SimEngine:
         new_pending = request.prompt_tokens + request.next_output_index
         record.recomputed_tokens += new_pending - request.pending_prefill
         record.preemptions += 1
+        self.retractions += 1
         self._kv_used -= request.context
         request.context = 0
         request.pending_prefill = new_pending

@@ -77,6 +77,21 @@ def test_a_prompt_waits_while_its_outputs_do_not_fit_beside_the_running_reserve(
     assert new.first_token_s > running.finish_s
 
 
+def test_a_step_that_prefills_leaves_the_ratio_as_it_is():
+    """SGLang updates the ratio only on a decode-only step: a step that admits or
+    continues a prompt (mixed with the decodes) leaves it."""
+    engine = _engine(100_000)
+    engine.submit("running", 0.0, 100, 50, SLO)
+    while engine.records["running"].first_token_s is None:
+        engine.step()
+    engine.submit("long", engine.now, 20_000, 5, SLO)
+    before = engine.new_token_ratio.current
+    engine.step()
+    assert engine.records["long"].prefill_tokens_computed > 0
+    assert engine.records["running"].decode_steps == 1
+    assert engine.new_token_ratio.current == before
+
+
 def test_decode_steps_decay_the_ratio_and_an_idle_scheduler_resets_it():
     engine = _engine(100_000)
     engine.submit("a", 0.0, 100, 50, SLO)
