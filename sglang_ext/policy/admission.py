@@ -202,8 +202,8 @@ class AdmissionSettings:
     @property
     def label(self) -> str:
         """``reject``, ``defer``, ``defer:latest``, ``defer:fair``, ``defer:0.5`` or
-        ``reject:pab``, then ``:max_defer=S`` where ``max_defer_s`` is not the default
-        (the simulator's policy-label suffix)."""
+        ``reject:pab``, then ``:max_defer=S`` and ``:headroom=H`` where they are not the
+        defaults (the simulator's policy-label suffix)."""
         parts = [self.mode.value]
         if self.rule is not AdmissionRule.EDF:
             parts.append(self.rule.value)
@@ -214,6 +214,8 @@ class AdmissionSettings:
             parts.append(f"{self.give_up:g}")
         if self.max_defer_s != DEFAULT_MAX_DEFER_S:
             parts.append(f"max_defer={self.max_defer_s:g}")
+        if self.headroom != DEFAULT_HEADROOM:
+            parts.append(f"headroom={self.headroom:g}")
         return ":".join(parts)
 
 

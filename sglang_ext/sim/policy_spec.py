@@ -16,7 +16,8 @@ from sglang_ext.policy.policies import POLICIES
 #: refines around the best (``sglang_ext.sim.fitting.tuning``).
 DEFAULT_TOKEN_BUDGETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 #: ``[admission]`` numbers a policy label may set, by the label's name for them
-ADMISSION_NUMBERS = {"max_defer": "max_defer_s"}
+ADMISSION_NUMBERS = {"max_defer": "max_defer_s", "headroom": "headroom"}
+_NUMBER_UNITS = {"max_defer": "SECONDS", "headroom": "FRACTION"}
 
 
 class PolicySpecError(ValueError):
@@ -51,9 +52,10 @@ def _number(value: float) -> str:
 
 
 def parse_admission(text: str) -> AdmissionSettings:
-    """``MODE[:RULE][:GIVE_UP][:max_defer=S]`` (``reject``, ``defer``, ``reject:pab``,
-    ``defer:latest``, ``defer:0.5``: a length weight; ``defer:max_defer=0.5``: the
-    ``[admission]`` ``max_defer_s``)."""
+    """``MODE[:RULE][:GIVE_UP][:max_defer=S][:headroom=H]`` (``reject``, ``defer``,
+    ``reject:pab``, ``defer:latest``, ``defer:0.5``: a length weight;
+    ``defer:max_defer=0.5`` and ``defer:headroom=0.2``: the ``[admission]`` ``max_defer_s``
+    and ``headroom``)."""
     mode, *options = text.split(":")
     words: dict[str, str] = {}
     numbers: dict[str, float] = {}
@@ -62,7 +64,8 @@ def parse_admission(text: str) -> AdmissionSettings:
         if equals:
             if name not in ADMISSION_NUMBERS or not _is_number(value):
                 raise PolicySpecError(
-                    f"admission {text!r}: expected {' or '.join(f'{n}=SECONDS' for n in ADMISSION_NUMBERS)}, "
+                    f"admission {text!r}: expected "
+                    f"{' or '.join(f'{n}={unit}' for n, unit in _NUMBER_UNITS.items())}, "
                     f"got {option!r}")
             key = ADMISSION_NUMBERS[name]
             if key in numbers:
@@ -73,7 +76,7 @@ def parse_admission(text: str) -> AdmissionSettings:
         if key in words:
             raise PolicySpecError(f"admission {text!r}: two values for its {key}")
         words[key] = option
-    if numbers and mode != "defer":
+    if "max_defer_s" in numbers and mode != "defer":
         raise PolicySpecError(f"admission {text!r}: max_defer is how long mode 'defer' keeps "
                               f"a late prefill; mode {mode!r} keeps none")
     try:

@@ -105,12 +105,18 @@ def test_parse_policy_settings() -> None:
     assert parse_policy("fb+defer:max_defer=0.5").admission.max_defer_s == 0.5
     assert parse_policy("fb+defer:fair:max_defer=0.5").label == "fb+defer:fair:max_defer=0.5"
     assert parse_policy("fb+defer:max_defer=2").label == "fb+defer"  # the default
+    assert parse_policy("fb+defer:headroom=0.2").admission.headroom == 0.2
+    assert parse_policy("fb+defer:max_defer=0.1:headroom=0.2").label == (
+        "fb+defer:max_defer=0.1:headroom=0.2")
+    assert parse_policy("fb+reject:headroom=0.3").label == "fb+reject:headroom=0.3"
+    assert parse_policy("fb+defer:headroom=0.1").label == "fb+defer"  # the default
     for bad in ("sarathi@512,cap=3", "sarathi-queue-cap@512,cap=-1", "fb@512",
                 "sarathi-queue-cap@512,cap=x", "sarathi-queue-cap@cap=5,512",
                 "fb+reject:latest", "fb+defer:latest:longest", "fb+defer:oldest",
                 "fb+defer:1.5", "fb+defer:-0.5", "fb+defer:nan", "fb+reject:0.5",
                 "fb+defer:max_defer=0", "fb+defer:max_defer=x", "fb+defer:wait=1",
-                "fb+defer:max_defer=1:max_defer=2", "fb+reject:max_defer=1"):
+                "fb+defer:max_defer=1:max_defer=2", "fb+reject:max_defer=1",
+                "fb+defer:headroom=1", "fb+defer:headroom=-0.1", "fb+defer:headroom=x"):
         with pytest.raises(PolicySpecError):
             parse_policy(bad)
 
