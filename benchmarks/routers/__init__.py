@@ -35,7 +35,7 @@ ingress (ZeroMQ). Every request is ``POST /v1/completions``, streamed, with a te
 ``custom_params`` (TTFT 2000 ms, TPOT 50 ms; also the servers' default class), or in the
 ``bursty`` workload its own class.
 
-Workloads (fixed seed; the same requests through every router):
+Workloads (seeded, ``--seeds``; at each seed the same requests through every router):
 
 * ``azure``  -- the first ``rate x seconds`` requests of the bundled Azure conversation
   sample (``sglang_ext/data/azure_conv_sample.csv``; prompt and output lengths as recorded,
@@ -80,13 +80,25 @@ Every finished run is appended to ``out/bench_routers/points.jsonl`` (raw logs b
     scripts/bench_routers.sh --quick          # one rate per workload, 12 s runs, 3-point sweep (~8 min)
     scripts/bench_routers.sh --render-only    # re-render docs/bench/routers.* from the points
     scripts/bench_routers.sh --workloads prefix --azure-rates 6 --prefix-rates 8,12
+    scripts/bench_routers.sh --workloads bursty --bursty-rates 30 --seeds 0,1,2   # 3 seeds a point
 
 The daemon and the servers run in this project's SGLang environment; smg in its own small
 one (``FB_EXTRAS=bench-router``; ``--smg PATH`` or ``$FB_SMG`` names its executable).
 
 A server that dies mid-run (a FairBatching scheduler assertion was seen under KV pressure)
 is recorded with that run's point (``server_died``, marked in the tables) and the servers
-and the daemon are restarted before the next run. One seed per point: near a router's
-knee, repeated runs of one configuration differ a lot on this shared machine (see the
-page's sweep tables), so read single points with care.
+and the daemon are restarted before the next run.
+
+Arrival seeds (``--seeds``, comma-separated, default ``0``): every (workload, rate, router,
+limits) run happens once per seed, on that seed's arrival times, prompts and classes; the
+points file keys runs by seed too (``--append`` skips the runs saved at each seed; a point
+saved without a seed ran at seed 0). Each seed sweeps the tuned smg routers' limits on its
+own arrivals and keeps its own best, so smg is at its best at every seed. Where a point ran
+at several seeds, the page's tables give the mean over the seeds (goodput, attainment and
+the other columns) with each seed's goodput beside it and a sweep table per seed, and the
+daemon's best configuration (highest mean goodput) is set against smg's best at each seed:
+the ratio of the means and each seed's ratio (that seed's daemon goodput over the highest
+smg goodput at that seed). With one seed, near a router's knee, repeated runs of one
+configuration differ a lot on this shared machine (see the page's sweep tables), so read
+single points with care.
 """

@@ -30,6 +30,7 @@ from benchmarks.routers.limit_sweep import (
 from benchmarks.routers.traffic import (
     DEFAULT_RATES,
     QUICK_RATES,
+    SEED,
     WORKLOADS,
     chars_per_token,
     single_token_words,
@@ -90,6 +91,12 @@ def parse_ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def parse_seeds(text: str | None) -> tuple[int, ...]:
+    """``--seeds``: distinct arrival seeds in the order given (none given: :data:`SEED`)."""
+    seeds = tuple(dict.fromkeys(parse_ints(text or "")))
+    return seeds or (SEED,)
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     rates = dict(QUICK_RATES if args.quick else DEFAULT_RATES)
     if args.azure_rates:
@@ -117,6 +124,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         (0 if args.quick else MAX_EXTENSIONS), quick=args.quick,
         routers=tuple(r for r in args.routers.split(",") if r),
         per_rate=not getattr(args, "no_per_rate", False),
+        seeds=parse_seeds(getattr(args, "seeds", None)),
     )
 
 
@@ -129,6 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prefix-rates", help="comma-separated req/s")
     parser.add_argument("--bursty-rates", help="comma-separated req/s")
     parser.add_argument("--seconds", type=float, help="seconds of arrivals per run")
+    parser.add_argument("--seeds", default=str(SEED),
+                        help="comma-separated arrival seeds: every run once per seed, the tuned "
+                        "smg routers swept per seed (default: %(default)s)")
     parser.add_argument("--sweep-concurrency", help="smg cache_aware --max-concurrent-requests grid")
     parser.add_argument("--sweep-queue", help="smg cache_aware --queue-size grid ('' = not swept)")
     parser.add_argument("--sweep-queue-at", type=int, default=SWEEP_QUEUE_AT,

@@ -1,5 +1,8 @@
 """The comparison's page (``docs/bench/routers.md``) and JSON (``routers.json``), rendered
-from the saved points (pure but for :func:`write_outputs`)."""
+from the saved points (pure but for :func:`write_outputs`). Points of one arrival seed give
+one row per (workload, rate, router); points of several give the mean over the seeds, each
+seed's goodput beside it, the smg sweeps per seed and the daemon's best against smg's best
+at each seed."""
 
 from __future__ import annotations
 
@@ -10,11 +13,16 @@ from pathlib import Path
 
 from benchmarks.routers.analysis import (
     auto_notes,
+    comparison_rows,
     cpu_summary,
     main_points,
     probe_summary,
     provenance_text,
     router_label,
+    seed_goodputs,
+    seed_verdicts,
+    seeds_of,
+    split_by_seed,
     sweep_summary,
     wins,
 )
@@ -42,6 +50,7 @@ from benchmarks.routers.traffic import (
     SEED,
     SUFFIX_TOKENS,
     WORKLOADS,
+    point_seed,
 )
 from benchmarks.server.emulated import PROFILE, TIME_SCALE
 from benchmarks.support.paths import relative
@@ -89,8 +98,25 @@ def daemon_routers_text(chars_per_token: object) -> str:
             "process, `serve --http`).")
 
 
+def _seeds_text(seeds: Sequence[int]) -> str:
+    return ", ".join(map(str, seeds or [SEED]))
+
+
+def _seeds_run_text(seeds: Sequence[int]) -> str:
+    return f"seed{'s' * (len(seeds) > 1)} {_seeds_text(seeds)}"
+
+
+def _seeds_caveat(seeds: Sequence[int]) -> str:
+    if len(seeds) <= 1:
+        return "One seed per point."
+    return (f"{len(seeds)} arrival seeds per point ({_seeds_text(seeds)}), smg's limits swept per "
+            "seed; the tables give the mean over the seeds and each seed's goodput.")
+
+
 def render_markdown(points: Sequence[dict], meta: dict) -> str:
-    rows = main_points(points)
+    compared = main_points(points)
+    rows = comparison_rows(points)
+    seeds = seeds_of(points)
     lines = [
         "# SGLang's router (smg) against the control-plane daemon, on the emulated GPU",
         "",
@@ -103,7 +129,7 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
         f"- **Machine caveats**: {meta.get('machine', '?')}. Two SGLang servers, the router, the "
         "load generator and other jobs share these cores; the GPU is emulated "
         f"(`{PROFILE}`, step times x{TIME_SCALE:g}: only model execution is replaced, SGLang's "
-        "HTTP server, tokenizer, scheduler and radix cache are real). One seed per point. "
+        f"HTTP server, tokenizer, scheduler and radix cache are real). {_seeds_caveat(seeds)} "
         "Latencies include this CPU contention; compare routers with each other, not with a real GPU.",
         f"- Servers: {' '.join(SERVER_ARGS)}, FairBatching on (shipped config), both ranks of one daemon.",
         f"- SLO: TTFT {SLO['ttft_ms']} ms, TPOT {SLO['tpot_ms']} ms (mean per request; the bursty workload: each "
@@ -111,7 +137,8 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
         + "); goodput = rate x "
         "attainment (req/s); failures (429, 5xx, timeouts at "
         f"{REQUEST_TIMEOUT_S:g} s) are misses.",
-        f"- Runs: {meta.get('seconds', '?')} s of arrivals (Poisson; bursty: gamma, CV {BURST_CV:g}; seed {SEED}) "
+        f"- Runs: {meta.get('seconds', '?')} s of arrivals (Poisson; bursty: gamma, "
+        f"CV {BURST_CV:g}; {_seeds_run_text(seeds)}) "
         "per point, "
         "the servers' prefix caches flushed before each, every router at a rate before the next rate.",
         "- Routers: `smg-rr` = smg `--policy round_robin`, its defaults; `smg-ca` / `smg-ll` = "
@@ -149,6 +176,7 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
     lines += ["", "## Where the daemon wins", ""]
     lines += [f"- {w}" for w in wins(points, "cp")] or ["- nowhere in these runs"]
     lines += [""]
+    lines += _seed_verdict_lines(seed_verdicts(points))
     for workload in WORKLOADS:
         wrows = [p for p in rows if p["workload"] == workload]
         if not wrows:
@@ -160,33 +188,13 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
                  "bursty": f"Bursty, three SLO classes (the shared prefixes at gamma arrivals of CV "
                            f"{BURST_CV:g}; classes {', '.join(f'{n} {w:.0%}' for n, w in CLASS_MIX)})"}[workload]
         classes = sorted({c for p in wrows for c in p["result"].get("by_class", {})})
-        class_head = f" attainment {' / '.join(classes)} | TTFT p99 ms {' / '.join(classes)} |" if classes else ""
-        lines += [f"## {title}", "",
-                  "| rate | router | goodput | attainment | failed | TTFT p50 / p90 / p99 ms | "
-                  "TPOT p50 / p90 / p99 ms | prefill computed | router CPU s / 1000 req | "
-                  "router CPU s / 1000 tokens |" + class_head,
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * bool(classes)]
+        wseeds = seeds_of(p for p in compared if p["workload"] == workload)
+        lines += [f"## {title}", "", *_table_head(classes, wseeds)]
         best = {}
         for p in wrows:
             if p["result"]["goodput"] > best.get(p["rate"], -1):
                 best[p["rate"]] = p["result"]["goodput"]
-        for p in wrows:
-            r = p["result"]
-            goodput = _fmt(r["goodput"], 2)
-            if r["goodput"] == best[p["rate"]]:
-                goodput = f"**{goodput}**"
-            prefill = p.get("prefill") or {}
-            frac = prefill.get("computed_fraction")
-            cpu = (p.get("cpu") or {}).get("router_s_per_1000")
-            cpu_tokens = (p.get("cpu") or {}).get("router_s_per_1000_tokens")
-            t, o = r["ttft_ms"], r["tpot_ms"]
-            crashed = " †" if p.get("server_died") else ""
-            lines.append(
-                f"| {p['rate']:g} | {router_label(p)}{crashed} | {goodput} | {r['attainment']:.3f} | {r['failed']} | "
-                f"{_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} | "
-                f"{_fmt(o['p50'], 1)} / {_fmt(o['p90'], 1)} / {_fmt(o['p99'], 1)} | "
-                f"{'-' if frac is None else f'{100 * frac:.0f}%'} | {_fmt(cpu, 1)} | {_fmt(cpu_tokens, 3)} |"
-                + _class_cells(r.get("by_class", {}), classes))
+        lines += [_comparison_line(p, best[p["rate"]], classes, wseeds) for p in wrows]
         died = [p for p in wrows if p.get("server_died")]
         if died:
             first = next(iter(died[0]["server_died"].values()))
@@ -195,7 +203,8 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
         lines.append("")
         for router, policy in TUNED_SMG.items():
             name = f"{policy} + priority scheduler" if router in PRIORITY_SMG else policy
-            lines += _sweep_lines(sweep_summary(points, workload, router), name)
+            for seed, seed_points in split_by_seed(points):
+                lines += _sweep_lines(sweep_summary(seed_points, workload, router), name, seed)
     probes = probe_summary(points)
     if probes:
         lines += ["## Router added latency (unloaded) and CPU", "",
@@ -229,13 +238,81 @@ def render_markdown(points: Sequence[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def _sweep_lines(sweep: dict | None, policy: str) -> list[str]:
-    """A tuned smg router's sweep of one workload: its choice and every point."""
+def _table_head(classes: Sequence[str], seeds: Sequence[int]) -> list[str]:
+    """A workload's comparison table's head: with several seeds, a column of each seed's
+    goodput after the mean's, and a line saying so above."""
+    classes_text = " / ".join(classes)
+    class_head = f" attainment {classes_text} | TTFT p99 ms {classes_text} |" if classes else ""
+    several = len(seeds) > 1
+    seed_head = f"goodput per seed ({' / '.join(map(str, seeds))}) | " * several
+    head = ("| rate | router | goodput | " + seed_head + "attainment | failed | "
+            "TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | prefill computed | "
+            "router CPU s / 1000 req | router CPU s / 1000 tokens |" + class_head)
+    rule = ("|---:|---|---:|" + "---:|" * several + "---:|---:|---:|---:|---:|---:|---:|"
+            + "---:|---:|" * bool(classes))
+    if not several:
+        return [head, rule]
+    note = (f"Means over seeds {_seeds_text(seeds)} (a tuned smg router's limits: each seed's, "
+            "in seed order, where they differ); *goodput per seed* in seed order.")
+    return [note, "", head, rule]
+
+
+def _comparison_line(p: dict, best: float, classes: Sequence[str], seeds: Sequence[int]) -> str:
+    """A comparison row: the best goodput at its rate in bold; with several seeds, each
+    seed's goodput after it."""
+    r = p["result"]
+    goodput = _fmt(r["goodput"], 2)
+    if r["goodput"] == best:
+        goodput = f"**{goodput}**"
+    if len(seeds) > 1:
+        by_seed = seed_goodputs(p)
+        goodput += " | " + " / ".join(_fmt(by_seed.get(s), 2) for s in seeds)
+    prefill = p.get("prefill") or {}
+    frac = prefill.get("computed_fraction")
+    cpu = (p.get("cpu") or {}).get("router_s_per_1000")
+    cpu_tokens = (p.get("cpu") or {}).get("router_s_per_1000_tokens")
+    t, o = r["ttft_ms"], r["tpot_ms"]
+    crashed = " †" if p.get("server_died") else ""
+    return (f"| {p['rate']:g} | {router_label(p)}{crashed} | {goodput} | {r['attainment']:.3f} | "
+            f"{r['failed']} | {_fmt(t['p50'])} / {_fmt(t['p90'])} / {_fmt(t['p99'])} | "
+            f"{_fmt(o['p50'], 1)} / {_fmt(o['p90'], 1)} / {_fmt(o['p99'], 1)} | "
+            f"{'-' if frac is None else f'{100 * frac:.0f}%'} | {_fmt(cpu, 1)} | "
+            f"{_fmt(cpu_tokens, 3)} |" + _class_cells(r.get("by_class", {}), classes))
+
+
+def _seed_verdict_lines(verdicts: Sequence[dict]) -> list[str]:
+    """Where points ran at several seeds: the daemon's best against smg's best at each seed."""
+    if not verdicts:
+        return []
+    intro = ("The daemon's configuration with the highest mean goodput against smg's best at "
+             "each seed (its highest goodput there, a tuned router at the limits swept on that "
+             "seed's arrivals): the ratio of the means, and each seed's ratio.")
+    head = ("| workload | rate | the daemon | goodput (mean) | smg's best | goodput (mean) | "
+            "ratio of means | per seed: the daemon / smg's best |")
+    lines = ["## The daemon against smg's best, per seed", "", intro, "", head,
+             "|---|---:|---|---:|---|---:|---:|---|"]
+    for v in verdicts:
+        per_seed = "; ".join(f"seed {s['seed']}: {s['goodput']:.2f} / {s['rival_goodput']:.2f} "
+                             f"({s['rival']}) = {_times(s['ratio'])}" for s in v["per_seed"])
+        lines.append(f"| {v['workload']} | {v['rate']:g} | {v['best']} | {v['goodput']:.2f} | "
+                     f"{v['rival']} | {v['rival_goodput']:.2f} | {_times(v['ratio'])} | "
+                     f"{per_seed} |")
+    return [*lines, ""]
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _sweep_lines(sweep: dict | None, policy: str, seed: int | None = None) -> list[str]:
+    """A tuned smg router's sweep of one workload (on one seed's arrivals where the points
+    have several): its choice and every point."""
     if not sweep:
         return []
     best = sweep["best"]
     reserved = any("interactive_reserved" in s for s in sweep["points"])
-    lines = [f"smg {policy} sweep at {sweep['rate']:g} req/s (queue timeout "
+    at_seed = "" if seed is None else f", seed {seed}"
+    lines = [f"smg {policy} sweep at {sweep['rate']:g} req/s{at_seed} (queue timeout "
              f"{SMG_QUEUE_TIMEOUT_S} s): best C={best[0] if best else '?'}, "
              f"Q={best[1] if best else '?'}"
              + (f", R={best[2] if best and len(best) > 2 else '?'}" if reserved else "")
@@ -266,19 +343,42 @@ def _sweep_lines(sweep: dict | None, policy: str) -> list[str]:
     return lines
 
 
+COMPARISON_KEYS = ("workload", "rate", "router", "limits", "result", "prefill", "cpu",
+                   "probe_added")
+
+
 def render_json(points: Sequence[dict], meta: dict) -> dict:
-    return {
+    """The page's data. Points of several seeds add each comparison point's ``seed``, the
+    rows' means over seeds (``seed_means``), the daemon against smg's best per seed
+    (``seed_verdicts``), and key each sweep by its seed."""
+    several = len(seeds_of(points)) > 1
+    keys = (*COMPARISON_KEYS, "seed") if several else COMPARISON_KEYS
+    comparison = [{k: point_seed(p) if k == "seed" else p.get(k) for k in keys}
+                  for p in main_points(points)]
+    data = {
         "meta": meta,
         "slo": SLO,
-        "comparison": [{k: p.get(k) for k in ("workload", "rate", "router", "limits", "result", "prefill",
-                                              "cpu", "probe_added")} for p in main_points(points)],
-        "sweeps": {router: {w: sweep_summary(points, w, router) for w in WORKLOADS} for router in TUNED_SMG},
+        "comparison": comparison,
+        "sweeps": {router: {w: _sweeps_json(points, w, router) for w in WORKLOADS}
+                   for router in TUNED_SMG},
         "added_latency": probe_summary(points),
         "cpu": cpu_summary(points),
         "smg_wins": wins(points, "smg"),
         "daemon_wins": wins(points, "cp"),
         "notes": [*auto_notes(points), *meta.get("notes", [])],
     }
+    if several:
+        data["seed_means"] = [row for row in comparison_rows(points) if "by_seed" in row]
+        data["seed_verdicts"] = seed_verdicts(points)
+    return data
+
+
+def _sweeps_json(points: Sequence[dict], workload: str, router: str) -> dict | None:
+    """A tuned smg router's sweep of a workload; with several seeds, per seed (keyed by it)."""
+    groups = split_by_seed(points)
+    if groups[0][0] is None:
+        return sweep_summary(points, workload, router)
+    return {str(seed): sweep_summary(group, workload, router) for seed, group in groups}
 
 
 def write_outputs(points: list[dict], meta: dict, out: Path) -> None:

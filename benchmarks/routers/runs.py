@@ -1,5 +1,6 @@
 """The comparison's runs: the plan, and every (workload, rate, router) run saved as a point
-as soon as it finishes, the tuned smg routers' limits swept first."""
+as soon as it finishes, once per arrival seed, the tuned smg routers' limits swept first at
+each seed."""
 
 from __future__ import annotations
 
@@ -27,7 +28,13 @@ from benchmarks.routers.stack import (
     limits_key,
 )
 from benchmarks.routers.limit_sweep import edge_extension, pick_best, sweep_verdict
-from benchmarks.routers.traffic import SEED, bundled_azure_lengths, prompt_text, workload_requests
+from benchmarks.routers.traffic import (
+    SEED,
+    bundled_azure_lengths,
+    point_seed,
+    prompt_text,
+    workload_requests,
+)
 from benchmarks.support.points import append_point, load_points
 
 DEFAULT_SECONDS = 30.0
@@ -37,7 +44,7 @@ QUICK_SECONDS = 12.0
 @dataclass(frozen=True)
 class Plan:
     """What to run: workloads and rates, seconds of arrivals per run, the sweep of the
-    tuned smg routers' limits, the routers."""
+    tuned smg routers' limits, the routers, the arrival seeds (each run once per seed)."""
 
     workloads: tuple[str, ...]
     rates: dict[str, tuple[float, ...]]
@@ -52,6 +59,7 @@ class Plan:
     #: the priority scheduler's slots reserved for ``interactive``: held at the first while C
     #: and Q are swept, then swept at the best C and Q (never C or more)
     sweep_reserved: tuple[int, ...] = (0, 4, 16)
+    seeds: tuple[int, ...] = (SEED,)
 
 
 def smg_limits(c: int, q: int, reserved: int | None = None) -> dict:
@@ -61,9 +69,27 @@ def smg_limits(c: int, q: int, reserved: int | None = None) -> dict:
     return limits if reserved is None else limits | {"interactive_reserved": reserved}
 
 
+def run_key(workload: str, rate: float, router: str, limits: dict | None, seed: int) -> tuple:
+    """The key of a run: one point per key is run, and one saved is not run again."""
+    return (workload, rate, router, limits_key(limits), seed)
+
+
+def point_key(point: dict) -> tuple:
+    """A saved point's :func:`run_key` (a point saved without a seed ran at :data:`SEED`)."""
+    return run_key(point["workload"], point["rate"], point["router"], point.get("limits"),
+                   point_seed(point))
+
+
+def run_tag(workload: str, rate: float, router: str, limits: dict | None, seed: int) -> str:
+    """A run's name in the log and in its raw files' names (the seed where not the default)."""
+    tag = f"{workload}-r{rate:g}-{router}" + ("" if limits is None else "".join(
+        f"-{letter}{value}" for letter, value in zip("cqr", limits_key(limits))))
+    return tag if seed == SEED else f"{tag}-s{seed}"
+
+
 class Bench:
-    """Runs the plan on a :class:`~benchmarks.routers.stack.Stack`, each run once: saved
-    points (``--append``) are not run again."""
+    """Runs the plan on a :class:`~benchmarks.routers.stack.Stack`, each run once per seed:
+    saved points (``--append``) are not run again."""
 
     def __init__(self, plan: Plan, stack: Stack, points_path: Path, meta: dict) -> None:
         self.plan = plan
@@ -74,7 +100,7 @@ class Bench:
         self.runs: dict[tuple, dict] = {}
         for p in load_points(points_path):  # --append: runs already saved are not run again
             if "result" in p and "error" not in p:
-                self.runs[(p["workload"], p["rate"], p["router"], limits_key(p.get("limits")))] = p
+                self.runs[point_key(p)] = p
 
     def router(self, name: str, limits: dict | None, tag: str) -> Router:
         if name == "smg-rr":
@@ -85,17 +111,16 @@ class Bench:
         return self.stack.start_daemon(DAEMON_POLICY[name], embedded=name in EMBEDDED_ROUTERS)
 
     def run(self, workload: str, rate: float, name: str, limits: dict | None = None, phase: str = "main",
-            tuned: dict | None = None) -> dict:
-        key = (workload, rate, name, limits_key(limits))
+            tuned: dict | None = None, seed: int = SEED) -> dict:
+        key = run_key(workload, rate, name, limits, seed)
         if key in self.runs:
             return self.runs[key]
-        tag = f"{workload}-r{rate:g}-{name}" + ("" if limits is None else "".join(
-            f"-{letter}{value}" for letter, value in zip("cqr", limits_key(limits))))
+        tag = run_tag(workload, rate, name, limits, seed)
         print(f"  {tag} ...", file=sys.stderr, flush=True)
-        requests = workload_requests(workload, rate, self.plan.seconds, SEED, self.azure)
-        texts = [prompt_text(r, self.stack.words, SEED) for r in requests]
+        requests = workload_requests(workload, rate, self.plan.seconds, seed, self.azure)
+        texts = [prompt_text(r, self.stack.words, seed) for r in requests]
         point = {"workload": workload, "rate": rate, "router": name, "limits": limits, "phase": phase,
-                 "seconds": self.plan.seconds, "seed": SEED, "requests": len(requests),
+                 "seconds": self.plan.seconds, "seed": seed, "requests": len(requests),
                  "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), **self.meta["provenance"]}
         started = time.monotonic()
         try:
@@ -160,8 +185,9 @@ class Bench:
         self.meta["notes"].append(note)
         self.stack.restart()
 
-    def sweep(self, workload: str, router: str = "smg-ca") -> dict:
-        """Coordinate sweep of a tuned smg router's limits at the workload's top rate."""
+    def sweep(self, workload: str, router: str = "smg-ca", seed: int = SEED) -> dict:
+        """Coordinate sweep of a tuned smg router's limits at the workload's top rate, on the
+        arrivals of ``seed``."""
         plan = self.plan
         rate = max(plan.rates[workload])
 
@@ -169,7 +195,8 @@ class Bench:
         r0 = plan.sweep_reserved[0]
 
         def measured(c: int, q: int, r: int = r0) -> dict:
-            p = self.run(workload, rate, router, smg_limits(c, q, r if prioritised else None), phase="sweep")
+            limits = smg_limits(c, q, r if prioritised else None)
+            p = self.run(workload, rate, router, limits, phase="sweep", seed=seed)
             result = p.get("result") or {"good": -1, "ttft_ms": {"p99": None}}
             return {"c": c, "q": q, "r": r, "good": result["good"], "ttft_p99": result["ttft_ms"]["p99"]}
 
@@ -200,28 +227,41 @@ class Bench:
             tuned["limits"].append(r_best)
             tuned |= {"reserved_during_limits": r0, "reserved_grid": r_grid}
             tuned["verdicts"]["interactive_reserved"] = sweep_verdict(r_grid, r_best, 0)
-        key = (workload, rate, router, tuple(tuned["limits"]))
-        point = dict(self.runs[key], tuned=tuned)  # saved again, with the choice
-        append_point(self.points_path, point)
-        self.runs[key] = point
-        print(f"  {workload}: {router} tuned to {tuned['limits']} ({tuned['verdicts']})", file=sys.stderr)
+        chosen = smg_limits(*tuned["limits"])
+        self.save_choice(run_key(workload, rate, router, chosen, seed), tuned=tuned)
+        print(f"  {workload}{seed_text(seed)}: {router} tuned to {tuned['limits']} "
+              f"({tuned['verdicts']})", file=sys.stderr)
         return tuned
 
+    def save_choice(self, key: tuple, **choice: dict) -> None:
+        """The chosen run's point saved again, with the choice."""
+        point = dict(self.runs[key], **choice)
+        append_point(self.points_path, point)
+        self.runs[key] = point
+
     def workload(self, workload: str) -> None:
+        for seed in self.plan.seeds:
+            self.workload_at_seed(workload, seed)
+
+    def workload_at_seed(self, workload: str, seed: int) -> None:
+        """Every router at every rate on the arrivals of ``seed``, the tuned smg routers'
+        limits swept on them first."""
         tuned: dict[str, dict] = {}
         limits: dict[str, dict] = {}
         for router in self.plan.routers:
             if router in TUNED_SMG:
-                tuned[router] = self.sweep(workload, router)
+                tuned[router] = self.sweep(workload, router, seed)
                 limits[router] = smg_limits(*tuned[router]["limits"])
         for rate in self.plan.rates[workload]:
             for name in self.plan.routers:
-                point = self.run(workload, rate, name, limits.get(name), tuned=tuned.get(name))
+                point = self.run(workload, rate, name, limits.get(name), tuned=tuned.get(name),
+                                 seed=seed)
                 if name in tuned and self.plan.per_rate and rate != tuned[name]["rate"] \
                         and point.get("result", {}).get("attainment", 1.0) < 1.0:
-                    self.rate_sweep(workload, rate, tuned[name], name)
+                    self.rate_sweep(workload, rate, tuned[name], name, seed)
 
-    def rate_sweep(self, workload: str, rate: float, tuned: dict, router: str = "smg-ca") -> None:
+    def rate_sweep(self, workload: str, rate: float, tuned: dict, router: str = "smg-ca",
+                   seed: int = SEED) -> None:
         """Where the limits tuned at the top rate leave SLO misses at a lower rate, sweep the
         concurrency limit at that rate too (the queue size as tuned), edges extended: each
         rate gets the tuned smg router at its best, as the other benchmarks tune baselines
@@ -233,7 +273,7 @@ class Bench:
             results = []
             for c in sorted(grid):
                 limits = smg_limits(c, q, *reserved)
-                p = self.run(workload, rate, router, limits, phase="rate-sweep")
+                p = self.run(workload, rate, router, limits, phase="rate-sweep", seed=seed)
                 r = p.get("result") or {"good": -1, "ttft_ms": {"p99": None}}
                 results.append({"c": c, "good": r["good"], "ttft_p99": r["ttft_ms"]["p99"]})
             best = pick_best(results, "c")["c"]
@@ -243,9 +283,12 @@ class Bench:
             grid.append(extra)
             extensions += 1
         choice = {"limits": [best, q, *reserved], "grid": sorted(grid), "verdict": sweep_verdict(grid, best, 1)}
-        key = (workload, rate, router, tuple(choice["limits"]))
-        point = dict(self.runs[key], rate_tuned=choice)
-        append_point(self.points_path, point)
-        self.runs[key] = point
-        print(f"  {workload} at {rate:g}: {router} concurrency re-tuned to C={best} ({choice['verdict']})",
-              file=sys.stderr, flush=True)
+        chosen = smg_limits(*choice["limits"])
+        self.save_choice(run_key(workload, rate, router, chosen, seed), rate_tuned=choice)
+        print(f"  {workload} at {rate:g}{seed_text(seed)}: {router} concurrency re-tuned to "
+              f"C={best} ({choice['verdict']})", file=sys.stderr, flush=True)
+
+
+def seed_text(seed: int) -> str:
+    """A log line's mention of the seed (none for the default)."""
+    return "" if seed == SEED else f", seed {seed}"

@@ -24,7 +24,7 @@ CLASS_MIX = (("interactive", 0.2), ("standard", 0.5), ("relaxed", 0.3))  # confi
 WORKLOADS = ("azure", "prefix", "bursty")
 DEFAULT_RATES = {"azure": (6.0, 9.0, 12.0), "prefix": (8.0, 13.0, 18.0), "bursty": (8.0, 13.0, 18.0)}
 QUICK_RATES = {"azure": (9.0,), "prefix": (13.0,), "bursty": (13.0,)}
-SEED = 0
+SEED = 0  # the default arrival seed (``--seeds``), and that of a point saved without one
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,11 @@ def gamma_times(rate: float, cv: float, n: int, seed: int) -> list[float]:
         times.append(now)
         now += rng.gammavariate(shape, 1.0 / (rate * shape))
     return times
+
+
+def point_seed(point: dict) -> int:
+    """The arrival seed a saved point ran at (:data:`SEED` for a point saved without one)."""
+    return point.get("seed", SEED)
 
 
 def request_count(rate: float, seconds: float) -> int:

@@ -38,7 +38,7 @@ from benchmarks.routers.records import (
     summarize,
 )
 from benchmarks.routers.rendering import render_json, render_markdown
-from benchmarks.routers.runs import QUICK_SECONDS, Bench, Plan
+from benchmarks.routers.runs import QUICK_SECONDS, Bench, Plan, run_key
 from benchmarks.routers.stack import (
     DAEMON_DEFAULT_POLICY,
     DAEMON_POLICY,
@@ -277,13 +277,13 @@ def test_the_sweep_extends_an_edge_best_and_stops_when_interior(tmp_path: Path) 
     bench.plan, bench.points_path, bench.runs = plan, tmp_path / "points.jsonl", {}
     calls = []
 
-    def fake_run(workload, rate, name, limits=None, phase="main", tuned=None):
+    def fake_run(workload, rate, name, limits=None, phase="main", tuned=None, seed=0):
         c, q = limits["max_concurrent"], limits["queue_size"]
         calls.append((c, q))
         good = 1000 - abs(c - 256) - 3 * abs(q - 8)
         point = {"workload": workload, "rate": rate, "router": name, "limits": limits, "phase": phase,
                  "result": {"good": good, "ttft_ms": {"p99": 100.0}}}
-        bench.runs[(workload, rate, name, (c, q))] = point
+        bench.runs[run_key(workload, rate, name, limits, seed)] = point
         return point
 
     bench.run = fake_run
@@ -292,7 +292,7 @@ def test_the_sweep_extends_an_edge_best_and_stops_when_interior(tmp_path: Path) 
     assert tuned["concurrency_grid"] == [16, 32, 64, 128, 256, 512]
     assert tuned["queue_grid"] == [2, 4, 16, 64]  # the queue swept at the best concurrency
     assert tuned["verdicts"] == {"max_concurrent": "interior", "queue_size": "interior"}
-    assert all(rate == 16.0 for (_, rate, _, _) in bench.runs)  # at the top rate
+    assert all(rate == 16.0 for (_, rate, _, _, _) in bench.runs)  # at the top rate
     saved = [json.loads(line) for line in bench.points_path.read_text().splitlines()]
     assert saved[-1]["tuned"] == tuned
 
@@ -307,12 +307,12 @@ def test_a_lower_rate_with_misses_gets_its_own_concurrency_sweep(tmp_path: Path)
     bench.plan, bench.points_path, bench.runs = plan, tmp_path / "points.jsonl", {}
     peak = {16.0: 16, 12.0: 64, 8.0: 16}  # the best concurrency per rate
 
-    def fake_run(workload, rate, name, limits=None, phase="main", tuned=None):
+    def fake_run(workload, rate, name, limits=None, phase="main", tuned=None, seed=0):
         c = limits["max_concurrent"]
         good = 100 - abs(c - peak[rate]) // 8
         point = {"workload": workload, "rate": rate, "router": name, "limits": limits, "phase": phase,
                  "result": {"good": good, "attainment": good / 100, "ttft_ms": {"p99": 1.0}}}
-        bench.runs[(workload, rate, name, (c, limits["queue_size"]))] = point
+        bench.runs[run_key(workload, rate, name, limits, seed)] = point
         return point
 
     bench.run = fake_run

@@ -15,7 +15,7 @@ from benchmarks.routers.analysis import main_points, router_label, tuned_limits
 from benchmarks.routers.command import find_smg
 from benchmarks.routers.load_generator import smg_priority_headers
 from benchmarks.routers.rendering import render_markdown
-from benchmarks.routers.runs import Bench, Plan, smg_limits
+from benchmarks.routers.runs import Bench, Plan, run_key, smg_limits
 from benchmarks.routers.stack import (
     PRIORITY_SMG,
     SMG_PRIORITY_CLASS,
@@ -66,13 +66,13 @@ def test_the_reserved_slots_are_swept_after_c_and_q_and_stay_below_c(tmp_path: P
     bench.plan, bench.points_path, bench.runs = plan, tmp_path / "points.jsonl", {}
     seen = []
 
-    def fake_run(workload, rate, name, limits=None, phase="main", tuned=None):
+    def fake_run(workload, rate, name, limits=None, phase="main", tuned=None, seed=0):
         c, q, r = limits_key(limits)
         seen.append((c, q, r))
         good = 1000 - 10 * abs(c - 16) - 10 * abs(q - 8) - abs(r - 12)
         point = {"workload": workload, "rate": rate, "router": name, "limits": limits, "phase": phase,
                  "result": {"good": good, "ttft_ms": {"p99": 100.0}}}
-        bench.runs[(workload, rate, name, (c, q, r))] = point
+        bench.runs[run_key(workload, rate, name, limits, seed)] = point
         return point
 
     bench.run = fake_run
