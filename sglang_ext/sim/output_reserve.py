@@ -6,8 +6,8 @@ running request's remaining outputs, scaled by ``new_token_ratio``: the share of
 request's ``max_new_tokens`` it expects still to decode. The ratio starts at 0.7, falls by
 a 600th of the way to 0.14 of that per decode-only step (a step that admits or continues
 a prompt leaves it), is re-estimated from the batch when a decode finds the pool full
-(``NewTokenRatioTracker``), and starts over whenever the scheduler idles. The simulator's outputs stand for ``max_new_tokens``, as a benchmark
-client sets it to the output it wants.
+(``NewTokenRatioTracker``), and starts over whenever the scheduler idles. The simulator's
+outputs stand for ``max_new_tokens``, as a benchmark client sets it to the output it wants.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from sglang_ext.policy.policies import POLICIES
 #: Sarathi's and fb-fb's budgets swept by default: 32 to 8192, doubling; a sweep then
 #: refines around the best (``sglang_ext.sim.fitting.tuning``).
 DEFAULT_TOKEN_BUDGETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-#: ``[admission]`` numbers a policy label may set, by the label's name for them
-ADMISSION_NUMBERS = {"max_defer": "max_defer_s", "headroom": "headroom"}
-_NUMBER_UNITS = {"max_defer": "SECONDS", "headroom": "FRACTION"}
+#: ``[admission]`` numbers a policy label may set, by the label's name for them: the
+#: ``AdmissionSettings`` field and what the value is
+ADMISSION_NUMBERS = {"max_defer": ("max_defer_s", "SECONDS"), "headroom": ("headroom", "FRACTION")}
 
 
 class PolicySpecError(ValueError):
@@ -65,9 +65,9 @@ def parse_admission(text: str) -> AdmissionSettings:
             if name not in ADMISSION_NUMBERS or not _is_number(value):
                 raise PolicySpecError(
                     f"admission {text!r}: expected "
-                    f"{' or '.join(f'{n}={unit}' for n, unit in _NUMBER_UNITS.items())}, "
+                    f"{' or '.join(f'{n}={unit}' for n, (_, unit) in ADMISSION_NUMBERS.items())}, "
                     f"got {option!r}")
-            key = ADMISSION_NUMBERS[name]
+            key = ADMISSION_NUMBERS[name][0]
             if key in numbers:
                 raise PolicySpecError(f"admission {text!r}: two values for its {name}")
             numbers[key] = float(value)
