@@ -2,22 +2,25 @@
 
 Drives one SGLang 0.5.23 ``Scheduler`` (emulated GPU, CPU) step by step through
 :mod:`benchmarks.server.scheduler_harness` with and without FairBatching, and reports
-``get_next_batch_to_run`` wall time per step (p50/p99) at a load of about 256 running
-requests and a queue of 64 long prompts, plus the adapter's own decision time per step
-(views of every request, PAB, the policy's ``form_batch``, parking the deferred
-decodes: what FairBatching adds before SGLang's own prefill admission). ``stock`` is
-SGLang's default (prefill-first, chunk 8192); ``stock-mixed`` adds
-``--enable-mixed-chunk`` with a 512-token chunk, which builds mixed batches as
-FairBatching does. FairBatching runs the shipped config's policy and admission
-(``configs/fairbatching.toml``) unless ``--policy`` names another (then admission off),
-once as a single rank and once publishing its class budgets at every decision
-(``fairbatching-publishing``: behind the control plane, or with DP's pab method). Only
-busy steps count (at least 128 decoding or parked requests). The four run in ``--rounds``
+``get_next_batch_to_run`` wall time per step (p50/p99) at loads of N running requests
+(``--running``, default 64, 256 and 1024) and a queue of 64 long prompts, plus the
+adapter's own decision time per step (views of every request, the KV outlook, the
+policy's ``form_batch``, parking the deferred decodes: what FairBatching adds before
+SGLang's own prefill admission). ``stock`` is SGLang's default (prefill-first, chunk
+8192); ``stock-mixed`` adds ``--enable-mixed-chunk`` with a 512-token chunk, which builds
+mixed batches as FairBatching does. FairBatching runs the shipped config's policy and
+admission (``configs/fairbatching.toml``) unless ``--policy`` names another (then
+admission off): ``fairbatching`` as shipped (the decision on the table its view loops
+collect, ``sglang_ext.adapter.scheduler.request_store``), ``fairbatching-lists`` deciding
+over the list of views request by request (the same decisions), and
+``fairbatching-publishing`` publishing its class budgets at every decision (behind the
+control plane, or with DP's pab method). Only busy steps count (at least half the
+running requests decoding or parked). The runs of one size go in ``--rounds``
 interleaved rounds (each in a fresh interpreter) and the samples of all rounds are
-pooled, so a slow stretch of a shared machine hits all alike. The check: FairBatching's
-adapter plus policy no slower than stock's own ``get_next_batch_to_run`` at the same load.
-Writes ``docs/bench/adapter.json``. Run pinned to one core with the test environment's
-Python (``FB_EXTRAS=dev,sglang source scripts/_env.sh``)::
+pooled, so a slow stretch of a shared machine hits all alike. The check, per size:
+FairBatching's adapter plus policy no slower than stock's own ``get_next_batch_to_run``
+at the same load. Writes ``docs/bench/adapter.json``. Run pinned to one core with the
+test environment's Python (``FB_EXTRAS=dev,sglang source scripts/_env.sh``)::
 
     taskset -c 1 python -m benchmarks.server.adapter_cost
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import tomllib
 from pathlib import Path
@@ -35,21 +39,35 @@ from benchmarks.server.scheduler_harness import HarnessFailed, run_scenario
 from benchmarks.support.machine import cpu_times, cpu_usage, machine_info, machine_line
 from benchmarks.support.paths import DOCS_BENCH, REPO
 
-RUNNING = 256
+RUNNING = (64, 256, 1024)
 WAITING = 64
-BUSY = RUNNING // 2  # a step counts when at least this many requests decode or are parked
 SHIPPED_CONFIG = REPO / "configs" / "fairbatching.toml"
+#: name: (FairBatching, --enable-mixed-chunk, publishing budgets, the decision's input)
+RUNS = {
+    "stock": (False, False, False, None),
+    "stock-mixed": (False, True, False, None),
+    "fairbatching": (True, False, False, "tables"),
+    "fairbatching-lists": (True, False, False, "lists"),
+    "fairbatching-publishing": (True, False, True, "tables"),
+}
 
 
-def scenario(config: Path | None, mixed: bool = False, publish: bool = False) -> dict:
+def busy_steps(running: int) -> int:
+    """A step counts when at least this many requests decode or are parked."""
+    return running // 2
+
+
+def scenario(config: Path | None, mixed: bool = False, publish: bool = False,
+             running: int = 256, decision_path: str = "tables") -> dict:
     requests = [{"rid": f"run-{i}", "prompt_tokens": 128 + (i % 7) * 16, "max_new_tokens": 400,
-                 "slo": {"class": ("interactive", "standard", "relaxed")[i % 3]}} for i in range(RUNNING)]
+                 "slo": {"class": ("interactive", "standard", "relaxed")[i % 3]}} for i in range(running)]
     requests += [{"rid": f"wait-{i}", "prompt_tokens": 2048, "max_new_tokens": 8, "at_step": 40,
                   "slo": {"class": "standard"}} for i in range(WAITING)]
-    result = {"requests": requests, "overlap": False, "max_total_tokens": 400_000,
+    result = {"requests": requests, "overlap": False,
+              "max_total_tokens": max(400_000, running * 700 + WAITING * 2_100),
               "timeout_s": 900, "max_steps": 400, "enable_mixed_chunk": mixed,
               "chunked_prefill_size": 512 if mixed else 8192, "record_triage": False,
-              "publish_budgets": publish}
+              "publish_budgets": publish, "decision_path": decision_path}
     if config is not None:
         result["config"] = str(config)
     return result
@@ -67,15 +85,17 @@ def summary(values: list[float]) -> dict:
 
 
 def run(name: str, config: Path | None, workdir: Path, mixed: bool = False,
-        publish: bool = False) -> dict[str, list[float]]:
+        publish: bool = False, running: int = 256,
+        decision_path: str = "tables") -> dict[str, list[float]]:
     """One run; the busy steps' ``get_next_batch_to_run`` times and, with FairBatching,
     the adapter's decision times of the same steps (microseconds)."""
     try:
-        report = run_scenario(scenario(config, mixed, publish), workdir, name, timeout_s=1800)
+        report = run_scenario(scenario(config, mixed, publish, running, decision_path), workdir,
+                              f"{name}-{running}", timeout_s=1800)
     except HarnessFailed as error:
-        raise SystemExit(f"{name} failed: {error}") from None
+        raise SystemExit(f"{name} at {running} running failed: {error}") from None
     busy = [s for s in report["steps"]
-            if s.get("decodes") and len(s["decodes"]) + len(s.get("parked", [])) >= BUSY]
+            if s.get("decodes") and len(s["decodes"]) + len(s.get("parked", [])) >= busy_steps(running)]
     return {"get_next_batch_us": [s["get_next_batch_us"] for s in busy],
             "decision_us": [s["decision_us"] for s in busy if "decision_us" in s]}
 
@@ -93,13 +113,36 @@ def shipped_admission_table() -> str:
     return "\n".join(lines).replace("'", '"') + "\n"
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts, got {text!r}") from None
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"every count must be >= 2, got {text!r}")
+    return sizes
+
+
+def _configs(text: str) -> tuple[str, ...]:
+    names = tuple(part for part in text.split(",") if part)
+    unknown = sorted(set(names) - set(RUNS))
+    if unknown or "stock" not in names:
+        raise argparse.ArgumentTypeError(
+            f"configs must include 'stock' and name only {', '.join(RUNS)}; got {text!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default=None,
                         help=f"FairBatching's policy (default: the shipped config's, {shipped_policy()}, "
                         "with its [admission] table)")
+    parser.add_argument("--running", type=_sizes, default=RUNNING,
+                        help="running requests per load, comma-separated (default 64,256,1024)")
+    parser.add_argument("--configs", type=_configs, default=tuple(RUNS),
+                        help=f"the runs at each load (default all: {','.join(RUNS)})")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="interleaved rounds of the four runs, samples pooled (default 2)")
+                        help="interleaved rounds of a load's runs, samples pooled (default 2)")
     parser.add_argument("--out", type=Path, default=DOCS_BENCH / "adapter.json", help="JSON written")
     args = parser.parse_args(argv)
     policy = args.policy or shipped_policy()
@@ -109,64 +152,73 @@ def main(argv: list[str] | None = None) -> None:
     config.write_text(f'policy = "{policy}"\nslo_file = "{REPO}/configs/slo.toml"\n'
                       f'step_model = "{REPO}/configs/step_models/llama3.1-8b-h100.toml"\n'
                       + (shipped_admission_table() if args.policy is None else ""))
-    runs = {"stock": (None, False, False), "stock-mixed": (None, True, False),
-            "fairbatching": (config, False, False),
-            "fairbatching-publishing": (config, False, True)}
-    samples: dict[str, dict[str, list[float]]] = {
-        name: {"get_next_batch_us": [], "decision_us": []} for name in runs}
-    per_round: dict[str, list[dict]] = {name: [] for name in runs}
     before = cpu_times()
-    for round_ in range(args.rounds):
-        for name, (cfg, mixed, publish) in runs.items():
-            got = run(name, cfg, workdir, mixed, publish)
-            for key, values in got.items():
-                samples[name][key] += values
-            per_round[name].append({key: summary(values) for key, values in got.items() if values})
-            print(f"round {round_ + 1}/{args.rounds} {name:23s} get_next_batch_to_run p50 "
-                  f"{percentile(got['get_next_batch_us'], 0.5):7.0f} us"
-                  + (f", adapter+policy p50 {percentile(got['decision_us'], 0.5):6.0f} us"
-                     if got["decision_us"] else ""), flush=True)
+    loads = {}
+    for running in args.running:
+        samples: dict[str, dict[str, list[float]]] = {
+            name: {"get_next_batch_us": [], "decision_us": []} for name in args.configs}
+        per_round: dict[str, list[dict]] = {name: [] for name in args.configs}
+        for round_ in range(args.rounds):
+            for name in args.configs:
+                fairbatching, mixed, publish, path = RUNS[name]
+                got = run(name, config if fairbatching else None, workdir, mixed, publish,
+                          running, path or "tables")
+                for key, values in got.items():
+                    samples[name][key] += values
+                per_round[name].append({key: summary(values) for key, values in got.items() if values})
+                print(f"{running} running, round {round_ + 1}/{args.rounds} {name:23s} "
+                      f"get_next_batch_to_run p50 {percentile(got['get_next_batch_us'], 0.5):7.0f} us"
+                      + (f", adapter+policy p50 {percentile(got['decision_us'], 0.5):6.0f} us"
+                         if got["decision_us"] else ""), flush=True)
+        results = {name: {key: summary(values) for key, values in cell.items() if values}
+                   for name, cell in samples.items()}
+        stock = results["stock"]["get_next_batch_us"]
+        checks = {
+            name: {q: {"fairbatching_us": cell["decision_us"][q], "stock_us": stock[q],
+                       "no_slower": cell["decision_us"][q] <= stock[q]} for q in ("p50", "p99")}
+            for name, cell in results.items() if "decision_us" in cell
+        }
+        loads[str(running)] = {
+            "load": f"{running} decoding requests (three SLO classes), {WAITING} queued 2048-token "
+                    f"prompts from step 40; busy steps only (>= {busy_steps(running)} decoding "
+                    "or parked)",
+            "adapter_plus_policy_vs_stock_get_next_batch": checks,
+            **results,
+            "rounds_detail": per_round,
+        }
     usage = cpu_usage(before, cpu_times())
-    results = {name: {key: summary(values) for key, values in cell.items() if values}
-               for name, cell in samples.items()}
-    stock, fb = results["stock"]["get_next_batch_us"], results["fairbatching"]["decision_us"]
     doc = {
         "machine": machine_line(info),
         "machine_info": info,
         "cpu_usage_during_runs": usage,
-        "load": f"{RUNNING} decoding requests (three SLO classes), {WAITING} queued 2048-token "
-                f"prompts from step 40; busy steps only (>= {BUSY} decoding or parked)",
         "fairbatching_policy": policy,
         "fairbatching_config": config.read_text(),
         "rounds": args.rounds,
         "command": "taskset -c 1 python -m benchmarks.server.adapter_cost"
-                   + (" " + " ".join(argv) if argv else ""),
+                   + (" " + " ".join(argv if argv is not None else sys.argv[1:])),
         "note": "get_next_batch_us: SGLang's Scheduler.get_next_batch_to_run per step (with "
                 "FairBatching: its hooks included, and SGLang's own prefill admission of the "
                 "planned chunks); decision_us: FairBatching's adapter and policy alone (request "
-                "views, PAB, form_batch, parking), the 'adapter plus policy' of the check; "
-                "fairbatching-publishing: the same rank publishing its class budgets at every "
-                "decision, as behind the control plane or DP's pab method.",
-        "adapter_plus_policy_vs_stock_get_next_batch": {
-            "p50": {"fairbatching_us": fb["p50"], "stock_us": stock["p50"],
-                    "no_slower": fb["p50"] <= stock["p50"]},
-            "p99": {"fairbatching_us": fb["p99"], "stock_us": stock["p99"],
-                    "no_slower": fb["p99"] <= stock["p99"]},
-        },
-        **results,
-        "rounds_detail": per_round,
+                "views, the KV outlook, form_batch, parking), the 'adapter plus policy' of the "
+                "check; fairbatching-lists: the same decisions over the list of views, request "
+                "by request; fairbatching-publishing: the same rank publishing its class budgets "
+                "at every decision, as behind the control plane or DP's pab method.",
+        "loads": loads,
     }
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"machine: {doc['machine']}; CPU use: " + ", ".join(
         f"{cpu} busy {u['busy_pct']:.0f}%" for cpu, u in usage.items()))
-    for name, cell in results.items():
-        line = (f"{name:23s} get_next_batch_to_run p50/p90/p99 {cell['get_next_batch_us']['p50']:.0f}/"
-                f"{cell['get_next_batch_us']['p90']:.0f}/{cell['get_next_batch_us']['p99']:.0f} us "
-                f"({cell['get_next_batch_us']['steps']} busy steps)")
-        if "decision_us" in cell:
-            line += (f"; adapter+policy p50/p90/p99 {cell['decision_us']['p50']:.0f}/"
-                     f"{cell['decision_us']['p90']:.0f}/{cell['decision_us']['p99']:.0f} us")
-        print(line)
+    for running, load in loads.items():
+        for name in args.configs:
+            cell = load[name]
+            line = (f"{running:>5} {name:23s} get_next_batch_to_run p50/p90/p99 "
+                    f"{cell['get_next_batch_us']['p50']:.0f}/{cell['get_next_batch_us']['p90']:.0f}/"
+                    f"{cell['get_next_batch_us']['p99']:.0f} us "
+                    f"({cell['get_next_batch_us']['steps']} busy steps)")
+            if "decision_us" in cell:
+                line += (f"; adapter+policy p50/p90/p99 {cell['decision_us']['p50']:.0f}/"
+                         f"{cell['decision_us']['p90']:.0f}/{cell['decision_us']['p99']:.0f} us")
+            print(line)
     print(f"wrote {args.out}")
 
 

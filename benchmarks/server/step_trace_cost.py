@@ -76,7 +76,7 @@ def on_path_us(directory: Path) -> dict[str, float]:
 
 def main() -> None:
     adapter = json.loads((DOCS_BENCH / "adapter.json").read_text())
-    decision_us = adapter["fairbatching"]["fairbatching_decision_us"]
+    decision_us = adapter["loads"][str(RUNNING)]["fairbatching"]["decision_us"]
     with tempfile.TemporaryDirectory() as directory:
         on = on_path_us(Path(directory))
     off = off_path_ns()

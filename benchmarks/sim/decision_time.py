@@ -51,6 +51,12 @@ median of paired block ratios (each block's median over its twin's block of the 
 round), their p99 ratio that of all runs' samples pooled; the table checks the
 limits (p50 at most +5 %, p99 at most +10 % against the linear model).
 
+Tables: every FairBatching-family policy is timed a third time as ``LABEL [table]``, the
+same policy object given each state as a ``RequestTable`` (its columns built once, as the
+SGLang adapter collects them in its per-step view loops) instead of a list; the decisions
+are checked equal before timing, and the page gives table / list per state as paired
+ratios.
+
 Run pinned to one core, e.g.::
 
     source scripts/_env.sh
@@ -85,6 +91,7 @@ from sglang_ext.adapter.extension_config import ExtensionConfig
 from sglang_ext.policy.admission import AdmissionMode
 from sglang_ext.policy.batch_former import form_batch, pack, triage
 from sglang_ext.policy.policies import POLICIES, BatchPolicy
+from sglang_ext.policy.request_table import RequestTable
 from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.policy.view import RequestView
 from sglang_ext.sim.engine import SimEngine, StepRecord
@@ -107,6 +114,9 @@ SHIPPED_CONFIG = REPO / "configs" / "fairbatching.toml"
 
 LINEAR_TWIN = " [linear]"  # label suffix: the same policy on the linear step model
 FORM_LIMITS = {"p50": 1.05, "p99": 1.10}  # the limits against the linear model
+#: label suffix: the same policy deciding over the state as a RequestTable (its columns
+#: built once, as an engine that keeps them does), not as a list of requests
+TABLE_TWIN = " [table]"
 
 
 # ------------------------------------------------------------------ machine
@@ -256,13 +266,14 @@ def linear_twins(scenario: Scenario, policies: dict[str, BatchPolicy],
 
 
 def paired_samples(timed: dict[str, np.ndarray], block: int,
-                   pairs: dict[str, dict[str, dict[str, list]]], state: str) -> None:
-    """Adds one interleaved run of ``state`` to ``pairs``: per policy with a linear twin,
-    the ratio of each block's median to its twin's block of the same round (the two ran
-    seconds apart, so a slow stretch of the machine cancels out), and both policies'
-    samples for a pooled p99."""
+                   pairs: dict[str, dict[str, dict[str, list]]], state: str,
+                   suffix: str = LINEAR_TWIN) -> None:
+    """Adds one interleaved run of ``state`` to ``pairs``: per policy with a twin (label +
+    ``suffix``), the ratio of each block's median to its twin's block of the same round
+    (the two ran seconds apart, so a slow stretch of the machine cancels out), and both
+    policies' samples for a pooled p99."""
     for label, samples in timed.items():
-        twin = timed.get(f"{label}{LINEAR_TWIN}")
+        twin = timed.get(f"{label}{suffix}")
         if twin is None:
             continue
         cell = pairs.setdefault(label, {}).setdefault(
@@ -274,9 +285,11 @@ def paired_samples(timed: dict[str, np.ndarray], block: int,
         cell["twin_samples"].append(twin)
 
 
-def form_comparison(pairs: dict[str, dict[str, dict[str, list]]]) -> dict[str, dict[str, dict]]:
-    """Per policy with a linear twin and per state: the p50 ratio as the median of the
-    paired block ratios over every run, the p99 ratio from all runs' samples pooled."""
+def form_comparison(pairs: dict[str, dict[str, dict[str, list]]],
+                    limits: dict[str, float] = FORM_LIMITS) -> dict[str, dict[str, dict]]:
+    """Per policy with a twin and per state: the p50 ratio as the median of the paired
+    block ratios over every run, the p99 ratio from all runs' samples pooled (policy over
+    twin), and whether both are within ``limits``."""
     compared = {}
     for label, row in pairs.items():
         compared[label] = {}
@@ -286,7 +299,7 @@ def form_comparison(pairs: dict[str, dict[str, dict[str, list]]]) -> dict[str, d
                         / np.percentile(np.concatenate(cell["twin_samples"]), 99))
             compared[label][state] = {
                 "p50_ratio": p50, "p99_ratio": p99, "blocks": len(cell["block_ratios"]),
-                "within_limits": p50 <= FORM_LIMITS["p50"] and p99 <= FORM_LIMITS["p99"],
+                "within_limits": p50 <= limits["p50"] and p99 <= limits["p99"],
             }
     return compared
 
@@ -408,6 +421,28 @@ def form_table(doc: dict) -> list[str]:
     return lines
 
 
+def table_section(doc: dict) -> list[str]:
+    compared = doc.get("table_comparison")
+    if not compared:
+        return []
+    states = list(next(iter(compared.values())))
+    lines = [
+        "", "## The decision over a table", "",
+        f"Every FairBatching-family policy was also timed as `LABEL{TABLE_TWIN}`: the same "
+        "policy object given the state as a `RequestTable` (the requests with their fields "
+        "as columns, built once, as the SGLang adapter's view loops collect them each step) "
+        "instead of a list; the decisions are the same, bit for bit (checked on every state "
+        "before timing). Cells: table / list - 1 at p50 (median of paired block ratios) and "
+        "p99 (all runs pooled); negative is faster.", "",
+        "| policy | " + " | ".join(f"{state} p50 / p99" for state in states) + " |",
+        "|" + "---|" * (len(states) + 1),
+    ]
+    for label, row in compared.items():
+        cells = [f"{row[s]['p50_ratio'] - 1:+.0%} / {row[s]['p99_ratio'] - 1:+.0%}" for s in states]
+        lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(doc: dict) -> str:
     sizes = doc["sizes"]
     goal_col = f"{GOAL_SIZE}+{WAITING}"
@@ -450,6 +485,7 @@ def markdown(doc: dict) -> str:
         cells.append(" / ".join(flags))
         lines.append("| " + " | ".join(cells) + " |")
     lines += form_table(doc)
+    lines += table_section(doc)
     ref = doc["results"][REFERENCE]
     lines += ["", f"Machine jitter: a fixed {REFERENCE_ITERATIONS}-iteration pure-Python loop "
               "timed in "
@@ -575,10 +611,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = args.policies or policy_names()
     policies = {label: trained_policy(scenario, label, steps) for label in labels}
     policies.update(linear_twins(scenario, policies, steps))
+    policies.update({f"{label}{TABLE_TWIN}": policy for label, policy in list(policies.items())
+                     if policy.takes_admission and not label.endswith(LINEAR_TWIN)})
+    tables = {name: RequestTable.of(state) for name, (state, _) in states.items()}
     for label, policy in policies.items():
         for name, (state, now) in states.items():
             decision = policy.form_batch(state, now)  # sanity: decides something valid
             assert decision.new_tokens >= 0, (label, name)
+            assert policy.form_batch(tables[name], now) == decision, (label, name)
 
     runs: dict[str, dict[str, list[dict]]] = {
         label: {name: [] for name in states} for label in [*policies, REFERENCE]}
@@ -586,14 +626,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"synthetic {n}+{WAITING}": {"gc enabled": [], "gc.freeze()": [], "gc disabled": []}
         for n in SIZES}
     pairs: dict[str, dict[str, dict[str, list]]] = {}
+    table_pairs: dict[str, dict[str, dict[str, list]]] = {}
     cpu_before, wall_start = cpu_times(), time.monotonic()
     for repeat in range(args.repeats):
         for name, (state, now) in states.items():
-            calls = {label: (lambda p=policy, s=state, t=now: p.form_batch(s, t))
+            calls = {label: (lambda p=policy, t=now,
+                             s=tables[name] if label.endswith(TABLE_TWIN) else state:
+                             p.form_batch(s, t))
                      for label, policy in policies.items()}
             calls[REFERENCE] = reference_work
             timed = time_interleaved(calls, args.calls, args.block)
             paired_samples(timed, args.block, pairs, name)
+            paired_samples(timed, args.block, table_pairs, name, TABLE_TWIN)
             for label, samples in timed.items():
                 runs[label][name].append(stats(samples))
                 print(f"run {repeat + 1}/{args.repeats} {name:<18} {label:<18} "
@@ -670,6 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": results,
         "form_comparison": form_comparison(pairs),
         "form_limits": FORM_LIMITS,
+        "table_comparison": form_comparison(table_pairs),
         "runs": runs,
     }
     if "fb" in policies:

@@ -74,8 +74,11 @@ from enum import Enum
 from itertools import islice
 from operator import eq, itemgetter
 
+import numpy as np
+
 from sglang_ext.policy.knee_step_model import KneeStepModel
 from sglang_ext.policy.pab import prefill_admission_budget
+from sglang_ext.policy.request_table import RequestTable
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients, StepPredictor
 from sglang_ext.policy.view import RequestState
@@ -511,6 +514,8 @@ def _rate_and_queue(
     rate and the prefills queued (the forecast runs at every decision under ``defer``);
     the rate is the same sum in the same order, bit for bit."""
     terms = _decode_cost_terms(usable, len(requests))
+    if terms is not None and type(requests) is RequestTable:
+        return _rate_and_queue_table(requests, usable, default_tpot_s, headroom, kv, terms)
     if terms is None:
         return prefill_rate(requests, usable, default_tpot_s, headroom), _queue(
             [request for request in requests if request.pending_prefill > 0], usable, kv)
@@ -528,6 +533,56 @@ def _rate_and_queue(
             waiting.append(request)
     free = 1.0 - usable.a_s / period - decode_share
     return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom), _queue(waiting, usable, kv)
+
+
+def _rate_and_queue_table(
+    table: RequestTable, usable: StepPredictor, default_tpot_s: float, headroom: float,
+    kv: KvOutlook | None, terms: tuple[float, float, float],
+) -> tuple[float, list[tuple]]:
+    """:func:`_rate_and_queue` on the table's columns: each request's decode share and
+    queue entry by the same operations, the shares summed in the table's order (a
+    cumulative sum adds left to right, as the loop does)."""
+    columns = table.columns
+    fixed, per_kv_token, scale = terms
+    tpot = columns.tpot
+    pending = columns.pending
+    period = default_tpot_s
+    decode_share = 0.0
+    if len(table):
+        smallest = tpot.min()
+        if smallest < period:
+            period = float(smallest)
+        shares = (fixed + per_kv_token * (columns.context + pending) * scale) / tpot
+        decode_share = float(np.cumsum(shares)[-1])
+    free = 1.0 - usable.a_s / period - decode_share
+    rate = max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
+    rows = np.flatnonzero(pending > 0)
+    if not len(rows):
+        return rate, []
+    waiting_pending = pending[rows]
+    context = columns.context[rows]
+    if type(usable) is KneeStepModel:  # _queue's work, elementwise
+        knee_tokens, b = usable.knee_tokens, usable.b_s_per_token
+        after = np.maximum(knee_tokens + waiting_pending, knee_tokens)
+        work = (b * (after - knee_tokens) + usable.c_s_per_prefill_context_token * context
+                + usable.e_s_per_pair * waiting_pending * (context + (waiting_pending + 1) / 2.0)
+                ) / b
+    else:
+        work = [usable.prefill_work(n, prefix)
+                for n, prefix in zip(waiting_pending.tolist(), context.tolist())]
+    due = (columns.arrival[rows] + columns.ttft[rows]
+           + tpot[rows] * columns.next_index[rows])
+    ids = table.ids_at(rows)
+    if kv is None:
+        needs = [0.0] * len(ids)
+    else:
+        reserve_of, new_reserve = kv.reserves.get, kv.new_reserve
+        needs = [n + reserve_of(req_id, new_reserve)
+                 for n, req_id in zip(waiting_pending.tolist(), ids)]
+    started = waiting_pending < columns.prompt[rows]
+    return rate, list(zip(due.tolist(), columns.seq[rows].tolist(),
+                          work if type(work) is list else work.tolist(), needs, ids,
+                          started.tolist()))
 
 
 def _queue(

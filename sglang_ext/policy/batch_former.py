@@ -28,6 +28,7 @@ TPOT, never below the serviceable minimum).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from bisect import bisect_left
@@ -35,6 +36,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 
+from sglang_ext.policy.request_table import RequestTable
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepPredictor
 from sglang_ext.policy.view import BatchDecision, RequestState
@@ -123,6 +125,16 @@ class Triage:
         """The TPOT a step of every decode must keep: in-time and late decodes alike."""
         return self.min_tpot_s if self.min_tpot_s < self.late_decode_tpot_s else self.late_decode_tpot_s
 
+    def as_triage(self) -> Triage:
+        """These groups as (slack, request) lists: they are."""
+        return self
+
+    def steady(self, time_budget_s: float) -> Triage:
+        """Every in-time decode urgent, under ``time_budget_s`` (``fb-steady``'s step)."""
+        return dataclasses.replace(
+            self, init_time_budget_s=time_budget_s, deferrable_decodes=[],
+            urgent_decodes=self.urgent_decodes + self.deferrable_decodes)
+
 
 def token_deadline(request: RequestState, anchored: bool) -> float:
     """When the request's next token is due: ``arrival + ttft + tpot * j`` (the paper's
@@ -158,6 +170,8 @@ def triage(
     """
     if not requests:
         return None
+    if type(requests) is RequestTable:
+        return _row_groups.triage_rows(requests, now, anchored, floor, hopeless, deadline_guard_s)
     # One pass, every lookup bound to a local: this loop is most of a decision's time
     # (one iteration per active request). The arithmetic is token_deadline's, operation
     # for operation, so every slack is bit-for-bit the same.
@@ -264,15 +278,17 @@ def smooth_step(
     It is taken when that leaves each in-time prefill (earliest deadline first, at the
     prefill rate this step leaves, plus one step of rounding) before its deadline;
     ``None`` otherwise, and Algorithm 1 spends slack where it is needed."""
+    if type(groups) is not Triage:
+        return groups.smooth_step(coefficients, time_budget_s)
     if not math.isfinite(time_budget_s) or time_budget_s <= 0.0:
         return None
     context = None  # the decodes' KV context: needed only to pace queued prefills
     if groups.prefills:
-        decodes = groups.urgent_decodes + groups.late_decodes + groups.deferrable_decodes
-        decode_tokens = len(decodes)
+        decode_groups = (groups.urgent_decodes, groups.late_decodes, groups.deferrable_decodes)
+        decode_tokens = sum(map(len, decode_groups))
         if _misses_first_prefill(groups.prefills[0], coefficients, time_budget_s, decode_tokens):
             return None
-        context = sum([request.context for _, request in decodes])
+        context = sum([request.context for group in decode_groups for _, request in group])
         spare = time_budget_s - coefficients.step_s(decode_tokens, 0, decode_tokens, context, 0.0)
         if spare <= 0.0:
             return None
@@ -325,6 +341,8 @@ def pack(
     ``time_budget_s=None`` packs under the token budget alone (the ``fb-fb`` / ``fb-tb``
     variants); ``coefficients`` then only feed the prediction.
     """
+    if type(groups) is not Triage:
+        return groups.pack(coefficients, token_budget=token_budget, time_budget_s=time_budget_s)
     always = groups.urgent_decodes + groups.late_decodes
     decode_ids: list[Hashable] = [request.req_id for _, request in always]
     context = groups.always_context
@@ -479,3 +497,7 @@ def form_batch(
     return pack(
         groups, coefficients, token_budget=max_token_budget, time_budget_s=groups.init_time_budget_s
     )
+
+
+# the same decision on a RequestTable's rows; imported last, as it builds on this module
+from sglang_ext.policy import row_groups as _row_groups  # noqa: E402

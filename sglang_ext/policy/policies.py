@@ -13,6 +13,8 @@ import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from sglang_ext.policy.admission import (
     AdmissionError,
     AdmissionMode,
@@ -33,6 +35,7 @@ from sglang_ext.policy.batch_former import (
 )
 from sglang_ext.policy.name_registry import Registry
 from sglang_ext.policy.pab import prefill_admission_budget
+from sglang_ext.policy.request_table import RequestTable
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.speed_probe import SpeedProbe
 from sglang_ext.policy.step_model import (
@@ -299,6 +302,10 @@ class _LatenessGuarded(BatchPolicy):
         if self.admission.mode is not AdmissionMode.DEFER:
             return ()
         limit = self.admission.max_defer_s
+        if type(requests) is RequestTable:
+            columns = requests.columns
+            overdue = (columns.next_index == 0) & (now - columns.arrival - columns.ttft > limit)
+            return tuple(requests.ids_at(np.flatnonzero(overdue))) if overdue.any() else ()
         return tuple([
             r.req_id for r in requests
             if r.next_output_index == 0 and now - r.arrival - r.slo.ttft_s > limit
@@ -309,7 +316,11 @@ class _LatenessGuarded(BatchPolicy):
         if not expired:
             return self._form_batch(requests, now)
         gone = set(expired)
-        decision = self._form_batch([r for r in requests if r.req_id not in gone], now)
+        if type(requests) is RequestTable:
+            kept = requests.rows(np.array([r.req_id not in gone for r in requests], dtype=bool))
+        else:
+            kept = [r for r in requests if r.req_id not in gone]
+        decision = self._form_batch(kept, now)
         return dataclasses.replace(decision, abort_ids=expired)
 
     def form_batch_with_budgets(
@@ -340,6 +351,8 @@ def _any_prefill_queued(requests: Sequence[RequestState]) -> bool:
     """Whether the forecast can find anything hopeless (only queued prefills can be).
     Newest first: an engine keeps its requests in arrival order, and the queued are the
     newest."""
+    if type(requests) is RequestTable:
+        return bool((requests.columns.pending > 0).any())
     for request in reversed(requests):
         if request.pending_prefill > 0:
             return True

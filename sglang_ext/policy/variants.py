@@ -189,9 +189,7 @@ class FairBatchingVariant(FairBatching):
         if smooth is not None:
             groups, time_budget = smooth, smooth_budget
         elif (self.variant.step is Step.STEADY or self._kv_bound(groups)) and math.isfinite(smooth_budget):
-            groups = dataclasses.replace(
-                groups, init_time_budget_s=smooth_budget, deferrable_decodes=[],
-                urgent_decodes=groups.urgent_decodes + groups.deferrable_decodes)
+            groups = groups.steady(smooth_budget)
             time_budget = smooth_budget
         else:
             time_budget = self._time_budget(groups.init_time_budget_s)
@@ -258,7 +256,7 @@ class FairBatchingKairosPrefills(KairosPrefillRate, FairBatching):
     def _reorder(self, groups: Triage, now: float) -> Triage:
         if len(groups.prefills) < 2:
             return groups
-        return dataclasses.replace(groups, prefills=kairos_order(
+        return dataclasses.replace(groups.as_triage(), prefills=kairos_order(
             groups.prefills, now, self.prefill_tokens_per_s
         ))
 

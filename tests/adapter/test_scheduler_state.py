@@ -46,7 +46,8 @@ def fake_req(rid: str, rng: random.Random, *, decoding: bool) -> FakeReq:
     return FakeReq(
         rid=rid, origin_input_ids=[1] * prompt, output_ids=[7] * produced,
         prefix_len=rng.randint(0, prompt), finished_reason=None, to_finish=None,
-        sampling_params=SimpleNamespace(max_new_tokens=400, custom_params={"slo": {"class": slo_class}}),
+        sampling_params=SimpleNamespace(max_new_tokens=400, ignore_eos=False,
+                                        custom_params={"slo": {"class": slo_class}}),
         time_stats=SimpleNamespace(prefill_finished_time=first or 0.0, scheduler_recv_time=arrival,
                                    wait_queue_entry_time=arrival),
     )

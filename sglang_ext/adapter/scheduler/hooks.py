@@ -43,9 +43,10 @@ from sglang_ext.adapter.scheduler.calibration_hooks import (
     note_finished,
     start_calibration,
 )
-from sglang_ext.adapter.scheduler.kv_outlook import kv_outlook
+from sglang_ext.adapter.scheduler.kv_outlook import kv_outlook, kv_outlook_of_table
 from sglang_ext.adapter.scheduler.parking import merge_into, split_batch
 from sglang_ext.adapter.scheduler.prefill_plan import PrefillPlan, adder_factory, plan_from_chunks
+from sglang_ext.adapter.scheduler.request_store import DecisionColumns
 from sglang_ext.adapter.scheduler.requests import LiveRequestView, must_decode
 from sglang_ext.adapter.scheduler.state import LAUNCH_ATTR, FairBatchingState, StepLaunch
 from sglang_ext.adapter.scheduler.step_features import step_features
@@ -181,27 +182,29 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     records = state.records
     in_flight = _in_flight_reqs(self)
     parked_reqs = state.parked_reqs
+    collected = DecisionColumns() if state.decides_on_tables else None
     views: list[LiveRequestView] = records.decode_views(
-        (*running_batch.reqs, *parked_reqs), in_flight, state.device_free_at)
+        (*running_batch.reqs, *parked_reqs), in_flight, state.device_free_at, collected)
     chunked = self.chunked_req
     chunked_view = None
     if chunked is not None:
-        chunked_view = records.prefill_view(chunked)
+        chunked_view = records.prefill_view(chunked, collected)
         views.append(chunked_view)
     waiting = self.waiting_queue if state.calibration is None else held_back(state, self.waiting_queue)
-    queued_views = records.prefill_views(waiting)
+    queued_views = records.prefill_views(waiting, collected)
     refused = state.pending_refusals
     if refused:  # never planned: ended at the next request poll
         kept = [(req, view) for req, view in zip(waiting, queued_views, strict=True)
                 if req.rid not in refused]
         waiting, queued_views = [req for req, _ in kept], [view for _, view in kept]
     views += queued_views
+    table = views if collected is None else collected.table(views, records.store)
 
-    started += state.maybe_collect_garbage(views, time.perf_counter(), "slack")
+    started += state.maybe_collect_garbage(table, time.perf_counter(), "slack")
     now = state.decision_time(time.perf_counter())
     if state.forecasts_kv:
-        state.policy.observe_kv(_kv_outlook(self, running_batch, parked_reqs, views))
-    decision = state.decide(views, now)
+        state.policy.observe_kv(_kv_outlook(self, running_batch, parked_reqs, table, collected))
+    decision = state.decide(table, now)
     state.last_decision = decision
     state.observe_prefills(views[len(views) - len(waiting) - (chunked is not None):],
                            now, decision.abort_ids)
@@ -288,11 +291,22 @@ def never_fits(req: Any, capacity: int, page_size: int, *, ignore_eos_admission:
     return need if need >= capacity else None
 
 
-def _kv_outlook(scheduler: Scheduler, running_batch: Any, parked_reqs: Any, views: list[Any]) -> Any:
+def _kv_outlook(scheduler: Scheduler, running_batch: Any, parked_reqs: Any, views: list[Any],
+                collected: DecisionColumns | None) -> Any:
+    """The rank's KV outlook: from the decision's table where it was collected whole (the
+    waiting queue as it is, none left out), else request by request."""
     decoding_reqs = (*running_batch.reqs, *parked_reqs)
     chunked = scheduler.chunked_req
     split = len(decoding_reqs)
     queued_views = views[split + (chunked is not None):]
+    available = (scheduler.token_to_kv_pool_allocator.available_size()
+                 + scheduler.tree_cache.evictable_size())
+    if (collected is not None and collected.store_rows is not None
+            and len(queued_views) == len(scheduler.waiting_queue)):
+        return kv_outlook_of_table(
+            available, scheduler.new_token_ratio_tracker.current, views,
+            scheduler.fairbatching.records.store, collected.store_rows, collected.outputs, split,
+            chunked)
     return kv_outlook(
         scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size(),
         scheduler.new_token_ratio_tracker.current,

@@ -17,9 +17,12 @@ from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
+import numpy as np
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
+from sglang_ext.adapter.scheduler.request_store import RequestStore
 from sglang_ext.policy.admission import KvOutlook
+from sglang_ext.policy.request_table import RequestTable
 from sglang_ext.policy.view import RequestState
 
 
@@ -82,3 +85,45 @@ def kv_outlook(
         reserves[view.req_id] = -float(view.pending_prefill)  # need_of: already held
     new_reserve = statistics.median(initial) if initial else 0.0
     return KvOutlook.of(free, releases, reserves, new_reserve)
+
+
+def kv_outlook_of_table(
+    free_and_evictable: int,
+    new_token_ratio: float,
+    table: RequestTable,
+    store: RequestStore,
+    store_rows: np.ndarray,
+    outputs: Sequence[int],
+    decoding: int,
+    chunked: Any | None = None,
+) -> KvOutlook:
+    """:func:`kv_outlook` from a decision's table: its first ``decoding`` rows are the
+    running and parked requests, then the cut prompt when ``chunked`` (its ``Req``), then
+    the waiting queue; ``store_rows`` their rows in ``store``, ``outputs`` each one's
+    ``len(req.output_ids)``. The same operations per request, the reserves taken from the
+    free memory in order and the releases summed in time order, bit for bit."""
+    columns = table.columns
+    queued = slice(decoding + (chunked is not None), None)
+    clip = CLIP_MAX_NEW_TOKENS
+    max_new = store.max_new[store_rows]
+    remaining = np.maximum(max_new - np.asarray(outputs, dtype=np.int64), 0)
+    whole = np.minimum(remaining, clip)
+    initial = np.concatenate((max_new[:decoding], max_new[queued]))
+    new_reserve = float(np.median(np.minimum(np.maximum(initial, 0), clip))) if len(initial) else 0.0
+    ratio = np.where(store.ignore_eos[store_rows[:decoding]], 1.0, new_token_ratio)
+    reserve = whole[:decoding] * ratio
+    free = float(np.subtract.accumulate(np.concatenate(([float(free_and_evictable)], reserve)))[-1])
+    first = columns.first[:decoding]
+    due = columns.arrival[:decoding] + columns.ttft[:decoding]
+    anchor = np.where(np.isnan(first), due, first)
+    times = anchor + np.maximum(max_new[:decoding] - 1, 0) * columns.tpot[:decoding]
+    tokens = columns.context[:decoding] + reserve
+    order = np.lexsort((tokens, times))
+    reserves = dict(zip(table.ids_at(np.arange(queued.start, len(table))),
+                        whole[queued].astype(np.float64).tolist()))
+    if chunked is not None:
+        view = table[decoding]
+        free -= view.pending_prefill + output_reserve(chunked, new_token_ratio)
+        reserves[view.req_id] = -float(view.pending_prefill)
+    return KvOutlook(free, tuple(times[order].tolist()), tuple(np.cumsum(tokens[order]).tolist()),
+                     reserves, new_reserve)

@@ -20,6 +20,8 @@ from sglang_ext.adapter.controlplane_agent import CONTROLPLANE_SEQ_KEY, MAX_DAEM
 from sglang_ext.adapter.custom_params import custom_param
 from sglang_ext.adapter.dp_pab import dispatch_seq_of
 from sglang_ext.adapter.ingress_time import arrival_time
+from sglang_ext.adapter.scheduler.request_store import DecisionColumns, RequestStore
+from sglang_ext.policy.request_table import NO_FIRST_TOKEN
 from sglang_ext.policy.slo import Slo, SloCatalog, SloError
 from sglang_ext.policy.startup_calibration import is_calibration_rid
 
@@ -34,7 +36,7 @@ class LiveRequestView:
 
     __slots__ = ("req_id", "arrival", "slo", "arrival_seq", "dispatch_seq", "prompt_tokens",
                  "next_output_index", "pending_prefill", "context", "first_token_time",
-                 "late", "expired")
+                 "late", "expired", "row")
 
     def __init__(self, req_id: Any, arrival: float, slo: Slo, arrival_seq: int,
                  dispatch_seq: int | None, prompt_tokens: int) -> None:
@@ -50,6 +52,7 @@ class LiveRequestView:
         self.first_token_time: float | None = None
         self.late = False  # counted once: past its TTFT deadline without a first token
         self.expired = False  # counted once: ended under admission mode defer
+        self.row = -1  # its row in the RequestStore (request_store); -1: none
 
 
 class RequestRecords:
@@ -81,6 +84,7 @@ class RequestRecords:
         self._calibrating = False
         self._held: list[LiveRequestView] = []
         self._door: Callable[[Any, Slo], None] | None = None
+        self.store = RequestStore()
 
     def hold_arrivals(self) -> None:
         """The calibration started: requests that arrive wait for :meth:`ready`."""
@@ -96,6 +100,7 @@ class RequestRecords:
         for view in self._held:
             if view.next_output_index == 0 and view.arrival < at:
                 view.arrival = at
+                self.store.moved(view)
         self._held = []
 
     def of(self, req: Any) -> LiveRequestView:
@@ -128,6 +133,7 @@ class RequestRecords:
                                next(self._sequence), dispatch_seq, len(req.origin_input_ids))
         if self._calibrating and not is_calibration_rid(req.rid):
             self._held.append(view)
+        self.store.add_row(view, req)
         setattr(req, RECORD_ATTR, view)
         return view
 
@@ -169,12 +175,18 @@ class RequestRecords:
         return view
 
     def decode_views(self, reqs: Iterable[Any], in_flight: Container[Any],
-                     in_flight_ends_at: float) -> list[LiveRequestView]:
+                     in_flight_ends_at: float,
+                     columns: DecisionColumns | None = None) -> list[LiveRequestView]:
         """:meth:`decode_view` of each of ``reqs``, in order, with ``req in in_flight``: one
-        loop with its lookups bound, as it runs for every decoding request every step."""
+        loop with its lookups bound, as it runs for every decoding request every step.
+        ``columns``: also collected there, for the decision's table."""
         views: list[LiveRequestView] = []
         add = views.append
         attach = self._attach
+        if columns is not None:
+            rows, nexts = columns.decode_rows.append, columns.decode_next.append
+            firsts, outputs = columns.decode_first.append, columns.decode_outputs.append
+            add_row = self.store.add_row
         for req in reqs:
             try:
                 view = req._fairbatching_record  # RECORD_ATTR, read without getattr's call
@@ -182,19 +194,27 @@ class RequestRecords:
                 view = attach(req)
             produced = len(req.output_ids)
             first = req.time_stats.prefill_finished_time
+            if columns is not None:
+                outputs(produced)
             if in_flight and req in in_flight:
                 produced += 1
-                view.first_token_time = first if first else in_flight_ends_at
+                first = view.first_token_time = first if first else in_flight_ends_at
             else:
-                view.first_token_time = first if first else None
+                first = view.first_token_time = first if first else None
             view.next_output_index = produced
             view.pending_prefill = 0
             view.context = view.prompt_tokens + produced
             add(view)
+            if columns is not None:
+                rows(view.row if view.row >= 0 else add_row(view, req))
+                nexts(produced)
+                firsts(NO_FIRST_TOKEN if first is None else first)
         return views
 
-    def prefill_views(self, reqs: Iterable[Any]) -> list[LiveRequestView]:
-        """:meth:`prefill_view` of each of ``reqs``, in order, in one loop."""
+    def prefill_views(self, reqs: Iterable[Any],
+                      columns: DecisionColumns | None = None) -> list[LiveRequestView]:
+        """:meth:`prefill_view` of each of ``reqs``, in order, in one loop (``columns``:
+        also collected there)."""
         views: list[LiveRequestView] = []
         add = views.append
         attach = self._attach
@@ -213,9 +233,11 @@ class RequestRecords:
             view.context = cached
             view.first_token_time = req.time_stats.prefill_finished_time or None
             add(view)
+            if columns is not None:
+                self._collect_prefill(columns, req, view, produced)
         return views
 
-    def prefill_view(self, req: Any) -> LiveRequestView:
+    def prefill_view(self, req: Any, columns: DecisionColumns | None = None) -> LiveRequestView:
         """A request with prompt (or, after retraction, recompute) tokens not in KV yet."""
         view = getattr(req, RECORD_ATTR, None) or self._attach(req)
         produced = len(req.output_ids)
@@ -225,7 +247,19 @@ class RequestRecords:
         view.pending_prefill = total - cached
         view.context = cached
         view.first_token_time = req.time_stats.prefill_finished_time or None
+        if columns is not None:
+            self._collect_prefill(columns, req, view, produced)
         return view
+
+    def _collect_prefill(self, columns: DecisionColumns, req: Any, view: LiveRequestView,
+                         produced: int) -> None:
+        columns.prefill_rows.append(view.row if view.row >= 0 else self.store.add_row(view, req))
+        columns.prefill_next.append(produced)
+        columns.prefill_pending.append(view.pending_prefill)
+        columns.prefill_context.append(view.context)
+        first = view.first_token_time
+        columns.prefill_first.append(NO_FIRST_TOKEN if first is None else first)
+        columns.prefill_outputs.append(produced)
 
 
 def paced_for_output(slo: Slo, sampling_params: Any) -> Slo:

@@ -131,6 +131,10 @@ class FairBatchingState:
         self.admission_echo: dict[str, int] = {}  # the admissions class_budgets count
         self.publishes_budgets = self.admission.mode is AdmissionMode.REJECT
         self.last_decision: BatchDecision | None = None
+        # decisions read the requests as a RequestTable collected by the view loops
+        # (request_store); False: as the list of views, request by request (the same
+        # decisions, bit for bit; benchmarks.server.adapter_cost times both)
+        self.decides_on_tables = True
         # the prefill plan SGLang's get_new_batch_prefill is realising, set only while it
         # runs; read by the adder-class and waiting-queue ordering hooks
         self.active_plan: PrefillPlan | None = None

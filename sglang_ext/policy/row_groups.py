@@ -1,0 +1,226 @@
+"""FairBatching's triage, smooth step and packing on a :class:`RequestTable`'s rows.
+
+The same decision as :func:`~sglang_ext.policy.batch_former.triage`,
+:func:`~sglang_ext.policy.batch_former.smooth_step` and
+:func:`~sglang_ext.policy.batch_former.pack`, with the passes over every request done as
+array operations: each slack and cost is the same floating-point operations on the same
+values, sums of floats run left to right (a cumulative sum), and a stable sort of rows in
+the table's order is the lists' stable sort. Only the queued prefills, the deferred
+decodes that do not all fit and the final request ids leave the arrays. Those functions
+hand a table here; :class:`RowGroups` reads as a :class:`Triage` (its groups as
+(slack, request) lists) to any caller that needs the lists.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from sglang_ext.policy.batch_former import (
+    ServiceFloor,
+    Triage,
+    _misses_first_prefill,
+    _pack_deferrable,
+    _pack_prefills,
+    _Step,
+)
+from sglang_ext.policy.knee_step_model import KneeStepModel
+from sglang_ext.policy.request_table import RequestTable
+from sglang_ext.policy.step_model import StepCoefficients, StepPredictor
+from sglang_ext.policy.view import BatchDecision, RequestState
+
+_NO_ROWS = np.zeros(0, dtype=np.intp)
+
+
+@dataclass(frozen=True, slots=True)
+class RowGroups:
+    """:class:`Triage`'s groups as rows of ``table``: urgent, prefill and deferrable rows
+    by slack, late rows in arrival order. ``slack`` is per row: less the deadline guard
+    for rows in time, as the deadline puts it for late ones."""
+
+    table: RequestTable
+    slack: np.ndarray
+    init_time_budget_s: float
+    min_tpot_s: float
+    urgent_rows: np.ndarray
+    prefill_rows: np.ndarray
+    deferrable_rows: np.ndarray
+    late_decode_rows: np.ndarray
+    late_prefill_rows: np.ndarray
+    late_decode_tpot_s: float = math.inf
+
+    @property
+    def step_tpot_s(self) -> float:
+        return self.min_tpot_s if self.min_tpot_s < self.late_decode_tpot_s else self.late_decode_tpot_s
+
+    def _pairs(self, rows: np.ndarray) -> list[tuple[float, RequestState]]:
+        return list(zip(self.slack[rows].tolist(), self.table.at(rows)))
+
+    @property
+    def urgent_decodes(self) -> list[tuple[float, RequestState]]:
+        return self._pairs(self.urgent_rows)
+
+    @property
+    def prefills(self) -> list[tuple[float, RequestState]]:
+        return self._pairs(self.prefill_rows)
+
+    @property
+    def deferrable_decodes(self) -> list[tuple[float, RequestState]]:
+        return self._pairs(self.deferrable_rows)
+
+    @property
+    def late_decodes(self) -> list[tuple[float, RequestState]]:
+        return self._pairs(self.late_decode_rows)
+
+    @property
+    def late_prefills(self) -> list[tuple[float, RequestState]]:
+        return self._pairs(self.late_prefill_rows)
+
+    def as_triage(self) -> Triage:
+        return Triage(self.init_time_budget_s, self.min_tpot_s, self.urgent_decodes,
+                      self.prefills, self.deferrable_decodes, self.late_decodes,
+                      self.late_prefills, late_decode_tpot_s=self.late_decode_tpot_s)
+
+    def steady(self, time_budget_s: float) -> RowGroups:
+        """:meth:`Triage.steady`."""
+        return replace(self, init_time_budget_s=time_budget_s, deferrable_rows=_NO_ROWS,
+                       urgent_rows=np.concatenate((self.urgent_rows, self.deferrable_rows)))
+
+    def smooth_step(self, coefficients: StepPredictor, time_budget_s: float) -> RowGroups | None:
+        """:func:`~sglang_ext.policy.batch_former.smooth_step`."""
+        if not math.isfinite(time_budget_s) or time_budget_s <= 0.0:
+            return None
+        prefill_rows = self.prefill_rows
+        if len(prefill_rows):
+            table = self.table
+            decode_tokens = (len(self.urgent_rows) + len(self.late_decode_rows)
+                             + len(self.deferrable_rows))
+            first = prefill_rows[0]
+            if _misses_first_prefill((float(self.slack[first]), table[first]), coefficients,
+                                     time_budget_s, decode_tokens):
+                return None
+            columns = table.columns
+            context = int(columns.context[columns.pending == 0].sum())
+            spare = time_budget_s - coefficients.step_s(decode_tokens, 0, decode_tokens, context, 0.0)
+            if spare <= 0.0:
+                return None
+            steps_per_second = time_budget_s / spare
+            queued = np.cumsum(prefill_costs_s(
+                coefficients, columns.pending[prefill_rows], columns.context[prefill_rows],
+                decode_tokens))
+            if (queued * steps_per_second + time_budget_s > self.slack[prefill_rows]).any():
+                return None
+        return replace(self, init_time_budget_s=time_budget_s, deferrable_rows=_NO_ROWS,
+                       urgent_rows=np.concatenate((self.urgent_rows, self.deferrable_rows)))
+
+    def pack(self, coefficients: StepPredictor, *, token_budget: int,
+             time_budget_s: float | None) -> BatchDecision:
+        """:func:`~sglang_ext.policy.batch_former.pack`."""
+        table = self.table
+        contexts = table.columns.context
+        always = np.concatenate((self.urgent_rows, self.late_decode_rows))
+        decode_ids = table.ids_at(always)
+        step = _Step(coefficients, len(always), int(contexts[always].sum()))
+        budget = math.inf if time_budget_s is None else time_budget_s
+        chunks: list = []
+        tokens_left = token_budget - len(always)
+        room = tokens_left > 0
+        for rows in (self.prefill_rows, self.late_prefill_rows):
+            if not room:
+                break
+            pairs = zip(itertools.repeat(0.0), table.at(rows))  # _pack_prefills reads requests
+            room, tokens_left = _pack_prefills(pairs, step, budget, tokens_left, chunks)
+        deferrable = self.deferrable_rows
+        if len(deferrable) and tokens_left > 0:
+            count = len(deferrable)
+            if count <= tokens_left and (coefficients.usable() is not coefficients
+                                         or step.with_decodes(count, 0) <= budget):
+                context = int(contexts[deferrable].sum())
+                predicted = step.with_decodes(count, context)
+                if predicted <= budget:
+                    decode_ids.extend(table.ids_at(deferrable))
+                    step.add_decodes(count, context, predicted)
+                    deferrable = _NO_ROWS
+            if len(deferrable):
+                _pack_deferrable(self._pairs(deferrable), step, budget, tokens_left, decode_ids)
+        return BatchDecision(tuple(decode_ids), tuple(chunks), step.predicted, time_budget_s)
+
+
+def triage_rows(
+    table: RequestTable, now: float, anchored: bool, floor: ServiceFloor | None,
+    hopeless: frozenset, deadline_guard_s: float,
+) -> RowGroups:
+    """:func:`~sglang_ext.policy.batch_former.triage` of a non-empty table."""
+    columns = table.columns
+    tpot = columns.tpot
+    index = columns.next_index
+    slack = columns.arrival + columns.ttft + tpot * index - now
+    if anchored:
+        anchor = (index != 0) & ~np.isnan(columns.first)
+        if anchor.any():
+            slack = np.where(anchor, columns.first + tpot * index - now, slack)
+    decoding = columns.pending == 0
+    serviceable = -math.inf
+    late = None
+    if floor is not None:
+        serviceable = floor.min_serviceable_tpot_s
+        late = (slack < 0.0) | (tpot < serviceable)
+    if hopeless:
+        queued = (~decoding).nonzero()[0]
+        marked = np.array([req_id in hopeless for req_id in table.ids_at(queued)], dtype=bool)
+        if marked.any():
+            late = np.zeros(len(table), dtype=bool) if late is None else late
+            late[queued[marked]] = True
+    guarded = slack - deadline_guard_s if deadline_guard_s else slack
+    if late is not None and late.any():
+        in_time = (~late).nonzero()[0]
+        order = in_time[np.argsort(guarded[in_time], kind="stable")]
+        late_rows = late.nonzero()[0]
+        late_rows = late_rows[np.argsort(columns.seq[late_rows], kind="stable")]
+        late_decoding = decoding[late_rows]
+        late_decode_rows, late_prefill_rows = late_rows[late_decoding], late_rows[~late_decoding]
+        if deadline_guard_s:
+            guarded = guarded.copy()
+            guarded[late_rows] = slack[late_rows]
+    else:
+        order = np.argsort(guarded, kind="stable")
+        late_decode_rows = late_prefill_rows = _NO_ROWS
+    order_decoding = decoding[order]
+    decode_rows, prefill_rows = order[order_decoding], order[~order_decoding]
+    min_tpot = float(tpot[order].min()) if len(order) else math.inf
+    late_tpot = math.inf
+    if len(late_decode_rows):
+        late_tpot = float(np.maximum(tpot[late_decode_rows], serviceable).min())
+    if min_tpot == math.inf:
+        init_time_budget = math.inf if floor is None else floor.fallback_budget_s
+    else:
+        min_slack = float(guarded[order[0]])
+        lowest = min_tpot - deadline_guard_s
+        if floor is not None and lowest < floor.min_budget_s:
+            lowest = min_tpot if min_tpot < floor.min_budget_s else floor.min_budget_s
+        init_time_budget = max(min_slack, lowest)
+    if late_tpot < init_time_budget:
+        init_time_budget = late_tpot
+    split = int(np.searchsorted(guarded[decode_rows], init_time_budget + min_tpot, side="left"))
+    return RowGroups(table, guarded, init_time_budget, min_tpot, decode_rows[:split], prefill_rows,
+                     decode_rows[split:], late_decode_rows, late_prefill_rows, late_tpot)
+
+
+def prefill_costs_s(coefficients: StepPredictor, chunks: np.ndarray, prefixes: np.ndarray,
+                    base_tokens: int) -> np.ndarray:
+    """``coefficients.prefill_cost_s(chunk, prefix, base_tokens)`` of each pair, by the
+    model's own operations (the two step models; any other predictor is called)."""
+    if type(coefficients) is KneeStepModel:
+        knee = coefficients.knee_tokens
+        before = base_tokens if base_tokens > knee else knee
+        after = np.maximum(base_tokens + chunks, knee)
+        return (coefficients.b_s_per_token * (after - before)
+                + coefficients.c_s_per_prefill_context_token * prefixes
+                + coefficients.e_s_per_pair * chunks * (prefixes + (chunks + 1) / 2.0))
+    if type(coefficients) is StepCoefficients:
+        return coefficients.b_s_per_token * chunks + coefficients.c_s_per_context_token * prefixes
+    return np.array([coefficients.prefill_cost_s(chunk, prefix, base_tokens)
+                     for chunk, prefix in zip(chunks.tolist(), prefixes.tolist())], dtype=np.float64)
