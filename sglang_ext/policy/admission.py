@@ -458,8 +458,12 @@ def _kept(
     """The rate, the queue in deadline order less what ``defer`` gives up, and the
     request ids it gave up."""
     rate, queue = _rate_and_queue(requests, usable, default_tpot_s, headroom, kv)
-    queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
     hopeless: set[Hashable] = set()
+    if rate <= 0.0 and all(entry[2] > 0.0 for entry in queue):
+        # no prefill rate left: the scan would find every queued prefill late
+        hopeless.update([entry[4] for entry in queue])
+        return rate, [], hopeless
+    queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
     if length_weight is not None:
         return rate, _on_time(queue, rate, now, hopeless, eviction_key(length_weight)), hopeless
     return rate, queue, hopeless

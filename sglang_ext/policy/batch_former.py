@@ -36,7 +36,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 
-from sglang_ext.policy.request_table import RequestTable
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepPredictor
 from sglang_ext.policy.view import BatchDecision, RequestState
@@ -170,8 +169,6 @@ def triage(
     """
     if not requests:
         return None
-    if type(requests) is RequestTable:
-        return _row_groups.triage_rows(requests, now, anchored, floor, hopeless, deadline_guard_s)
     # One pass, every lookup bound to a local: this loop is most of a decision's time
     # (one iteration per active request). The arithmetic is token_deadline's, operation
     # for operation, so every slack is bit-for-bit the same.
@@ -497,7 +494,3 @@ def form_batch(
     return pack(
         groups, coefficients, token_budget=max_token_budget, time_budget_s=groups.init_time_budget_s
     )
-
-
-# the same decision on a RequestTable's rows; imported last, as it builds on this module
-from sglang_ext.policy import row_groups as _row_groups  # noqa: E402

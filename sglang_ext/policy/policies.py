@@ -36,6 +36,7 @@ from sglang_ext.policy.batch_former import (
 from sglang_ext.policy.name_registry import Registry
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.request_table import RequestTable
+from sglang_ext.policy.row_groups import triage_rows
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.speed_probe import SpeedProbe
 from sglang_ext.policy.step_model import (
@@ -272,6 +273,8 @@ class _LatenessGuarded(BatchPolicy):
                     requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
                     self.admission.headroom, self.kv_outlook, self.admission.length_weight,
                 )
+        if type(requests) is RequestTable:
+            return triage_rows(requests, now, anchored, floor, hopeless, self._deadline_guard_s())
         return triage(
             requests, now, anchored=anchored, floor=floor, hopeless=hopeless,
             deadline_guard_s=self._deadline_guard_s(),

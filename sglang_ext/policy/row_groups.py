@@ -6,8 +6,9 @@ The same decision as :func:`~sglang_ext.policy.batch_former.triage`,
 array operations: each slack and cost is the same floating-point operations on the same
 values, sums of floats run left to right (a cumulative sum), and a stable sort of rows in
 the table's order is the lists' stable sort. Only the queued prefills, the deferred
-decodes that do not all fit and the final request ids leave the arrays. Those functions
-hand a table here; :class:`RowGroups` reads as a :class:`Triage` (its groups as
+decodes that do not all fit and the final request ids leave the arrays. A policy given a
+table triages it here (``_LatenessGuarded._triage``); ``smooth_step`` and ``pack`` hand
+:class:`RowGroups` to their methods, and it reads as a :class:`Triage` (its groups as
 (slack, request) lists) to any caller that needs the lists.
 """
 
@@ -157,11 +158,11 @@ def triage_rows(
     columns = table.columns
     tpot = columns.tpot
     index = columns.next_index
-    slack = columns.arrival + columns.ttft + tpot * index - now
-    if anchored:
-        anchor = (index != 0) & ~np.isnan(columns.first)
-        if anchor.any():
-            slack = np.where(anchor, columns.first + tpot * index - now, slack)
+    base = columns.arrival + columns.ttft
+    if anchored:  # first + tpot * j - now after a first token: the same sum from another base
+        first = columns.first
+        base = np.where((index != 0) & (first == first), first, base)  # first == first: not nan
+    slack = base + tpot * index - now
     decoding = columns.pending == 0
     serviceable = -math.inf
     late = None

@@ -15,7 +15,7 @@ from sglang_ext.policy.admission import KvOutlook, _rate_and_queue
 from sglang_ext.policy.batch_former import ServiceFloor, triage
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.request_table import RequestColumns, RequestTable
-from sglang_ext.policy.row_groups import RowGroups
+from sglang_ext.policy.row_groups import RowGroups, triage_rows
 from sglang_ext.policy.slo import Slo, SloCatalog
 from sglang_ext.policy.view import RequestView
 from sglang_ext.sim.policy_spec import parse_policy
@@ -107,8 +107,8 @@ def test_row_groups_are_the_triage_groups(anchored, guard):
         for floor_used in (None, floor):
             listed = triage(state, 100.0, anchored=anchored, floor=floor_used, hopeless=hopeless,
                             deadline_guard_s=guard)
-            rows = triage(RequestTable.of(state), 100.0, anchored=anchored, floor=floor_used,
-                          hopeless=hopeless, deadline_guard_s=guard)
+            rows = triage_rows(RequestTable.of(state), 100.0, anchored, floor_used, hopeless,
+                               guard)
             assert isinstance(rows, RowGroups)
             assert rows.as_triage() == listed
 
