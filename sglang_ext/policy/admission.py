@@ -560,7 +560,7 @@ def _rate_and_queue_table(
         decode_share = float(np.cumsum(shares)[-1])
     free = 1.0 - usable.a_s / period - decode_share
     rate = max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
-    rows = np.flatnonzero(pending > 0)
+    rows = (~table.decoding).nonzero()[0]
     if not len(rows):
         return rate, []
     waiting_pending = pending[rows]
@@ -574,8 +574,7 @@ def _rate_and_queue_table(
     else:
         work = [usable.prefill_work(n, prefix)
                 for n, prefix in zip(waiting_pending.tolist(), context.tolist())]
-    due = (columns.arrival[rows] + columns.ttft[rows]
-           + tpot[rows] * columns.next_index[rows])
+    due = table.due[rows]
     ids = table.ids_at(rows)
     if kv is None:
         needs = [0.0] * len(ids)

@@ -355,7 +355,7 @@ def _any_prefill_queued(requests: Sequence[RequestState]) -> bool:
     Newest first: an engine keeps its requests in arrival order, and the queued are the
     newest."""
     if type(requests) is RequestTable:
-        return bool((requests.columns.pending > 0).any())
+        return not requests.decoding.all()
     for request in reversed(requests):
         if request.pending_prefill > 0:
             return True

@@ -83,7 +83,7 @@ class RequestTable(list):
     ``ids`` and ``objects`` are the items' request ids and the items as object arrays,
     for selecting rows without a Python loop."""
 
-    __slots__ = ("_ids", "_objects", "columns")
+    __slots__ = ("_decoding", "_due", "_ids", "_objects", "columns")
 
     def __init__(self, requests: Iterable[RequestState], columns: RequestColumns | None = None):
         super().__init__(requests)
@@ -94,6 +94,8 @@ class RequestTable(list):
         self.columns = columns
         self._ids: np.ndarray | None = None
         self._objects: np.ndarray | None = None
+        self._due: np.ndarray | None = None
+        self._decoding: np.ndarray | None = None
 
     @classmethod
     def of(cls, requests: Sequence[RequestState]) -> RequestTable:
@@ -111,6 +113,22 @@ class RequestTable(list):
             self._ids = np.fromiter([request.req_id for request in self], dtype=object,
                                     count=len(self))
         return self._ids
+
+    @property
+    def due(self) -> np.ndarray:
+        """When each request's next token is due: ``arrival + ttft + tpot * next_index``
+        (the paper's envelope, ``batch_former.token_deadline``), in that order."""
+        if self._due is None:
+            columns = self.columns
+            self._due = columns.arrival + columns.ttft + columns.tpot * columns.next_index
+        return self._due
+
+    @property
+    def decoding(self) -> np.ndarray:
+        """Whether each request is decoding (no prompt tokens pending)."""
+        if self._decoding is None:
+            self._decoding = self.columns.pending == 0
+        return self._decoding
 
     def rows(self, rows: np.ndarray) -> RequestTable:
         """A table of the rows ``rows`` (indices or a mask), in that order."""

@@ -104,7 +104,7 @@ class RowGroups:
                                      time_budget_s, decode_tokens):
                 return None
             columns = table.columns
-            context = int(columns.context[columns.pending == 0].sum())
+            context = int(columns.context[table.decoding].sum())
             spare = time_budget_s - coefficients.step_s(decode_tokens, 0, decode_tokens, context, 0.0)
             if spare <= 0.0:
                 return None
@@ -157,13 +157,14 @@ def triage_rows(
     """:func:`~sglang_ext.policy.batch_former.triage` of a non-empty table."""
     columns = table.columns
     tpot = columns.tpot
-    index = columns.next_index
-    base = columns.arrival + columns.ttft
-    if anchored:  # first + tpot * j - now after a first token: the same sum from another base
-        first = columns.first
-        base = np.where((index != 0) & (first == first), first, base)  # first == first: not nan
-    slack = base + tpot * index - now
-    decoding = columns.pending == 0
+    due = table.due
+    if anchored:  # after a first token its deadline is first + tpot * j (first == first: not nan)
+        index, first = columns.next_index, columns.first
+        anchor = (index != 0) & (first == first)
+        if anchor.any():
+            due = np.where(anchor, first + tpot * index, due)
+    slack = due - now
+    decoding = table.decoding
     serviceable = -math.inf
     late = None
     if floor is not None:

@@ -122,8 +122,11 @@ def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
             setattr(scheduler, component,
                     dataclasses.replace(owner, get_running_batch=_with_parked(scheduler)))
     logger.info(
-        "FairBatching on: policy=%s, default SLO %s, max %d new tokens per step (%s)",
-        config.policy, config.catalog.default, config.max_token_budget, config.source,
+        "FairBatching on: policy=%s, default SLO %s, max %d new tokens per step, decisions "
+        "over %s (%s)",
+        config.policy, config.catalog.default, config.max_token_budget,
+        "request tables (columns)" if state.decides_on_tables else "request lists",
+        config.source,
     )
     if config.calibrate:
         start_calibration(scheduler, state)
