@@ -238,19 +238,12 @@ def _grouped(
     own TPOT: it still gets a token every step of its pace."""
     decodes.sort(key=_by_slack)
     prefills.sort(key=_by_slack)
-    if min_tpot == math.inf:  # nobody in time
-        init_time_budget = math.inf if floor is None else floor.fallback_budget_s
-    else:
-        if decodes and prefills:
-            min_slack = decodes[0][0] if decodes[0][0] < prefills[0][0] else prefills[0][0]
-        else:
-            min_slack = (decodes or prefills)[0][0]
-        lowest = min_tpot - deadline_guard_s
-        if floor is not None and lowest < floor.min_budget_s:
-            lowest = min_tpot if min_tpot < floor.min_budget_s else floor.min_budget_s
-        init_time_budget = max(min_slack, lowest)
-    if late_tpot < init_time_budget:
-        init_time_budget = late_tpot
+    min_slack = None
+    if decodes and prefills:
+        min_slack = decodes[0][0] if decodes[0][0] < prefills[0][0] else prefills[0][0]
+    elif decodes or prefills:
+        min_slack = (decodes or prefills)[0][0]
+    init_time_budget = initial_time_budget(min_slack, min_tpot, late_tpot, floor, deadline_guard_s)
     split = bisect_left(decodes, init_time_budget + min_tpot, key=_by_slack)
     if len(late_decodes) > 1 and not late_decodes_ordered:
         late_decodes.sort(key=_arrival_order)
@@ -260,6 +253,25 @@ def _grouped(
         init_time_budget, min_tpot, decodes[:split], prefills, decodes[split:],
         late_decodes, late_prefills, late_decode_tpot_s=late_tpot,
     )
+
+
+def initial_time_budget(
+    min_slack: float | None, min_tpot: float, late_tpot: float, floor: ServiceFloor | None,
+    deadline_guard_s: float,
+) -> float:
+    """``max(min slack, min TPOT)`` of the in-time requests (``min_slack``: None when
+    none is in time, then the floor's fallback), with the guard's floor (module and
+    :func:`_grouped` docstrings), capped at a late decode's TPOT (``late_tpot``)."""
+    if min_tpot == math.inf:  # nobody in time
+        init_time_budget = math.inf if floor is None else floor.fallback_budget_s
+    else:
+        lowest = min_tpot - deadline_guard_s
+        if floor is not None and lowest < floor.min_budget_s:
+            lowest = min_tpot if min_tpot < floor.min_budget_s else floor.min_budget_s
+        init_time_budget = max(min_slack, lowest)
+    if late_tpot < init_time_budget:
+        init_time_budget = late_tpot
+    return init_time_budget
 
 
 def smooth_step(

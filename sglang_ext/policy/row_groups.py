@@ -27,6 +27,7 @@ from sglang_ext.policy.batch_former import (
     _pack_deferrable,
     _pack_prefills,
     _Step,
+    initial_time_budget,
 )
 from sglang_ext.policy.knee_step_model import KneeStepModel
 from sglang_ext.policy.request_table import RequestTable
@@ -60,25 +61,12 @@ class RowGroups:
     def _pairs(self, rows: np.ndarray) -> list[tuple[float, RequestState]]:
         return list(zip(self.slack[rows].tolist(), self.table.at(rows)))
 
-    @property
-    def urgent_decodes(self) -> list[tuple[float, RequestState]]:
-        return self._pairs(self.urgent_rows)
-
-    @property
-    def prefills(self) -> list[tuple[float, RequestState]]:
-        return self._pairs(self.prefill_rows)
-
-    @property
-    def deferrable_decodes(self) -> list[tuple[float, RequestState]]:
-        return self._pairs(self.deferrable_rows)
-
-    @property
-    def late_decodes(self) -> list[tuple[float, RequestState]]:
-        return self._pairs(self.late_decode_rows)
-
-    @property
-    def late_prefills(self) -> list[tuple[float, RequestState]]:
-        return self._pairs(self.late_prefill_rows)
+    # Triage's groups, as (slack, request) lists
+    urgent_decodes = property(lambda self: self._pairs(self.urgent_rows))
+    prefills = property(lambda self: self._pairs(self.prefill_rows))
+    deferrable_decodes = property(lambda self: self._pairs(self.deferrable_rows))
+    late_decodes = property(lambda self: self._pairs(self.late_decode_rows))
+    late_prefills = property(lambda self: self._pairs(self.late_prefill_rows))
 
     def as_triage(self) -> Triage:
         return Triage(self.init_time_budget_s, self.min_tpot_s, self.urgent_decodes,
@@ -196,16 +184,8 @@ def triage_rows(
     late_tpot = math.inf
     if len(late_decode_rows):
         late_tpot = float(np.maximum(tpot[late_decode_rows], serviceable).min())
-    if min_tpot == math.inf:
-        init_time_budget = math.inf if floor is None else floor.fallback_budget_s
-    else:
-        min_slack = float(guarded[order[0]])
-        lowest = min_tpot - deadline_guard_s
-        if floor is not None and lowest < floor.min_budget_s:
-            lowest = min_tpot if min_tpot < floor.min_budget_s else floor.min_budget_s
-        init_time_budget = max(min_slack, lowest)
-    if late_tpot < init_time_budget:
-        init_time_budget = late_tpot
+    min_slack = float(guarded[order[0]]) if len(order) else None
+    init_time_budget = initial_time_budget(min_slack, min_tpot, late_tpot, floor, deadline_guard_s)
     split = int(np.searchsorted(guarded[decode_rows], init_time_budget + min_tpot, side="left"))
     return RowGroups(table, guarded, init_time_budget, min_tpot, decode_rows[:split], prefill_rows,
                      decode_rows[split:], late_decode_rows, late_prefill_rows, late_tpot)
