@@ -146,9 +146,9 @@ def triage_rows(
     columns = table.columns
     tpot = columns.tpot
     due = table.due
-    if anchored:  # after a first token its deadline is first + tpot * j (first == first: not nan)
+    if anchored:  # after a first token its deadline is first + tpot * j
         index, first = columns.next_index, columns.first
-        anchor = (index != 0) & (first == first)
+        anchor = (index != 0) & ~np.isnan(first)
         if anchor.any():
             due = np.where(anchor, first + tpot * index, due)
     slack = due - now
