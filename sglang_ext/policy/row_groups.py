@@ -102,8 +102,7 @@ class RowGroups:
                 decode_tokens))
             if (queued * steps_per_second + time_budget_s > self.slack[prefill_rows]).any():
                 return None
-        return replace(self, init_time_budget_s=time_budget_s, deferrable_rows=_NO_ROWS,
-                       urgent_rows=np.concatenate((self.urgent_rows, self.deferrable_rows)))
+        return self.steady(time_budget_s)
 
     def pack(self, coefficients: StepPredictor, *, token_budget: int,
              time_budget_s: float | None) -> BatchDecision:
