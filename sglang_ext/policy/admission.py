@@ -553,11 +553,11 @@ def _rate_and_queue_table(
     period = default_tpot_s
     decode_share = 0.0
     if len(table):
-        smallest = tpot.min()
+        smallest = np.minimum.reduce(tpot)
         if smallest < period:
             period = float(smallest)
         shares = (fixed + per_kv_token * (columns.context + pending) * scale) / tpot
-        decode_share = float(np.cumsum(shares)[-1])
+        decode_share = float(np.add.accumulate(shares)[-1])
     free = 1.0 - usable.a_s / period - decode_share
     rate = max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
     rows = (~table.decoding).nonzero()[0]

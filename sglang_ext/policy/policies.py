@@ -308,7 +308,7 @@ class _LatenessGuarded(BatchPolicy):
         if type(requests) is RequestTable:
             columns = requests.columns
             overdue = (columns.next_index == 0) & (now - columns.arrival - columns.ttft > limit)
-            return tuple(requests.ids_at(np.flatnonzero(overdue))) if overdue.any() else ()
+            return tuple(requests.ids_at(overdue.nonzero()[0])) if np.count_nonzero(overdue) else ()
         return tuple([
             r.req_id for r in requests
             if r.next_output_index == 0 and now - r.arrival - r.slo.ttft_s > limit
@@ -355,7 +355,7 @@ def _any_prefill_queued(requests: Sequence[RequestState]) -> bool:
     Newest first: an engine keeps its requests in arrival order, and the queued are the
     newest."""
     if type(requests) is RequestTable:
-        return not requests.decoding.all()
+        return np.count_nonzero(requests.decoding) < len(requests)
     for request in reversed(requests):
         if request.pending_prefill > 0:
             return True

@@ -35,6 +35,8 @@ from sglang_ext.policy.step_model import StepCoefficients, StepPredictor
 from sglang_ext.policy.view import BatchDecision, RequestState
 
 _NO_ROWS = np.zeros(0, dtype=np.intp)
+# the ufuncs' own reductions: the array methods add a Python call each
+_sum, _min, _running_sum = np.add.reduce, np.minimum.reduce, np.add.accumulate
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +94,15 @@ class RowGroups:
                                      time_budget_s, decode_tokens):
                 return None
             columns = table.columns
-            context = int(columns.context[table.decoding].sum())
+            context = int(_sum(columns.context[table.decoding]))
             spare = time_budget_s - coefficients.step_s(decode_tokens, 0, decode_tokens, context, 0.0)
             if spare <= 0.0:
                 return None
             steps_per_second = time_budget_s / spare
-            queued = np.cumsum(prefill_costs_s(
+            queued = _running_sum(prefill_costs_s(
                 coefficients, columns.pending[prefill_rows], columns.context[prefill_rows],
                 decode_tokens))
-            if (queued * steps_per_second + time_budget_s > self.slack[prefill_rows]).any():
+            if np.count_nonzero(queued * steps_per_second + time_budget_s > self.slack[prefill_rows]):
                 return None
         return self.steady(time_budget_s)
 
@@ -111,7 +113,7 @@ class RowGroups:
         contexts = table.columns.context
         always = np.concatenate((self.urgent_rows, self.late_decode_rows))
         decode_ids = table.ids_at(always)
-        step = _Step(coefficients, len(always), int(contexts[always].sum()))
+        step = _Step(coefficients, len(always), int(_sum(contexts[always])))
         budget = math.inf if time_budget_s is None else time_budget_s
         chunks: list = []
         tokens_left = token_budget - len(always)
@@ -126,7 +128,7 @@ class RowGroups:
             count = len(deferrable)
             if count <= tokens_left and (coefficients.usable() is not coefficients
                                          or step.with_decodes(count, 0) <= budget):
-                context = int(contexts[deferrable].sum())
+                context = int(_sum(contexts[deferrable]))
                 predicted = step.with_decodes(count, context)
                 if predicted <= budget:
                     decode_ids.extend(table.ids_at(deferrable))
@@ -148,7 +150,7 @@ def triage_rows(
     if anchored:  # after a first token its deadline is first + tpot * j
         index, first = columns.next_index, columns.first
         anchor = (index != 0) & ~np.isnan(first)
-        if anchor.any():
+        if np.count_nonzero(anchor):
             due = np.where(anchor, first + tpot * index, due)
     slack = due - now
     decoding = table.decoding
@@ -160,29 +162,29 @@ def triage_rows(
     if hopeless:
         queued = (~decoding).nonzero()[0]
         marked = np.array([req_id in hopeless for req_id in table.ids_at(queued)], dtype=bool)
-        if marked.any():
+        if np.count_nonzero(marked):
             late = np.zeros(len(table), dtype=bool) if late is None else late
             late[queued[marked]] = True
     guarded = slack - deadline_guard_s if deadline_guard_s else slack
-    if late is not None and late.any():
+    if late is not None and np.count_nonzero(late):
         in_time = (~late).nonzero()[0]
-        order = in_time[np.argsort(guarded[in_time], kind="stable")]
+        order = in_time[guarded[in_time].argsort(kind="stable")]
         late_rows = late.nonzero()[0]
-        late_rows = late_rows[np.argsort(columns.seq[late_rows], kind="stable")]
+        late_rows = late_rows[columns.seq[late_rows].argsort(kind="stable")]
         late_decoding = decoding[late_rows]
         late_decode_rows, late_prefill_rows = late_rows[late_decoding], late_rows[~late_decoding]
         if deadline_guard_s:
             guarded = guarded.copy()
             guarded[late_rows] = slack[late_rows]
     else:
-        order = np.argsort(guarded, kind="stable")
+        order = guarded.argsort(kind="stable")
         late_decode_rows = late_prefill_rows = _NO_ROWS
     order_decoding = decoding[order]
     decode_rows, prefill_rows = order[order_decoding], order[~order_decoding]
-    min_tpot = float(tpot[order].min()) if len(order) else math.inf
+    min_tpot = float(_min(tpot[order])) if len(order) else math.inf
     late_tpot = math.inf
     if len(late_decode_rows):
-        late_tpot = float(np.maximum(tpot[late_decode_rows], serviceable).min())
+        late_tpot = float(_min(np.maximum(tpot[late_decode_rows], serviceable)))
     min_slack = float(guarded[order[0]]) if len(order) else None
     init_time_budget = initial_time_budget(min_slack, min_tpot, late_tpot, floor, deadline_guard_s)
     split = int(np.searchsorted(guarded[decode_rows], init_time_budget + min_tpot, side="left"))

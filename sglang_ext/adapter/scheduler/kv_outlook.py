@@ -109,7 +109,7 @@ def kv_outlook_of_table(
     remaining = np.maximum(max_new - np.asarray(outputs, dtype=np.int64), 0)
     whole = np.minimum(remaining, clip)
     initial = np.concatenate((max_new[:decoding], max_new[queued]))
-    new_reserve = float(np.median(np.minimum(np.maximum(initial, 0), clip))) if len(initial) else 0.0
+    new_reserve = _median(np.minimum(np.maximum(initial, 0), clip))
     ratio = np.where(store.ignore_eos[store_rows[:decoding]], 1.0, new_token_ratio)
     reserve = whole[:decoding] * ratio
     free = float(np.subtract.accumulate(np.concatenate(([float(free_and_evictable)], reserve)))[-1])
@@ -125,5 +125,16 @@ def kv_outlook_of_table(
         view = table[decoding]
         free -= view.pending_prefill + output_reserve(chunked, new_token_ratio)
         reserves[view.req_id] = -float(view.pending_prefill)
-    return KvOutlook(free, tuple(times[order].tolist()), tuple(np.cumsum(tokens[order]).tolist()),
+    return KvOutlook(free, tuple(times[order].tolist()), tuple(np.add.accumulate(tokens[order]).tolist()),
                      reserves, new_reserve)
+
+
+def _median(values: np.ndarray) -> float:
+    """``statistics.median`` of integers, as a float (0.0 of none)."""
+    if not len(values):
+        return 0.0
+    ordered = np.sort(values).tolist()
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return float(ordered[middle])
+    return (ordered[middle - 1] + ordered[middle]) / 2
