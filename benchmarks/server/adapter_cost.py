@@ -10,11 +10,12 @@ SGLang's own prefill admission). ``stock`` is SGLang's default (prefill-first, c
 8192); ``stock-mixed`` adds ``--enable-mixed-chunk`` with a 512-token chunk, which builds
 mixed batches as FairBatching does. FairBatching runs the shipped config's policy and
 admission (``configs/fairbatching.toml``) unless ``--policy`` names another (then
-admission off): ``fairbatching`` as shipped (the decision on the table its view loops
-collect, ``sglang_ext.adapter.scheduler.request_store``), ``fairbatching-lists`` deciding
-over the list of views request by request (the same decisions), and
-``fairbatching-publishing`` publishing its class budgets at every decision (behind the
-control plane, or with DP's pab method). Only busy steps count (at least half the
+admission off): ``fairbatching`` as shipped (deciding on the table its view loops
+collect, ``sglang_ext.adapter.scheduler.request_store``, from ``TABLE_MIN_REQUESTS``
+requests, on the list of views below), ``fairbatching-tables`` and ``fairbatching-lists``
+always on one or the other (the same decisions), and ``fairbatching-publishing`` as
+shipped, publishing its class budgets at every decision (behind the control plane, or
+with DP's pab method). Only busy steps count (at least half the
 running requests decoding or parked). The runs of one size go in ``--rounds``
 interleaved rounds (each in a fresh interpreter) and the samples of all rounds are
 pooled, so a slow stretch of a shared machine hits all alike. The check, per size:
@@ -46,9 +47,10 @@ SHIPPED_CONFIG = REPO / "configs" / "fairbatching.toml"
 RUNS = {
     "stock": (False, False, False, None),
     "stock-mixed": (False, True, False, None),
-    "fairbatching": (True, False, False, "tables"),
+    "fairbatching": (True, False, False, "auto"),
+    "fairbatching-tables": (True, False, False, "tables"),
     "fairbatching-lists": (True, False, False, "lists"),
-    "fairbatching-publishing": (True, False, True, "tables"),
+    "fairbatching-publishing": (True, False, True, "auto"),
 }
 
 
@@ -58,7 +60,7 @@ def busy_steps(running: int) -> int:
 
 
 def scenario(config: Path | None, mixed: bool = False, publish: bool = False,
-             running: int = 256, decision_path: str = "tables") -> dict:
+             running: int = 256, decision_path: str = "auto") -> dict:
     requests = [{"rid": f"run-{i}", "prompt_tokens": 128 + (i % 7) * 16, "max_new_tokens": 400,
                  "slo": {"class": ("interactive", "standard", "relaxed")[i % 3]}} for i in range(running)]
     requests += [{"rid": f"wait-{i}", "prompt_tokens": 2048, "max_new_tokens": 8, "at_step": 40,
@@ -86,7 +88,7 @@ def summary(values: list[float]) -> dict:
 
 def run(name: str, config: Path | None, workdir: Path, mixed: bool = False,
         publish: bool = False, running: int = 256,
-        decision_path: str = "tables") -> dict[str, list[float]]:
+        decision_path: str = "auto") -> dict[str, list[float]]:
     """One run; the busy steps' ``get_next_batch_to_run`` times and, with FairBatching,
     the adapter's decision times of the same steps (microseconds)."""
     try:
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             for name in args.configs:
                 fairbatching, mixed, publish, path = RUNS[name]
                 got = run(name, config if fairbatching else None, workdir, mixed, publish,
-                          running, path or "tables")
+                          running, path or "auto")
                 for key, values in got.items():
                     samples[name][key] += values
                 per_round[name].append({key: summary(values) for key, values in got.items() if values})
@@ -200,8 +202,9 @@ def main(argv: list[str] | None = None) -> None:
                 "FairBatching: its hooks included, and SGLang's own prefill admission of the "
                 "planned chunks); decision_us: FairBatching's adapter and policy alone (request "
                 "views, the KV outlook, form_batch, parking), the 'adapter plus policy' of the "
-                "check; fairbatching-lists: the same decisions over the list of views, request "
-                "by request; fairbatching-publishing: the same rank publishing its class budgets "
+                "check; fairbatching: on a table from TABLE_MIN_REQUESTS requests (the shipped "
+                "adapter); fairbatching-tables / -lists: always on a table / on the list of "
+                "views, request by request (the same decisions); fairbatching-publishing: the same rank publishing its class budgets "
                 "at every decision, as behind the control plane or DP's pab method.",
         "loads": loads,
     }

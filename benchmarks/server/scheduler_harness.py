@@ -79,8 +79,10 @@ def main(scenario_path: str) -> None:
     state = getattr(scheduler, "fairbatching", None)
     if state is not None and scenario.get("publish_budgets"):
         state.publishes_budgets = True  # as behind the control plane or DP's pab method
-    if state is not None and scenario.get("decision_path", "tables") == "lists":
-        state.decides_on_tables = False  # the views as a list, request by request
+    if state is not None:  # auto: tables from the adapter's threshold; tables: always; lists: never
+        path = scenario.get("decision_path", "auto")
+        if path != "auto":
+            state.table_min_requests = {"tables": 0, "lists": None}[path]
     if state is not None and scenario.get("prefill_piece_tokens"):
         _cap_planned_prefills(state, int(scenario["prefill_piece_tokens"]))
     # the tests read each decision's triage; a benchmark of the adapter's cost does not

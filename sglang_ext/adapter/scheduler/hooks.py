@@ -125,7 +125,8 @@ def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
         "FairBatching on: policy=%s, default SLO %s, max %d new tokens per step, decisions "
         "over %s (%s)",
         config.policy, config.catalog.default, config.max_token_budget,
-        "request tables (columns)" if state.decides_on_tables else "request lists",
+        "request lists" if state.table_min_requests is None
+        else f"request tables (columns) from {state.table_min_requests} requests",
         config.source,
     )
     if config.calibrate:
@@ -185,10 +186,12 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     records = state.records
     in_flight = _in_flight_reqs(self)
     parked_reqs = state.parked_reqs
-    collected = DecisionColumns() if state.decides_on_tables else None
+    chunked = self.chunked_req
+    count = len(running_batch.reqs) + len(parked_reqs) + len(self.waiting_queue) + (chunked is not None)
+    least = state.table_min_requests
+    collected = DecisionColumns() if least is not None and count >= least else None
     views: list[LiveRequestView] = records.decode_views(
         (*running_batch.reqs, *parked_reqs), in_flight, state.device_free_at, collected)
-    chunked = self.chunked_req
     chunked_view = None
     if chunked is not None:
         chunked_view = records.prefill_view(chunked, collected)
@@ -201,7 +204,11 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
                 if req.rid not in refused]
         waiting, queued_views = [req for req, _ in kept], [view for _, view in kept]
     views += queued_views
-    table = views if collected is None else collected.table(views, records.store)
+    if collected is None:
+        table = views
+        records.store.seen()
+    else:
+        table = collected.table(views, records.store)
 
     started += state.maybe_collect_garbage(table, time.perf_counter(), "slack")
     now = state.decision_time(time.perf_counter())

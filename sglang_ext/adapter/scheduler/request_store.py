@@ -4,7 +4,7 @@ instead of reading every field of every view.
 
 A :class:`RequestStore` holds what does not change while a request lives (arrival, SLO,
 prompt, arrival number, ``max_new_tokens``, ``ignore_eos``) in one row per request,
-written once when its view is attached. A :class:`DecisionColumns` collects, in the
+written once when a decision first collects its view. A :class:`DecisionColumns` collects, in the
 per-step view loops of ``sglang_ext.adapter.scheduler.requests``, what changes (the row,
 the next output index, the first token's time, the outputs so far, and for a prefill its
 pending and cached tokens); :meth:`DecisionColumns.table` joins the two. A row whose
@@ -20,8 +20,12 @@ import numpy as np
 
 from sglang_ext.policy.request_table import RequestColumns, RequestTable
 
+_NO_ROWS = np.zeros(0, dtype=np.intp)
 INITIAL_ROWS = 512
 SWEEP_EVERY = 256  # decisions between sweeps of the rows no decision has seen since the last
+#: the fewest requests a decision reads as a table: below, the per-request loops cost less
+#: than the array operations' fixed cost (measured: docs/results/decision-cost.md)
+TABLE_MIN_REQUESTS = 160
 
 
 class RequestStore:
@@ -70,9 +74,10 @@ class RequestStore:
         if view.row >= 0:
             self.arrival[view.row] = view.arrival
 
-    def seen(self, rows: np.ndarray) -> None:
-        """A decision read ``rows``; every :data:`SWEEP_EVERY` decisions the rows none has
-        read since the last sweep are freed (their requests finished or were aborted)."""
+    def seen(self, rows: np.ndarray = _NO_ROWS) -> None:
+        """A decision read ``rows`` (none: it read no table); every :data:`SWEEP_EVERY`
+        decisions the rows none has read since the last sweep are freed (their requests
+        finished or were aborted)."""
         self._decisions += 1
         self.last_seen[rows] = self._decisions
         if self._decisions % SWEEP_EVERY:

@@ -133,7 +133,6 @@ class RequestRecords:
                                next(self._sequence), dispatch_seq, len(req.origin_input_ids))
         if self._calibrating and not is_calibration_rid(req.rid):
             self._held.append(view)
-        self.store.add_row(view, req)
         setattr(req, RECORD_ATTR, view)
         return view
 

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 from controlplane.protocol import budget_tokens
 from controlplane.ratelimited_log import RateLimitedLog
 from sglang_ext.adapter.extension_config import ExtensionConfig
-from sglang_ext.policy.startup_calibration import Calibration, CalibrationFit
 from sglang_ext.adapter.scheduler.device_clock import DeviceClock
+from sglang_ext.adapter.scheduler.request_store import TABLE_MIN_REQUESTS
 from sglang_ext.adapter.scheduler.requests import RequestRecords
 from sglang_ext.adapter.scheduler.step_trace import StepTrace, TracedDecision
 from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, AdmissionSettings
 from sglang_ext.policy.batch_former import unserviceable_slo_reason
 from sglang_ext.policy.gc import should_collect
 from sglang_ext.policy.pab import prefill_admission_budget
+from sglang_ext.policy.startup_calibration import Calibration, CalibrationFit
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.view import BatchDecision, RequestState
 
@@ -131,10 +132,10 @@ class FairBatchingState:
         self.admission_echo: dict[str, int] = {}  # the admissions class_budgets count
         self.publishes_budgets = self.admission.mode is AdmissionMode.REJECT
         self.last_decision: BatchDecision | None = None
-        # decisions read the requests as a RequestTable collected by the view loops
-        # (request_store); False: as the list of views, request by request (the same
-        # decisions, bit for bit; benchmarks.server.adapter_cost times both)
-        self.decides_on_tables = True
+        # decisions of at least this many requests read them as a RequestTable collected
+        # by the view loops (request_store), smaller ones as the list of views; None:
+        # always the list (the same decisions, bit for bit; adapter_cost times both)
+        self.table_min_requests: int | None = TABLE_MIN_REQUESTS
         # the prefill plan SGLang's get_new_batch_prefill is realising, set only while it
         # runs; read by the adder-class and waiting-queue ordering hooks
         self.active_plan: PrefillPlan | None = None
