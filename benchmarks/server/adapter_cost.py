@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -76,11 +77,16 @@ def scenario(config: Path | None, mixed: bool = False, publish: bool = False,
 
 
 def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of ``values``; nan when there are none."""
+    if not values:
+        return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def summary(values: list[float]) -> dict:
+    if not values:
+        return {"steps": 0}
     return {"p50": percentile(values, 0.5), "p90": percentile(values, 0.9),
             "p99": percentile(values, 0.99), "mean": round(statistics.fmean(values), 1),
             "steps": len(values)}
@@ -172,13 +178,15 @@ def main(argv: list[str] | None = None) -> None:
                       f"get_next_batch_to_run p50 {percentile(got['get_next_batch_us'], 0.5):7.0f} us"
                       + (f", adapter+policy p50 {percentile(got['decision_us'], 0.5):6.0f} us"
                          if got["decision_us"] else ""), flush=True)
-        results = {name: {key: summary(values) for key, values in cell.items() if values}
+        results = {name: {key: summary(values) for key, values in cell.items()
+                          if values or key == "get_next_batch_us"}
                    for name, cell in samples.items()}
         stock = results["stock"]["get_next_batch_us"]
         checks = {
             name: {q: {"fairbatching_us": cell["decision_us"][q], "stock_us": stock[q],
                        "no_slower": cell["decision_us"][q] <= stock[q]} for q in ("p50", "p99")}
-            for name, cell in results.items() if "decision_us" in cell
+            for name, cell in results.items()
+            if cell.get("decision_us", {}).get("steps") and stock.get("steps")
         }
         loads[str(running)] = {
             "load": f"{running} decoding requests (three SLO classes), {WAITING} queued 2048-token "
@@ -214,11 +222,15 @@ def main(argv: list[str] | None = None) -> None:
     for running, load in loads.items():
         for name in args.configs:
             cell = load[name]
+            if not cell["get_next_batch_us"]["steps"]:
+                print(f"{running:>5} {name:23s} no busy step (at least {busy_steps(int(running))} "
+                      "requests decoding or parked)")
+                continue
             line = (f"{running:>5} {name:23s} get_next_batch_to_run p50/p90/p99 "
                     f"{cell['get_next_batch_us']['p50']:.0f}/{cell['get_next_batch_us']['p90']:.0f}/"
                     f"{cell['get_next_batch_us']['p99']:.0f} us "
                     f"({cell['get_next_batch_us']['steps']} busy steps)")
-            if "decision_us" in cell:
+            if cell.get("decision_us", {}).get("steps"):
                 line += (f"; adapter+policy p50/p90/p99 {cell['decision_us']['p50']:.0f}/"
                          f"{cell['decision_us']['p90']:.0f}/{cell['decision_us']['p99']:.0f} us")
             print(line)

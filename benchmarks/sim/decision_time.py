@@ -285,6 +285,17 @@ def paired_samples(timed: dict[str, np.ndarray], block: int,
         cell["twin_samples"].append(twin)
 
 
+def tables_first(timed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``timed`` with each table twin's samples under its policy's label and the list's
+    under the twin's, so that :func:`paired_samples` pairs table over list."""
+    swapped = {}
+    for label, samples in timed.items():
+        if label.endswith(TABLE_TWIN):
+            base = label[:-len(TABLE_TWIN)]
+            swapped[base], swapped[label] = samples, timed[base]
+    return swapped
+
+
 def form_comparison(pairs: dict[str, dict[str, dict[str, list]]],
                     limits: dict[str, float] = FORM_LIMITS) -> dict[str, dict[str, dict]]:
     """Per policy with a twin and per state: the p50 ratio as the median of the paired
@@ -637,7 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             calls[REFERENCE] = reference_work
             timed = time_interleaved(calls, args.calls, args.block)
             paired_samples(timed, args.block, pairs, name)
-            paired_samples(timed, args.block, table_pairs, name, TABLE_TWIN)
+            paired_samples(tables_first(timed), args.block, table_pairs, name, TABLE_TWIN)
             for label, samples in timed.items():
                 runs[label][name].append(stats(samples))
                 print(f"run {repeat + 1}/{args.repeats} {name:<18} {label:<18} "

@@ -217,6 +217,11 @@ class RequestRecords:
         views: list[LiveRequestView] = []
         add = views.append
         attach = self._attach
+        if columns is not None:
+            rows, nexts, firsts = (columns.prefill_rows.append, columns.prefill_next.append,
+                                   columns.prefill_first.append)
+            pendings, contexts = columns.prefill_pending.append, columns.prefill_context.append
+            outputs, add_row = columns.prefill_outputs.append, self.store.add_row
         for req in reqs:
             try:
                 view = req._fairbatching_record  # RECORD_ATTR
@@ -230,10 +235,15 @@ class RequestRecords:
             view.next_output_index = produced
             view.pending_prefill = total - cached
             view.context = cached
-            view.first_token_time = req.time_stats.prefill_finished_time or None
+            first = view.first_token_time = req.time_stats.prefill_finished_time or None
             add(view)
             if columns is not None:
-                self._collect_prefill(columns, req, view, produced)
+                rows(view.row if view.row >= 0 else add_row(view, req))
+                nexts(produced)
+                pendings(total - cached)
+                contexts(cached)
+                firsts(NO_FIRST_TOKEN if first is None else first)
+                outputs(produced)
         return views
 
     def prefill_view(self, req: Any, columns: DecisionColumns | None = None) -> LiveRequestView:
