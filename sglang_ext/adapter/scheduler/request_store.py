@@ -25,7 +25,7 @@ INITIAL_ROWS = 512
 SWEEP_EVERY = 256  # decisions between sweeps of the rows no decision has seen since the last
 #: the fewest requests a decision reads as a table: below, the per-request loops cost less
 #: than the array operations' fixed cost (measured: docs/results/decision-cost.md)
-TABLE_MIN_REQUESTS = 256
+TABLE_MIN_REQUESTS = 512
 
 
 class RequestStore:
