@@ -560,7 +560,7 @@ def _rate_and_queue_table(
         decode_share = float(np.add.accumulate(shares)[-1])
     free = 1.0 - usable.a_s / period - decode_share
     rate = max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
-    rows = (~table.decoding).nonzero()[0]
+    rows = table.queued_rows
     if not len(rows):
         return rate, []
     waiting_pending = pending[rows]

@@ -306,8 +306,7 @@ class _LatenessGuarded(BatchPolicy):
             return ()
         limit = self.admission.max_defer_s
         if type(requests) is RequestTable:
-            columns = requests.columns
-            overdue = (columns.next_index == 0) & (now - columns.arrival - columns.ttft > limit)
+            overdue = _overdue(requests, now, limit)
             return tuple(requests.ids_at(overdue.nonzero()[0])) if np.count_nonzero(overdue) else ()
         return tuple([
             r.req_id for r in requests
@@ -318,10 +317,10 @@ class _LatenessGuarded(BatchPolicy):
         expired = self._expired(requests, now)
         if not expired:
             return self._form_batch(requests, now)
-        gone = set(expired)
         if type(requests) is RequestTable:
-            kept = requests.rows(np.array([r.req_id not in gone for r in requests], dtype=bool))
+            kept = requests.rows(~_overdue(requests, now, self.admission.max_defer_s))
         else:
+            gone = set(expired)
             kept = [r for r in requests if r.req_id not in gone]
         decision = self._form_batch(kept, now)
         return dataclasses.replace(decision, abort_ids=expired)
@@ -348,6 +347,13 @@ class _LatenessGuarded(BatchPolicy):
                     hopeless: frozenset | None = None) -> BatchDecision:
         """The decision over ``requests`` (none expired); ``hopeless`` as in :meth:`_triage`."""
         raise NotImplementedError
+
+
+def _overdue(table: RequestTable, now: float, limit: float) -> np.ndarray:
+    """Which of the table's requests are still without a first token ``limit`` seconds
+    after their TTFT deadline (``_LatenessGuarded._expired``'s test, per row)."""
+    columns = table.columns
+    return (columns.next_index == 0) & (now - columns.arrival - columns.ttft > limit)
 
 
 def _any_prefill_queued(requests: Sequence[RequestState]) -> bool:

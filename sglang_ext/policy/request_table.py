@@ -83,7 +83,7 @@ class RequestTable(list):
     ``ids`` and ``objects`` are the items' request ids and the items as object arrays,
     for selecting rows without a Python loop."""
 
-    __slots__ = ("_decoding", "_due", "_ids", "_objects", "columns")
+    __slots__ = ("_decoding", "_due", "_ids", "_objects", "_queued_rows", "columns")
 
     def __init__(self, requests: Iterable[RequestState], columns: RequestColumns | None = None):
         super().__init__(requests)
@@ -96,6 +96,7 @@ class RequestTable(list):
         self._objects: np.ndarray | None = None
         self._due: np.ndarray | None = None
         self._decoding: np.ndarray | None = None
+        self._queued_rows: np.ndarray | None = None
 
     @classmethod
     def of(cls, requests: Sequence[RequestState]) -> RequestTable:
@@ -129,6 +130,13 @@ class RequestTable(list):
         if self._decoding is None:
             self._decoding = self.columns.pending == 0
         return self._decoding
+
+    @property
+    def queued_rows(self) -> np.ndarray:
+        """The rows with prompt tokens pending, in order."""
+        if self._queued_rows is None:
+            self._queued_rows = (~self.decoding).nonzero()[0]
+        return self._queued_rows
 
     def rows(self, rows: np.ndarray) -> RequestTable:
         """A table of the rows ``rows`` (indices or a mask), in that order."""

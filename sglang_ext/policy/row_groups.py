@@ -160,7 +160,7 @@ def triage_rows(
         serviceable = floor.min_serviceable_tpot_s
         late = (slack < 0.0) | (tpot < serviceable)
     if hopeless:
-        queued = (~decoding).nonzero()[0]
+        queued = table.queued_rows
         marked = np.array([req_id in hopeless for req_id in table.ids_at(queued)], dtype=bool)
         if np.count_nonzero(marked):
             late = np.zeros(len(table), dtype=bool) if late is None else late

@@ -48,7 +48,7 @@ def collect(records, decoding, in_flight, chunked, waiting):
     collected = DecisionColumns()
     views = records.decode_views(decoding, in_flight, 9.5, collected)
     if chunked is not None:
-        views.append(records.prefill_view(chunked, collected))
+        views += records.prefill_views((chunked,), collected)
     views += records.prefill_views(waiting, collected)
     return views, collected, collected.table(views, records.store)
 

@@ -194,7 +194,7 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
         (*running_batch.reqs, *parked_reqs), in_flight, state.device_free_at, collected)
     chunked_view = None
     if chunked is not None:
-        chunked_view = records.prefill_view(chunked, collected)
+        chunked_view = records.prefill_views((chunked,), collected)[0]
         views.append(chunked_view)
     waiting = self.waiting_queue if state.calibration is None else held_back(state, self.waiting_queue)
     queued_views = records.prefill_views(waiting, collected)
@@ -318,7 +318,7 @@ def _kv_outlook(scheduler: Scheduler, running_batch: Any, parked_reqs: Any, view
             scheduler.fairbatching.records.store, collected.store_rows, collected.outputs, split,
             chunked)
     return kv_outlook(
-        scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size(),
+        available,
         scheduler.new_token_ratio_tracker.current,
         tuple(zip(decoding_reqs, views[:split])),
         tuple(zip(scheduler.waiting_queue, queued_views)),

@@ -246,7 +246,7 @@ class RequestRecords:
                 outputs(produced)
         return views
 
-    def prefill_view(self, req: Any, columns: DecisionColumns | None = None) -> LiveRequestView:
+    def prefill_view(self, req: Any) -> LiveRequestView:
         """A request with prompt (or, after retraction, recompute) tokens not in KV yet."""
         view = getattr(req, RECORD_ATTR, None) or self._attach(req)
         produced = len(req.output_ids)
@@ -256,19 +256,7 @@ class RequestRecords:
         view.pending_prefill = total - cached
         view.context = cached
         view.first_token_time = req.time_stats.prefill_finished_time or None
-        if columns is not None:
-            self._collect_prefill(columns, req, view, produced)
         return view
-
-    def _collect_prefill(self, columns: DecisionColumns, req: Any, view: LiveRequestView,
-                         produced: int) -> None:
-        columns.prefill_rows.append(view.row if view.row >= 0 else self.store.add_row(view, req))
-        columns.prefill_next.append(produced)
-        columns.prefill_pending.append(view.pending_prefill)
-        columns.prefill_context.append(view.context)
-        first = view.first_token_time
-        columns.prefill_first.append(NO_FIRST_TOKEN if first is None else first)
-        columns.prefill_outputs.append(produced)
 
 
 def paced_for_output(slo: Slo, sampling_params: Any) -> Slo:
