@@ -48,6 +48,7 @@ BALANCERS: tuple[str, ...] = (
 )
 # the policies that keep a prefix tree: they want the prompt, and debit only its uncached part
 PREFIX_TREE_POLICIES = frozenset({"pab_least_loaded", "pab_cache_aware", "cache_aware"})
+_DECLINED = "declined"  # the one holder of PabLeastLoadedBalancer's tree of declined prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +243,13 @@ class _AffinityPolicy(_Spills):
         self._last = (prompt, blocks, match)
         return blocks, match
 
+    def _imbalanced(self, ranks: Sequence[RankView], least: int) -> bool:
+        """smg's test: the in-flight counts differ by more than both thresholds."""
+        most = max(view.in_flight for view in ranks)
+        settings = self.settings
+        return (most - least > settings.balance_abs_threshold
+                and most > settings.balance_rel_threshold * least)
+
     def record(self, rank: str, prompt: Prompt | None, prompt_tokens: int) -> int:
         if prompt is None:
             return 0
@@ -284,12 +292,6 @@ class CacheAwareBalancer(_AffinityPolicy):
             return best.rank
         return least.rank
 
-    def _imbalanced(self, ranks: Sequence[RankView], least: int) -> bool:
-        most = max(view.in_flight for view in ranks)
-        settings = self.settings
-        return (most - least > settings.balance_abs_threshold
-                and most > settings.balance_rel_threshold * least)
-
 
 class PabLeastLoadedBalancer(_AffinityPolicy):
     """PAB as the admission filter, vLLM's load score as the choice: among the ranks whose
@@ -315,6 +317,7 @@ class PabLeastLoadedBalancer(_AffinityPolicy):
     def __init__(self, settings: CacheAwareSettings) -> None:
         super().__init__(settings)
         self._start = 0
+        self._declined = PrefixAffinity(settings.block_size, settings.max_blocks_per_rank)
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
                slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
@@ -357,7 +360,21 @@ class PabLeastLoadedBalancer(_AffinityPolicy):
         if affine is None and held:
             return None  # never moved to a rank that holds none of it
         chosen = affine or least
+        if chosen is None and within_budget and prompt is not None and self.prefers_cached:
+            return self._found_group(ranks, prompt)
         return None if chosen is None else chosen.rank
+
+    def _found_group(self, ranks: Sequence[RankView], prompt: Prompt) -> str | None:
+        """A prompt no rank holds and no budget covers: None, remembering it as declined;
+        but when it shares a prefix past the threshold with an earlier declined prompt
+        (and is not that prompt again), the least in flight, where its group then lives."""
+        blocks, _ = self._match(prompt)
+        declined = self._declined.match(blocks).matched_units.get(_DECLINED, 0)
+        if (declined > self.settings.cache_threshold * blocks.units
+                and declined < len(blocks.names) * self.settings.block_size):
+            return _least_in_flight(ranks).rank
+        self._declined.record(_DECLINED, blocks)
+        return None
 
 
 class PabCacheAwareBalancer(PabLeastLoadedBalancer):
@@ -370,10 +387,33 @@ class PabCacheAwareBalancer(PabLeastLoadedBalancer):
     that holds none of it, where its whole prefix would be computed again, the capacity
     the other requests need once budgets run out (the caller queues, rejects or spills,
     which sends it to the longest match). When no rank holds it: ``pab_least_loaded``
-    over the eligible ranks, None when none is."""
+    over the eligible ranks; when none is, None, unless the prompt shares a prefix past
+    the threshold with a prompt declined earlier (not the same prompt retried).
+
+    That exception founds prefix groups. Under overload no budget covers a whole prompt,
+    while every rank's covers the uncached part of a prompt it holds. Without a home, a
+    group's first prompt and all that follow it wait (or are refused) until they time
+    out, though once placed they would cost only their own tokens. Evidence of a group,
+    two prompts with a common prefix, places the second on the least in flight (smg
+    ``cache_aware``'s choice), and every prompt of the group is then judged by its
+    uncached part there. Prompts that share nothing are never placed past the budgets.
+
+    ``spill`` (no budget covers the prompt anywhere, so budgets no longer tell the ranks
+    apart): smg ``cache_aware``'s balance rule first, the least in flight when the ranks'
+    in-flight counts are imbalanced; else the longest match, as ``choose`` without the
+    budget filter. Without the balance rule, a rank whose groups drew more arrivals keeps
+    every request of them once all ranks are out of budget."""
 
     name = "pab_cache_aware"
     prefers_cached = True
+
+    def spill(self, ranks: Sequence[RankView], prompt_tokens: int,
+              slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
+        if ranks:
+            least = _least_in_flight(ranks)
+            if self._imbalanced(ranks, least.in_flight):
+                return least.rank
+        return super().spill(ranks, prompt_tokens, slo_class, prompt)
 
 
 def budget_covers(view: RankView, prompt_tokens: int, slo_class: str | None = None) -> bool:

@@ -24,8 +24,10 @@ capacity the cluster is chaotic, a 0.05% change of rate moves one configuration'
 req/s by 5%); a cell is the mean over the seeds. The verdict per workload and rate: the
 best PAB configuration over the best of all the others by that mean, with the ratio per
 seed and each side's on-time share per prompt-length bucket and per SLO class (who pays).
-``--only REGEX`` runs the configurations whose label matches. Uses ``--jobs`` processes
-(about 15 minutes per seed at 2)::
+``--only REGEX`` runs the configurations whose label matches; with ``--keep JSON`` (a
+committed run of this benchmark) the others are that run's figures, which stand because the
+simulations are deterministic: rerun what a change touches, keep what it does not. Uses
+``--jobs`` processes (about 15 minutes per seed at 2)::
 
     source scripts/_env.sh
     python -m benchmarks.sim.cluster_overload --jobs 2   # writes docs/bench/cluster_overload.{md,json}
@@ -228,6 +230,29 @@ def verdicts(results: dict) -> dict:
     return out
 
 
+def keep_results(results: dict, kept: dict, seeds: Sequence[int], requests: int
+                 ) -> dict[str, list[str]]:
+    """Fill ``results`` with ``kept``'s (a previous run's) points for the workloads, rates
+    and configurations this run lacks; returns the labels kept per workload. Refuses a run
+    at other seeds or request counts (``main`` refuses other rates)."""
+    if sorted(kept["seeds"]) != list(seeds):
+        raise ValueError(f"kept run has seeds {kept['seeds']}, this run {list(seeds)}")
+    if kept.get("requests") != requests:
+        raise ValueError(f"kept run has {kept.get('requests')} requests per workload, "
+                         f"this run {requests}")
+    labels: dict[str, list[str]] = {}
+    for name, by_rate in kept["results"].items():
+        ours = results.setdefault(name, {})
+        for key, points in by_rate.items():
+            mine = ours.setdefault(key, {})
+            for label, point in points.items():
+                if label not in mine:
+                    mine[label] = point
+                    if label not in labels.setdefault(name, []):
+                        labels[name].append(label)
+    return labels
+
+
 def _groups(ours: dict, theirs: dict, field: str) -> str:
     return ", ".join(f"{group} {ours[field][group]:.2f}/{theirs[field].get(group, 0.0):.2f}"
                      for group in ours[field])
@@ -247,9 +272,16 @@ def markdown(doc: dict, command: str) -> str:
          f"`max_defer_s` (default 2). SJF timeouts swept per point: {SJF_TIMEOUTS} widened "
          f"while the best is at an edge. Each cell is the mean over arrival seeds "
          f"{', '.join(map(str, doc['seeds']))} (Azure's trace arrivals do not depend on it)"
-         + (f"; configurations matching `{doc['only']}` only" if doc.get("only") else "") + "."),
+         + (f"; configurations matching `{doc['only']}` only" if doc.get("only")
+            and not doc.get("kept") else "") + "."),
         "",
     ]
+    if doc.get("kept"):
+        kept = doc["kept"]
+        lines += [(f"Configurations matching `{doc['only']}` ran here; the others (marked "
+                   f"*kept*) are the figures of an earlier run ({kept['machine']}), which "
+                   "stand because the simulations are deterministic and the configurations "
+                   "rerun here are the only ones the change touches."), ""]
     for name, by_rate in doc["results"].items():
         lines += [f"## {name}: {doc['cases'][name]}", ""]
         keys = list(by_rate)
@@ -258,10 +290,12 @@ def markdown(doc: dict, command: str) -> str:
             "|---|" + "---:|" * len(keys)]
         labels = sorted(by_rate[keys[0]], key=lambda label: -by_rate[keys[-1]][label]["effective_rps"]
                         if label in by_rate[keys[-1]] else 0.0)
+        kept_labels = set(doc.get("kept", {}).get("labels", {}).get(name, ()))
         for label in labels:
             cells = [f"{by_rate[k][label]['effective_rps']:.1f}" if label in by_rate[k] else "-"
                      for k in keys]
-            lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
+            mark = " *kept*" if label in kept_labels else ""
+            lines.append(f"| `{label}`{mark} | " + " | ".join(cells) + " |")
         lines.append("")
         for key in keys:
             verdict = doc["verdicts"][name].get(key)
@@ -300,11 +334,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2",
                         help="arrival seeds, comma-separated; a cell is their mean (default %(default)s)")
     parser.add_argument("--only", help="run only the configurations whose label matches this regex")
+    parser.add_argument("--keep", type=Path,
+                        help="a previous run's JSON: its figures for what --only does not run")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     names = cluster_sim.workload_names(parser, args.workloads)
+    if args.keep is not None and args.only is None:
+        parser.error("--keep needs --only: without it every configuration runs")
     if args.requests < 2:
         parser.error("--requests must be >= 2")
     if args.jobs < 1:
@@ -326,23 +364,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [n for n in names if n not in rates]
     if missing:
         parser.error(f"--rates {args.rates} has no overload rates for {', '.join(missing)}")
+    kept_run = None
+    if args.keep is not None:
+        try:
+            kept_run = json.loads(args.keep.read_text())
+            kept_rates = kept_run["rates"]
+            if not isinstance(kept_run["results"], dict) or not kept_run["seeds"]:
+                raise ValueError("no results or no seeds")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--keep {args.keep}: not a cluster_overload results JSON ({exc})")
+        changed = [n for n in names if n in kept_rates and kept_rates[n] != rates[n]]
+        if changed:
+            parser.error(f"--keep {args.keep}: other rates for {', '.join(changed)}")
     cases = {name: case for name, case in build_cases(args.trace, args.requests).items()
              if name in names}
     start = time.perf_counter()
     results, cpu_s = run_all(cases, {n: rates[n] for n in names}, seeds, args.jobs, only)
     if not any(points for by_rate in results.values() for points in by_rate.values()):
         parser.error(f"--only {args.only!r} matches no configuration")
-    doc = {"machine": machine_info(), "wall_s": round(time.perf_counter() - start, 1),
+    wall_s = round(time.perf_counter() - start, 1)
+    descriptions = {name: case.description for name, case in cases.items()}
+    run_rates = {n: rates[n] for n in names}
+    kept = None
+    if kept_run is not None:
+        try:
+            labels = keep_results(results, kept_run, seeds, args.requests)
+        except ValueError as exc:
+            parser.error(f"--keep {args.keep}: {exc}")
+        descriptions = {**kept_run["cases"], **descriptions}
+        run_rates = {**kept_run["rates"], **run_rates}
+        results = {name: results[name] for name in descriptions if name in results}
+        machine = kept_run.get("machine", {})
+        kept = {"labels": labels, "date": machine.get("date_utc", "unknown"),
+                "machine": machine_line(machine) if machine else "an unrecorded machine",
+                "commit": machine.get("git_commit"), "wall_s": kept_run.get("wall_s")}
+    doc = {"machine": machine_info(), "wall_s": wall_s,
            "simulation_cpu_s": round(cpu_s, 1), "jobs": args.jobs, "requests": args.requests,
-           "ranks": RANKS, "profile": cluster_sim.PROFILE,
-           "cases": {name: case.description for name, case in cases.items()},
-           "rates": {n: rates[n] for n in names}, "seeds": seeds, "only": args.only, "results": results,
-           "verdicts": verdicts(results)}
+           "ranks": RANKS, "profile": cluster_sim.PROFILE, "cases": descriptions,
+           "rates": run_rates, "seeds": seeds, "only": args.only, "results": results,
+           "verdicts": verdicts(results), "kept": kept}
     command = "python -m benchmarks.sim.cluster_overload --jobs 2"
     if args.seeds != "0,1,2":
         command += f" --seeds {args.seeds}"
     if args.only:
         command += f" --only {shlex.quote(args.only)}"
+    if args.keep is not None:
+        command += f" --keep {args.keep}"
     if args.requests != cluster_sim.DEFAULT_REQUESTS:
         command += f" --requests {args.requests}"
     if names != list(WORKLOADS):

@@ -244,3 +244,40 @@ def test_pab_cache_aware_spills_to_the_longest_match_whatever_its_budget() -> No
     assert balancer.choose(ranks, 1000, None, prompt) is None
     assert balancer.spill(ranks, 1000, None, prompt) == "a"
     assert balancer.spill(ranks, 1000, None, "an unrelated prompt, long enough") == "b"
+
+
+def test_pab_cache_aware_founds_a_group_when_a_second_prompt_shares_a_declined_prefix() -> None:
+    balancer = make_balancer("pab_cache_aware", cache_aware=SMALL)
+    ranks = [view("a", pab=100, in_flight=4), view("b", pab=100, in_flight=2)]
+    founder = SYSTEM + "the first question"
+    assert balancer.choose(ranks, 1000, None, founder) is None  # no budget covers it
+    assert balancer.choose(ranks, 1000, None, founder) is None  # the same prompt again
+    follower = SYSTEM + "a second, different question"
+    assert balancer.choose(ranks, 1000, None, follower) == "b"  # the least in flight
+    balancer.record("b", follower, 1000)
+    # the founder is now judged by its uncached part on the rank its group lives on
+    assert balancer.choose(ranks, 1000, None, founder) == "b"
+
+
+def test_pab_cache_aware_never_places_past_the_budgets_prompts_that_share_nothing() -> None:
+    balancer = make_balancer("pab_cache_aware", cache_aware=SMALL)
+    ranks = [view("a", pab=100), view("b", pab=100)]
+    prompts = [f"{index:04d} " + "unrelated words " * 40 for index in range(20)]
+    assert [balancer.choose(ranks, 1000, None, prompt) for prompt in prompts] == [None] * 20
+
+
+def test_pab_least_loaded_founds_no_groups() -> None:
+    balancer = make_balancer("pab_least_loaded", cache_aware=SMALL)
+    ranks = [view("a", pab=100), view("b", pab=100)]
+    assert balancer.choose(ranks, 1000, None, SYSTEM + "the first question") is None
+    assert balancer.choose(ranks, 1000, None, SYSTEM + "a second question") is None
+
+
+def test_pab_cache_aware_spills_to_the_least_in_flight_when_the_ranks_are_imbalanced() -> None:
+    balancer = make_balancer("pab_cache_aware", cache_aware=SMALL)
+    balancer.record("a", SYSTEM, 1000)
+    prompt = SYSTEM + "a question of twenty"
+    balanced = [view("a", pab=10, in_flight=100), view("b", pab=20, in_flight=70)]
+    assert balancer.spill(balanced, 1000, None, prompt) == "a"  # 100 < 1.5 x 70
+    imbalanced = [view("a", pab=10, in_flight=100), view("b", pab=20, in_flight=20)]
+    assert balancer.spill(imbalanced, 1000, None, prompt) == "b"  # smg's rule: 80 > 64, 100 > 30
