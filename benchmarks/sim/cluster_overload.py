@@ -290,7 +290,7 @@ def markdown(doc: dict, command: str) -> str:
             "|---|" + "---:|" * len(keys)]
         labels = sorted(by_rate[keys[0]], key=lambda label: -by_rate[keys[-1]][label]["effective_rps"]
                         if label in by_rate[keys[-1]] else 0.0)
-        kept_labels = set(doc.get("kept", {}).get("labels", {}).get(name, ()))
+        kept_labels = set((doc.get("kept") or {}).get("labels", {}).get(name, ()))
         for label in labels:
             cells = [f"{by_rate[k][label]['effective_rps']:.1f}" if label in by_rate[k] else "-"
                      for k in keys]

@@ -76,10 +76,37 @@ def test_a_short_run_writes_both_files(tmp_path: Path) -> None:
     assert "best PAB / best other" in (tmp_path / "cluster_overload.md").read_text()
 
 
+@pytest.mark.slow
+def test_a_rerun_keeps_the_committed_figures_of_what_it_did_not_run(tmp_path: Path) -> None:
+    rates = tmp_path / "cluster_sim.json"
+    rates.write_text(json.dumps({"workloads": {"prefix": {"overload_rates": {"2x": 60.0}}}}))
+    common = ["--requests", "40", "--workloads", "prefix", "--rates", str(rates), "--seeds", "0"]
+    full, partial = tmp_path / "full", tmp_path / "partial"
+    assert cluster_overload.main([*common, "--only", "cache_aware", "--out", str(full)]) == 0
+    assert cluster_overload.main([*common, "--only", "pab_cache_aware", "--keep",
+                                  str(full / "cluster_overload.json"), "--out", str(partial)]) == 0
+    before = json.loads((full / "cluster_overload.json").read_text())
+    after = json.loads((partial / "cluster_overload.json").read_text())
+    assert after["results"] == before["results"]  # deterministic: the rerun rows are equal
+    kept = after["kept"]["labels"]["prefix"]
+    assert kept and all("pab_cache_aware" not in label for label in kept)
+    assert "*kept*" in (partial / "cluster_overload.md").read_text()
+
+
+def test_keeping_a_run_at_other_seeds_or_sizes_is_refused() -> None:
+    kept = {"seeds": [0, 1, 2], "requests": 6000, "results": {}}
+    with pytest.raises(ValueError, match="seeds"):
+        cluster_overload.keep_results({}, kept, [0], 6000)
+    with pytest.raises(ValueError, match="requests"):
+        cluster_overload.keep_results({}, kept, [0, 1, 2], 40)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--seeds", "a,b"], "--seeds 'a,b': expected integers"),
     (["--only", "("], "--only '('"),
     (["--workloads", "nope"], "--workloads: expected names"),
+    (["--keep", "/nonexistent.json"], "--keep needs --only"),
+    (["--only", "pab", "--keep", "/nonexistent.json"], "--keep /nonexistent.json: not a"),
 ])
 def test_bad_options_are_refused_before_anything_runs(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
