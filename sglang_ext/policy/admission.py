@@ -68,10 +68,10 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from itertools import islice
+from itertools import compress, islice
 from operator import eq, itemgetter
 
 import numpy as np
@@ -454,19 +454,69 @@ def hopeless_prefills(
 def _kept(
     requests: Sequence[RequestState], now: float, usable: StepPredictor, default_tpot_s: float,
     headroom: float, kv: KvOutlook | None, length_weight: float | None,
-) -> tuple[float, list[tuple], set[Hashable]]:
-    """The rate, the queue in deadline order less what ``defer`` gives up, and the
-    request ids it gave up."""
+) -> tuple[float, Iterable[tuple] | _QueueColumns, set[Hashable]]:
+    """The rate, the queue in deadline order less what ``defer`` gives up (entries, or a
+    table's long queue as columns), and the request ids it gave up."""
+    if type(requests) is RequestTable:
+        terms = _decode_cost_terms(usable, len(requests))
+        if terms is not None:
+            return _kept_of_table(requests, now, usable, default_tpot_s, headroom, kv,
+                                  length_weight, terms)
     rate, queue = _rate_and_queue(requests, usable, default_tpot_s, headroom, kv)
+    return rate, *_kept_entries(queue, rate, now, length_weight)
+
+
+def _kept_entries(
+    queue: list[tuple], rate: float, now: float, length_weight: float | None,
+) -> tuple[list[tuple], set[Hashable]]:
+    """:func:`_kept` from the queue's entries in any order: the kept and the request ids
+    given up."""
     hopeless: set[Hashable] = set()
     if rate <= 0.0 and all(entry[2] > 0.0 for entry in queue):
         # no prefill rate left: the scan would find every queued prefill late
         hopeless.update([entry[4] for entry in queue])
-        return rate, [], hopeless
+        return [], hopeless
     queue.sort(key=itemgetter(0, 1))  # deadline, then arrival order
     if length_weight is not None:
-        return rate, _on_time(queue, rate, now, hopeless, eviction_key(length_weight)), hopeless
-    return rate, queue, hopeless
+        return _on_time(queue, rate, now, hopeless, eviction_key(length_weight)), hopeless
+    return queue, hopeless
+
+
+#: queued prefills from which a table's forecast takes them as columns: below, array
+#: operations cost more than the loops over their entries
+COLUMNS_FROM = 32
+
+
+def _kept_of_table(
+    table: RequestTable, now: float, usable: StepPredictor, default_tpot_s: float,
+    headroom: float, kv: KvOutlook | None, length_weight: float | None,
+    terms: tuple[float, float, float],
+) -> tuple[float, Iterable[tuple] | _QueueColumns, set[Hashable]]:
+    """:func:`_kept` on a table: the rate from its columns; its queue, from
+    :data:`COLUMNS_FROM` queued prefills, from its columns too and kept as columns in
+    deadline order, below as the entries of its requests (as a list's)."""
+    rate = _table_rate(table, usable, default_tpot_s, headroom, terms)
+    rows = table.queued_rows
+    if len(rows) < COLUMNS_FROM:
+        return rate, *_kept_entries(_queue(table.at(rows), usable, kv), rate, now, length_weight)
+    rows = rows[np.lexsort((table.columns.seq[rows], table.due[rows]))]
+    deadline, *rest = _queue_of_rows(table, rows, usable, kv)
+    return rate, *_kept_columns(_QueueColumns(deadline, *rest, rate * (deadline - now)), rate,
+                                length_weight)
+
+
+def _kept_columns(
+    queue: _QueueColumns, rate: float, length_weight: float | None,
+) -> tuple[_QueueColumns | Iterable[tuple], set[Hashable]]:
+    """:func:`_kept` from a table's queue, in deadline order: the kept and the request ids
+    given up."""
+    hopeless: set[Hashable] = set()
+    if rate <= 0.0 and np.all(queue.work > 0.0):
+        hopeless.update(queue.ids.tolist())
+        return [], hopeless
+    if length_weight is not None:
+        return _on_time_columns(queue, hopeless, eviction_key(length_weight)), hopeless
+    return queue, hopeless
 
 
 @dataclass(slots=True)
@@ -481,13 +531,16 @@ class _Tables:
 
 
 def _scan(
-    kept: list[tuple], rate: float, now: float, kv: KvOutlook | None, hopeless: set[Hashable],
-    tables: _Tables | None = None,
+    kept: Iterable[tuple] | _QueueColumns, rate: float, now: float, kv: KvOutlook | None,
+    hopeless: set[Hashable], tables: _Tables | None = None, work: float = 0.0,
 ) -> None:
-    """The EDF scan (module docstring) over the deadline-ordered ``kept``: an entry whose
-    work does not fit by its deadline, or whose KV does not by its latest start, joins
-    ``hopeless`` and is not counted; each feasible one goes into ``tables`` when given."""
-    work = 0.0
+    """The EDF scan (module docstring) over the deadline-ordered ``kept`` (entries, or a
+    table's columns), after feasible entries of ``work``: an entry whose work does not fit
+    by its deadline, or whose KV does not by its latest start, joins ``hopeless`` and is
+    not counted; each feasible one goes into ``tables`` when given."""
+    if type(kept) is _QueueColumns:
+        _scan_columns(kept, rate, now, kv, hopeless, tables)
+        return
     needed = 0.0
     for deadline, _, pending, need, req_id, _ in kept:
         capacity = rate * (deadline - now)
@@ -510,6 +563,47 @@ def _scan(
             tables.spares.append(capacity - work)
 
 
+def _scan_columns(
+    kept: _QueueColumns, rate: float, now: float, kv: KvOutlook | None,
+    hopeless: set[Hashable], tables: _Tables | None,
+) -> None:
+    """:func:`_scan` over columns: without a KV outlook, the entries before the first that
+    does not fit are feasible by a running sum, and the loop goes on from that one; with
+    one (a lookup per entry), the loop throughout."""
+    if kv is not None:
+        _scan(kept.entries(), rate, now, kv, hopeless, tables)
+        return
+    capacity = kept.capacity
+    work_sums = _running_sums(kept.work)
+    work_through = work_sums[1:]
+    first = _first(work_through > capacity)
+    fit = len(capacity) if first is None else first
+    if tables is not None:
+        tables.deadlines += kept.deadline[:fit].tolist()
+        tables.work_through += work_through[:fit].tolist()
+        tables.spares += (capacity[:fit] - work_through[:fit]).tolist()
+    if first is not None:
+        _scan(kept.entries(first), rate, now, kv, hopeless, tables, float(work_sums[first]))
+
+
+_ZERO = np.zeros(1)
+
+
+def _running_sums(values: np.ndarray) -> np.ndarray:
+    """``out[k]``: what a loop adding ``values`` one by one to 0.0 holds after ``k`` of
+    them (``len(values) + 1`` sums), bit for bit (``np.add.accumulate`` adds left to
+    right)."""
+    return np.add.accumulate(np.concatenate((_ZERO, values)))
+
+
+def _first(mask: np.ndarray) -> int | None:
+    """The index of the first true in ``mask``; None if none is."""
+    if not len(mask):
+        return None
+    index = int(mask.argmax())
+    return index if mask[index] else None
+
+
 def _rate_and_queue(
     requests: Sequence[RequestState], usable: StepPredictor, default_tpot_s: float,
     headroom: float, kv: KvOutlook | None,
@@ -518,8 +612,6 @@ def _rate_and_queue(
     rate and the prefills queued (the forecast runs at every decision under ``defer``);
     the rate is the same sum in the same order, bit for bit."""
     terms = _decode_cost_terms(usable, len(requests))
-    if terms is not None and type(requests) is RequestTable:
-        return _rate_and_queue_table(requests, usable, default_tpot_s, headroom, kv, terms)
     if terms is None:
         return prefill_rate(requests, usable, default_tpot_s, headroom), _queue(
             [request for request in requests if request.pending_prefill > 0], usable, kv)
@@ -539,53 +631,77 @@ def _rate_and_queue(
     return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom), _queue(waiting, usable, kv)
 
 
-def _rate_and_queue_table(
+@dataclass(frozen=True, slots=True)
+class _QueueColumns:
+    """Queued prefills as columns: :func:`_queue`'s entries, one array per field, and each
+    one's ``capacity``, the work the rate serves by its deadline."""
+
+    deadline: np.ndarray
+    seq: np.ndarray  # arrival_seq
+    work: np.ndarray
+    need: np.ndarray  # KV need; zeros without a KV outlook
+    ids: np.ndarray  # req_id, objects
+    started: np.ndarray
+    capacity: np.ndarray  # rate * (deadline - now)
+
+    def entries(self, start: int = 0) -> Iterator[tuple]:
+        """The rows from ``start`` on as :func:`_queue`'s tuples."""
+        rest = slice(start, None)
+        return zip(self.deadline[rest].tolist(), self.seq[rest].tolist(),
+                   self.work[rest].tolist(), self.need[rest].tolist(),
+                   self.ids[rest].tolist(), self.started[rest].tolist())
+
+
+def _table_rate(
     table: RequestTable, usable: StepPredictor, default_tpot_s: float, headroom: float,
-    kv: KvOutlook | None, terms: tuple[float, float, float],
-) -> tuple[float, list[tuple]]:
-    """:func:`_rate_and_queue` on the table's columns: each request's decode share and
-    queue entry by the same operations, the shares summed in the table's order (a
-    cumulative sum adds left to right, as the loop does)."""
+    terms: tuple[float, float, float],
+) -> float:
+    """:func:`prefill_rate` on the table's columns: each request's decode share by the same
+    operations, the shares summed in the table's order (a cumulative sum adds left to
+    right, as the loop does)."""
     columns = table.columns
     fixed, per_kv_token, scale = terms
     tpot = columns.tpot
-    pending = columns.pending
     period = default_tpot_s
     decode_share = 0.0
     if len(table):
         smallest = np.minimum.reduce(tpot)
         if smallest < period:
             period = float(smallest)
-        shares = (fixed + per_kv_token * (columns.context + pending) * scale) / tpot
+        shares = (fixed + per_kv_token * (columns.context + columns.pending) * scale) / tpot
         decode_share = float(np.add.accumulate(shares)[-1])
     free = 1.0 - usable.a_s / period - decode_share
-    rate = max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
-    rows = table.queued_rows
-    if not len(rows):
-        return rate, []
-    waiting_pending = pending[rows]
+    return max(0.0, free) / usable.b_s_per_token * (1.0 - headroom)
+
+
+def _queue_of_rows(
+    table: RequestTable, rows: np.ndarray, usable: StepPredictor, kv: KvOutlook | None,
+) -> tuple[np.ndarray, ...]:
+    """:func:`_queue`'s entries of the table's queued ``rows``, field by field (deadline,
+    arrival number, work, KV need, request id, whether started), by the same operations,
+    in the order of ``rows``."""
+    columns = table.columns
+    pending = columns.pending[rows]
     context = columns.context[rows]
     if type(usable) is KneeStepModel:  # _queue's work, elementwise
         knee_tokens, b = usable.knee_tokens, usable.b_s_per_token
-        after = np.maximum(knee_tokens + waiting_pending, knee_tokens)
+        after = np.maximum(knee_tokens + pending, knee_tokens)
         work = (b * (after - knee_tokens) + usable.c_s_per_prefill_context_token * context
-                + usable.e_s_per_pair * waiting_pending * (context + (waiting_pending + 1) / 2.0)
-                ) / b
+                + usable.e_s_per_pair * pending * (context + (pending + 1) / 2.0)) / b
     else:
-        work = [usable.prefill_work(n, prefix)
-                for n, prefix in zip(waiting_pending.tolist(), context.tolist())]
-    due = table.due[rows]
-    ids = table.ids_at(rows)
+        work = np.array([usable.prefill_work(n, prefix)
+                         for n, prefix in zip(pending.tolist(), context.tolist())],
+                        dtype=np.float64)
+    ids = table.ids[rows]
     if kv is None:
-        needs = [0.0] * len(ids)
+        needs = np.zeros(len(rows), dtype=np.float64)
     else:
         reserve_of, new_reserve = kv.reserves.get, kv.new_reserve
-        needs = [n + reserve_of(req_id, new_reserve)
-                 for n, req_id in zip(waiting_pending.tolist(), ids)]
-    started = waiting_pending < columns.prompt[rows]
-    return rate, list(zip(due.tolist(), columns.seq[rows].tolist(),
-                          work if type(work) is list else work.tolist(), needs, ids,
-                          started.tolist()))
+        needs = np.array([n + reserve_of(req_id, new_reserve)
+                          for n, req_id in zip(pending.tolist(), ids.tolist())],
+                         dtype=np.float64)
+    return (table.due[rows], columns.seq[rows], work, needs, ids,
+            pending < columns.prompt[rows])
 
 
 def _queue(
@@ -700,6 +816,69 @@ def _on_time(
     for position in dropped:
         hopeless.add(queue[position][4])
     return [entry for position, entry in enumerate(queue) if position not in dropped]
+
+
+def _on_time_columns(
+    queue: _QueueColumns, hopeless: set[Hashable], victim_key: Callable[[int, float], float],
+) -> _QueueColumns | Iterator[tuple]:
+    """:func:`_on_time` over columns, its heap over their fields as lists: the queue
+    itself where every entry is kept, else the kept as entries."""
+    works, seqs, started = queue.work.tolist(), queue.seq.tolist(), queue.started.tolist()
+    dropped = _evicted(queue.capacity.tolist(), works, seqs, started, victim_key)
+    if not dropped:
+        return queue
+    ids = queue.ids.tolist()
+    hopeless.update([ids[position] for position in dropped])
+    kept = [True] * len(works)
+    for position in dropped:
+        kept[position] = False
+    return compress(zip(queue.deadline.tolist(), seqs, works, queue.need.tolist(), ids, started),
+                    kept)
+
+
+def _evicted(
+    capacities: Sequence[float], works: Sequence[float], seqs: Sequence[int],
+    started: Sequence[bool], victim_key: Callable[[int, float], float],
+) -> set[int]:
+    """The positions Moore-Hodgson drops (:func:`_on_time`), over deadline-ordered entries
+    given field by field (``capacities[i]``: the work that fits by entry ``i``'s deadline).
+
+    Before its heap: the leading entries that do not fit even alone are dropped one by one
+    (each leaves the work at zero and the heap empty, as they began), and the entries on
+    time after them need no heap until the first that does not fit."""
+    count = len(works)
+    start = 0
+    while start < count and works[start] > capacities[start]:
+        start += 1
+    dropped = set(range(start))
+    work = 0.0
+    for first_late in range(start, count):
+        pending = works[first_late]
+        if work + pending > capacities[first_late]:
+            break
+        work += pending
+    else:
+        return dropped
+    victims = [(-victim_key(seqs[position], works[position]), -position)
+               for position in range(start, first_late) if not started[position]]
+    heapq.heapify(victims)
+    push, pop = heapq.heappush, heapq.heappop
+    longest = victim_key is _longest  # its key is the pending work: no call
+    for position in range(first_late, count):
+        pending = works[position]
+        work += pending
+        if not started[position]:
+            push(victims, (-pending if longest else -victim_key(seqs[position], pending),
+                           -position))
+        capacity = capacities[position]
+        while work > capacity and victims:
+            victim = -pop(victims)[1]
+            work -= works[victim]
+            dropped.add(victim)
+        if work > capacity and position not in dropped:
+            work -= pending
+            dropped.add(position)
+    return dropped
 
 
 def _suffix_minima(values: Sequence[float]) -> tuple[float, ...]:

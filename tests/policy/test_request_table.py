@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 import sglang_ext.sim.runner  # noqa: F401  (registers every policy)
-from sglang_ext.policy.admission import KvOutlook, _rate_and_queue
+from sglang_ext.policy.admission import (
+    KvOutlook,
+    _decode_cost_terms,
+    _queue_of_rows,
+    _rate_and_queue,
+    _table_rate,
+)
 from sglang_ext.policy.batch_former import ServiceFloor, triage
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.request_table import RequestColumns, RequestTable
@@ -179,8 +185,12 @@ def test_the_forecast_rate_and_queue_are_the_lists(scenario, form):
     rates = []
     for decodes in (3, 10, 20, 40, 300):
         state = random_state(rng, decodes, 8, slos=SLOS[:3])
+        table = RequestTable.of(state)
+        terms = _decode_cost_terms(usable, len(table))
         for kv in (None, kv_outlook(state, 1e5)):
-            listed = _rate_and_queue(state, usable, 0.05, 0.1, kv)
-            assert _rate_and_queue(RequestTable.of(state), usable, 0.05, 0.1, kv) == listed
-            rates.append(listed[0])
+            rate, listed = _rate_and_queue(state, usable, 0.05, 0.1, kv)
+            assert _table_rate(table, usable, 0.05, 0.1, terms).hex() == rate.hex()
+            fields = _queue_of_rows(table, table.queued_rows, usable, kv)
+            assert list(zip(*[field.tolist() for field in fields])) == listed
+            rates.append(rate)
     assert sum(rate > 0 for rate in rates) >= 4  # the decode share is summed, not dropped
