@@ -787,32 +787,10 @@ def _on_time(
     deadline, drop the not-yet-started entry so far with the largest ``victim_key`` (into
     ``hopeless``): with ``_longest`` the one with the most pending tokens, which keeps the
     most entries on time. Returns the kept, in order."""
-    work = 0.0
-    for first_late, (deadline, _, pending, _, _, _) in enumerate(queue):
-        if work + pending > rate * (deadline - now):
-            break
-        work += pending
-    else:
+    dropped = _evicted([rate * (entry[0] - now) for entry in queue], [entry[2] for entry in queue],
+                       [entry[1] for entry in queue], [entry[5] for entry in queue], victim_key)
+    if not dropped:
         return queue  # every entry on time: nobody to drop
-    dropped: set[int] = set()
-    victims = [(-victim_key(entry[1], entry[2]), -position)
-               for position, entry in enumerate(queue[:first_late]) if not entry[5]]
-    heapq.heapify(victims)
-    push, pop = heapq.heappush, heapq.heappop
-    longest = victim_key is _longest  # its key is the pending work: no call
-    for position in range(first_late, len(queue)):
-        deadline, arrival_seq, pending, _, _, started = queue[position]
-        work += pending
-        if not started:
-            push(victims, (-pending if longest else -victim_key(arrival_seq, pending), -position))
-        capacity = rate * (deadline - now)
-        while work > capacity and victims:
-            victim = -pop(victims)[1]
-            work -= queue[victim][2]
-            dropped.add(victim)
-        if work > capacity and position not in dropped:
-            work -= pending
-            dropped.add(position)
     for position in dropped:
         hopeless.add(queue[position][4])
     return [entry for position, entry in enumerate(queue) if position not in dropped]

@@ -242,7 +242,7 @@ def test_running_sums_add_left_to_right_bit_for_bit():
 
 
 def plain_on_time(queue, rate, now, victim_key):
-    """Moore-Hodgson as first written: every not-started entry enters the heap."""
+    """Moore-Hodgson without shortcuts: every not-started entry enters the heap."""
     dropped, victims, work = set(), [], 0.0
     for position, (deadline, arrival_seq, pending, _, _, started) in enumerate(queue):
         work += pending
