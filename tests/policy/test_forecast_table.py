@@ -7,7 +7,6 @@ Each test runs both ways of taking the queue, whatever its length."""
 
 from __future__ import annotations
 
-import heapq
 import random
 from functools import partial
 
@@ -18,13 +17,8 @@ from sglang_ext.policy import admission
 from sglang_ext.policy.admission import (
     KvOutlook,
     QueueForecast,
-    _drawn,
-    _evicted,
-    _longest,
-    _on_time,
     _rate_and_queue,
     _running_sums,
-    eviction_key,
     forecast,
     hopeless_prefills,
 )
@@ -241,40 +235,3 @@ def test_running_sums_add_left_to_right_bit_for_bit():
     assert pairwise_differs  # a pairwise sum would not do
 
 
-def plain_on_time(queue, rate, now, victim_key):
-    """Moore-Hodgson without shortcuts: every not-started entry enters the heap."""
-    dropped, victims, work = set(), [], 0.0
-    for position, (deadline, arrival_seq, pending, _, _, started) in enumerate(queue):
-        work += pending
-        if not started:
-            heapq.heappush(victims, (-victim_key(arrival_seq, pending), -position))
-        capacity = rate * (deadline - now)
-        while work > capacity and victims:
-            victim = -heapq.heappop(victims)[1]
-            work -= queue[victim][2]
-            dropped.add(victim)
-        if work > capacity and position not in dropped:
-            work -= pending
-            dropped.add(position)
-    return dropped
-
-
-@pytest.mark.parametrize("victim_key", [_longest, _drawn, eviction_key(0.5)],
-                         ids=["longest", "drawn", "half"])
-def test_the_evictions_over_fields_are_plain_moore_hodgson(victim_key):
-    """With entries late on their own first (past their deadline, or too long for it),
-    started ones among them, on time ones, ties, and none."""
-    rng = random.Random(17)
-    for _ in range(500):
-        queue = sorted(
-            (rng.uniform(-1.0, 3.0), seq, float(rng.randint(1, 4000)), 0.0, seq,
-             rng.random() < 0.2)
-            for seq in range(rng.choice([0, 1, 5, 64])))
-        rate = rng.choice([0.0, 500.0, 4000.0, 20_000.0, 1e6])
-        deadlines, seqs, works, _, ids, started = zip(*queue) if queue else ((),) * 6
-        capacities = [rate * (deadline - 0.0) for deadline in deadlines]
-        dropped = _evicted(capacities, works, seqs, started, victim_key)
-        assert dropped == plain_on_time(queue, rate, 0.0, victim_key)
-        hopeless: set = set()
-        _on_time(queue, rate, 0.0, hopeless, victim_key)
-        assert hopeless == {ids[position] for position in dropped}

@@ -14,10 +14,11 @@ import pytest
 from sglang_ext.policy.admission import (
     KvOutlook,
     _drawn,
-    eviction_key,
+    _evicted,
     _longest,
     _on_time,
     _rate_and_queue,
+    eviction_key,
     forecast,
     hopeless_prefills,
     prefill_rate,
@@ -158,13 +159,21 @@ def plain_on_time(queue, rate, now, hopeless, victim_key):
 @pytest.mark.parametrize("victim_key", [_longest, _drawn, eviction_key(0.5)],
                          ids=["longest", "drawn", "half"])
 def test_moore_hodgson_from_the_first_late_entry_is_the_plain_one(victim_key):
+    """With entries late on their own first (past their deadline, or too long for it),
+    started ones among them, on time ones, ties, and none; the evictions over fields
+    (what a table's forecast runs) and over entries."""
     rng = random.Random(13)
     for trial in range(500):
         queue = sorted(
-            (rng.uniform(0.0, 3.0), seq, float(rng.randint(1, 4000)), 0.0, seq, rng.random() < 0.2)
+            (rng.uniform(-1.0, 3.0), seq, float(rng.randint(1, 4000)), 0.0, seq,
+             rng.random() < 0.2)
             for seq in range(rng.choice([0, 1, 5, 64])))
-        rate = rng.choice([500.0, 4000.0, 20_000.0, 1e6])
+        rate = rng.choice([0.0, 500.0, 4000.0, 20_000.0, 1e6])
         fast, plain = set(), set()
         assert _on_time(queue, rate, 0.0, fast, victim_key) == plain_on_time(
             queue, rate, 0.0, plain, victim_key)
         assert fast == plain
+        dropped = _evicted([rate * entry[0] for entry in queue], [entry[2] for entry in queue],
+                           [entry[1] for entry in queue], [entry[5] for entry in queue],
+                           victim_key)
+        assert {queue[position][4] for position in dropped} == plain
