@@ -48,7 +48,7 @@ BALANCERS: tuple[str, ...] = (
 )
 # the policies that keep a prefix tree: they want the prompt, and debit only its uncached part
 PREFIX_TREE_POLICIES = frozenset({"pab_least_loaded", "pab_cache_aware", "cache_aware"})
-_DECLINED = "declined"  # the one holder of PabLeastLoadedBalancer's tree of declined prompts
+_DECLINED = "declined"  # the one holder of PabCacheAwareBalancer's tree of declined prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +317,6 @@ class PabLeastLoadedBalancer(_AffinityPolicy):
     def __init__(self, settings: CacheAwareSettings) -> None:
         super().__init__(settings)
         self._start = 0
-        self._declined = PrefixAffinity(settings.block_size, settings.max_blocks_per_rank)
 
     def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
                slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
@@ -360,21 +359,7 @@ class PabLeastLoadedBalancer(_AffinityPolicy):
         if affine is None and held:
             return None  # never moved to a rank that holds none of it
         chosen = affine or least
-        if chosen is None and within_budget and prompt is not None and self.prefers_cached:
-            return self._found_group(ranks, prompt)
         return None if chosen is None else chosen.rank
-
-    def _found_group(self, ranks: Sequence[RankView], prompt: Prompt) -> str | None:
-        """A prompt no rank holds and no budget covers: None, remembering it as declined;
-        but when it shares a prefix past the threshold with an earlier declined prompt
-        (and is not that prompt again), the least in flight, where its group then lives."""
-        blocks, _ = self._match(prompt)
-        declined = self._declined.match(blocks).matched_units.get(_DECLINED, 0)
-        if (declined > self.settings.cache_threshold * blocks.units
-                and declined < len(blocks.names) * self.settings.block_size):
-            return _least_in_flight(ranks).rank
-        self._declined.record(_DECLINED, blocks)
-        return None
 
 
 class PabCacheAwareBalancer(PabLeastLoadedBalancer):
@@ -406,6 +391,34 @@ class PabCacheAwareBalancer(PabLeastLoadedBalancer):
 
     name = "pab_cache_aware"
     prefers_cached = True
+
+    def __init__(self, settings: CacheAwareSettings) -> None:
+        super().__init__(settings)
+        self._declined = PrefixAffinity(settings.block_size, settings.max_blocks_per_rank)
+
+    def choose(self, ranks: Sequence[RankView], prompt_tokens: int,
+               slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
+        chosen = super().choose(ranks, prompt_tokens, slo_class, prompt)
+        if chosen is not None or prompt is None or not ranks:
+            return chosen
+        return self._found_group(ranks, prompt)
+
+    def _found_group(self, ranks: Sequence[RankView], prompt: Prompt) -> str | None:
+        """A prompt no budget covers: None (a rank holds it past the threshold, or it is
+        the first of its prefix, then remembered as declined); but a prompt no rank holds
+        that shares a prefix past the threshold with an earlier declined one (and is not
+        that one again) goes to the least in flight, where its group then lives."""
+        blocks, match = self._match(prompt)
+        threshold = self.settings.cache_threshold
+        if any(match.ratio(view.rank) > threshold for view in ranks):
+            return None
+        declined = self._declined.match(blocks).matched_units.get(_DECLINED, 0)
+        if declined >= len(blocks.names) * self.settings.block_size:
+            return None  # the same prompt again, already remembered
+        if declined > threshold * blocks.units:
+            return _least_in_flight(ranks).rank
+        self._declined.record(_DECLINED, blocks)
+        return None
 
     def spill(self, ranks: Sequence[RankView], prompt_tokens: int,
               slo_class: str | None = None, prompt: Prompt | None = None) -> str | None:
