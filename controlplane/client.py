@@ -70,8 +70,9 @@ LOG_INTERVAL_S = 10.0
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class StreamChunk:
+class StreamChunk(msgspec.Struct, frozen=True):
+    """Output a stream received since its previous chunk."""
+
     token_ids: tuple[int, ...]  # new since the previous chunk
     text: str  # new since the previous chunk
     completion_tokens: int  # running total
@@ -722,8 +723,11 @@ class AsyncClient:
         if type(message) is Chunk:  # the most frequent by far
             self._to_request(message)
         elif isinstance(message, Replies):
+            inboxes = self._inboxes
             for item in message.items:
-                self._to_request(item)
+                inbox = inboxes.get(item.request_id)
+                if inbox is not None and not inbox.put(item):
+                    self._overflowed(inbox, item.request_id)
         elif isinstance(message, Pong):
             self._saw_daemon(message.daemon_id)
             self._daemon_protocol = message.protocol
@@ -750,9 +754,13 @@ class AsyncClient:
     def _to_request(self, message: Dispatched | Chunk | Finish | Any) -> None:
         inbox = self._inboxes.get(message.request_id)
         if inbox is not None and not inbox.put(message):
-            sent = self._try_send(Cancel(message.request_id))
-            inbox.interrupt(_Stop(SlowConsumer(
-                f"{inbox.limit} replies were waiting to be read", request_id=message.request_id), sent))
+            self._overflowed(inbox, message.request_id)
+
+    def _overflowed(self, inbox: _Inbox, request_id: str) -> None:
+        """``inbox`` is full: its request stops, cancelled at the daemon."""
+        sent = self._try_send(Cancel(request_id))
+        inbox.interrupt(_Stop(SlowConsumer(f"{inbox.limit} replies were waiting to be read",
+                                           request_id=request_id), sent))
 
     def _saw_daemon(self, daemon_id: str) -> None:
         if self._daemon_id is None:

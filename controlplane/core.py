@@ -580,16 +580,23 @@ class DispatcherCore:
         if isinstance(message, RankOutputs):
             self.registry.seen(identity, now)
             sends: list[Send] = []
+            owned: tuple[str, int] | None = None  # a (rank, epoch) this agent was found to own
             for item in message.items:
                 if type(item) is Output:
                     try:
-                        chunk = self._streamed_chunk(identity, item)
-                    except Exception:
-                        chunk = None  # the general path below meets the bug again and recovers
-                    if chunk is not None:
-                        sends.append(chunk)
-                        continue
+                        pending = self._requests.get(item.request_id)
+                        if (pending is not None and pending.submit.stream and pending.rank == item.rank
+                                and pending.epoch == item.epoch
+                                and item.dispatch_seq in (0, pending.dispatch_seq)):
+                            served_by = (item.rank, item.epoch)
+                            if served_by == owned or self.registry.owns(identity, *served_by):
+                                owned = served_by
+                                sends.append(self._chunk(pending, item))
+                                continue
+                    except Exception:  # the general path below meets the bug again and recovers
+                        owned = None
                 sends += self._guarded("agent", identity, item, self._agent_message, identity, item, now)
+                owned = None  # judged again after anything the general path did
             return sends
         return self._guarded("agent", identity, message, self._agent_message, identity, message, now)
 
@@ -682,17 +689,6 @@ class DispatcherCore:
         finish = Finish(request_id, message.reason, message.prompt_tokens, message.completion_tokens,
                         message.ttft_s, message.latency_s, text, token_ids, message.error)
         return self._close(request_id, finish)
-
-    def _streamed_chunk(self, identity: bytes, output: Output) -> ToClient | None:
-        """The client's chunk for ``output``, the common case of a step's outputs: a
-        streamed request that its rank's current agent serves. None leaves ``output`` to
-        :meth:`_rank_output` (fences, late messages, unstreamed requests)."""
-        pending = self._requests.get(output.request_id)
-        if (pending is None or not pending.submit.stream or pending.rank != output.rank
-                or pending.epoch != output.epoch or output.dispatch_seq not in (0, pending.dispatch_seq)
-                or not self.registry.owns(identity, output.rank, output.epoch)):
-            return None
-        return self._chunk(pending, output)
 
     @staticmethod
     def _chunk(pending: Pending, output: Output) -> ToClient:

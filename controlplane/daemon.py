@@ -15,9 +15,10 @@ reads every message waiting, without a future per message, and hands each to the
 
 Sends go out inline (``zmq.NOBLOCK``) as the core returns them. Replies about a client's
 requests (``Dispatched``, ``Chunk``, ``Finish``, ``Reject``) wait until the end of the
-loop pass and leave as one :class:`~controlplane.protocol.Replies` per client (protocol
-version 5; a lone reply goes alone), so the tokens of one engine step cost one message
-to each client, not one per token. ZMQ's high-water marks bound what waits in the
+socket pump's pass (or, for what a timer or the local client caused, of the loop pass)
+and leave as one :class:`~controlplane.protocol.Replies` per client (protocol version 5;
+a lone reply goes alone), so the tokens of one engine step cost one message to each
+client, not one per token. ZMQ's high-water marks bound what waits in the
 sockets.
 
 A bug in a core handler is the core's to recover from (the requests concerned end with
@@ -39,7 +40,6 @@ import signal
 import sys
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 
 import structlog
@@ -49,7 +49,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from controlplane.config import DaemonConfig
 from controlplane.curve import KeyPair, load_key_pair, serve_curve
-from controlplane.core import DispatcherCore, Send, ToAgent, ToClient
+from controlplane.core import DispatcherCore, Send, ToClient
 from controlplane.protocol import (
     MAX_BATCH_ITEMS, Channel, Chunk, Dispatched, Finish, FrameError, Reject, Replies,
     agent_message_channel, client_request_channel, encode, report_channel,
@@ -62,7 +62,7 @@ BUSY_WINDOW_S = 1.0  # the event loop's busy share is smoothed over about this l
 LOG_INTERVAL_S = 10.0
 #: how long closing waits for the last answers of a drain (ShuttingDown, aborts) to leave
 FINAL_SEND_LINGER_MS = 1000
-BATCHED_REPLIES = (Dispatched, Chunk, Finish, Reject)
+BATCHED_REPLY_TYPES = frozenset((Dispatched, Chunk, Finish, Reject))
 SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 #: the identity of the client in this process (:meth:`Daemon.attach_local`); ZMQ reserves
 #: identities that start with a zero byte and makes its own 5 bytes long, so no peer has it
@@ -126,6 +126,7 @@ class Daemon:
         self._local_reply: Callable[[object], None] | None = None
         self._sent_on: set[zmq.Socket] = set()  # sockets sent on since the last flush
         self._flush_scheduled = False
+        self._in_pass = False  # a socket pump's pass is handing messages over: it flushes at its end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pumps: list[SocketPump] = []
         self._drain_requested = asyncio.Event()
@@ -182,10 +183,10 @@ class Daemon:
         config = self.config
         self._pumps = [
             SocketPump(self.client_socket, self._receiver(client_request_channel(config.max_frame_bytes),
-                                                          self.core.on_client, "client")),
+                                                          self.core.on_client, "client"), self._end_pass),
             SocketPump(self.rank_socket, self._receiver(agent_message_channel(config.max_frame_bytes),
-                                                        self.core.on_agent, "agent")),
-            SocketPump(self.report_socket, self._on_report_frames(report_channel())),
+                                                        self.core.on_agent, "agent"), self._end_pass),
+            SocketPump(self.report_socket, self._on_report_frames(report_channel()), self._end_pass),
         ]
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -229,25 +230,35 @@ class Daemon:
     # ------------------------------------------------------------------ plumbing
     def _deliver(self, sends: list[Send]) -> None:
         """Send what the core returned: to agents at once, to clients at the end of the pass."""
-        pending = deque(sends)
-        while pending:
-            send = pending.popleft()
-            if isinstance(send, ToAgent):
-                if not self._send(self.rank_socket, send.identity, send.message):
-                    pending.extend(self._handled("send_failed", self.core.on_send_failed, send))
-                continue
-            if isinstance(send.message, BATCHED_REPLIES) or send.identity == LOCAL_CLIENT:
-                batch = self._client_batches.setdefault(send.identity, [])
-                batch.append(send)
-                if len(batch) >= MAX_BATCH_ITEMS:
-                    pending.extend(self._flush_client(send.identity))
-                continue
-            pending.extend(self._flush_client(send.identity))  # what was said before goes first
-            if not self._send(self.client_socket, send.identity, send.message):
-                pending.extend(self._handled("send_failed", self.core.on_send_failed, send))
-        if (self._client_batches or self._sent_on) and not self._flush_scheduled and self._loop is not None:
+        batches = self._client_batches
+        while sends:
+            answers: list[Send] = []  # the core's answers to failed sends, delivered after
+            for send in sends:
+                if type(send) is ToClient:
+                    identity = send.identity
+                    if type(send.message) in BATCHED_REPLY_TYPES or identity == LOCAL_CLIENT:
+                        batch = batches.get(identity)
+                        if batch is None:
+                            batch = batches[identity] = []
+                        batch.append(send)
+                        if len(batch) >= MAX_BATCH_ITEMS:
+                            answers += self._flush_client(identity)
+                        continue
+                    answers += self._flush_client(identity)  # what was said before goes first
+                    if not self._send(self.client_socket, identity, send.message):
+                        answers += self._handled("send_failed", self.core.on_send_failed, send)
+                elif not self._send(self.rank_socket, send.identity, send.message):
+                    answers += self._handled("send_failed", self.core.on_send_failed, send)
+            sends = answers
+        if (batches or self._sent_on) and not (self._flush_scheduled or self._in_pass) and self._loop is not None:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
+
+    def _end_pass(self) -> None:
+        """A socket pump's pass is over: what it produced leaves now (no callback of its own)."""
+        self._in_pass = False
+        if self._client_batches or self._sent_on:
+            self._flush()
 
     def _flush(self) -> None:
         """Each client's replies of this pass as one message; then read what the sends may
@@ -270,9 +281,15 @@ class Daemon:
         if not batch:
             return []
         if identity == LOCAL_CLIENT:
-            if self._local_reply is not None:  # else the daemon stopped: nobody to tell
-                for send in batch:
-                    self._local_reply(send.message)
+            reply = self._local_reply
+            if reply is None:  # the daemon stopped: nobody to tell
+                return []
+            messages = [send.message for send in batch]
+            if len(messages) > 1 and all(type(message) in BATCHED_REPLY_TYPES for message in messages):
+                reply(Replies(messages))  # as on the socket: one call for the pass's replies
+            else:
+                for message in messages:
+                    reply(message)
             return []
         message = batch[0].message if len(batch) == 1 else Replies([send.message for send in batch])
         if self._send(self.client_socket, identity, message):
@@ -291,6 +308,7 @@ class Daemon:
     def _receiver(self, channel: Channel, handle: Callable[[bytes, object, float], list[Send]],
                   where: str) -> Callable[[list], None]:
         def receive(frames: list) -> None:
+            self._in_pass = True
             peer = frames[0].bytes
             if len(frames) != 2:
                 self._drop(where, peer, FrameError("bad_framing", f"{len(frames) - 1} payload frames, expected 1"))
@@ -334,6 +352,7 @@ class Daemon:
 
     def _on_report_frames(self, channel: Channel) -> Callable[[list], None]:
         def receive(frames: list) -> None:
+            self._in_pass = True
             if len(frames) != 1:
                 self._drop("report", None, FrameError("bad_framing", f"{len(frames)} frames, expected 1"))
                 return

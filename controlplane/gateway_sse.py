@@ -2,29 +2,38 @@
 OpenAI's chunks (:class:`TextEvents` for ``/v1/completions``, :class:`ChatEvents` for
 ``/v1/chat/completions``), then ``data: [DONE]``.
 
-Two things keep the CPU per streamed token low.
+Three things keep the CPU per streamed token low.
 
 - **Events ready together go out in one HTTP write.** The handler holds the events it has
-  and writes them only when the stream's next chunk is not ready yet.
+  and writes them only when the stream's next chunk is not ready yet (it takes the read
+  in two steps, :mod:`controlplane.stepped_await`).
 - **Once the headers are out, chunks are pushed.** The SDK's receiving callback writes a
   chunk's event as it arrives (``Stream.push_chunks``), without waking the handler: one
   write per chunk and no task switch. The handler takes over again (its events in order)
-  whenever it holds events, is writing, the connection's buffer is full (the write would
-  wait) or the connection is closing. Errors and the end always come through it.
+  whenever it holds events, is writing, or the connection is closing or holds more than
+  ``PUSH_HIGH_WATER`` bytes unsent. Errors and the end always come through it.
+- **A pushed chunk is one transport write.** On HTTP/1.1 the answer is chunked
+  (``Transfer-Encoding: chunked``, asked for before the headers), so the callback writes
+  a pushed event to the connection itself, framed as an HTTP chunk
+  (``<size in hex>\r\n<event>\r\n``), not through aiohttp's write coroutine.
+  Everything before it (the headers, with the first events) and after it (the last
+  events and the terminating chunk, ``write_eof``) goes through aiohttp, on the same
+  connection in order. An HTTP/1.0 client, which cannot take chunks, gets every event
+  through aiohttp.
 
-Both take an ``await`` in two steps (:mod:`controlplane.stepped_await`). Each chunk's event
-is spliced from a template encoded once per answer (:class:`Spliced`), byte for byte the
-chunk's own encoding.
+Each chunk's event is spliced from a template encoded once per answer (:class:`Spliced`),
+byte for byte the chunk's own encoding.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from controlplane.client import Result, Stream, StreamChunk
 from controlplane.errors import ControlPlaneError
@@ -33,6 +42,8 @@ from controlplane.openai_api import chat_chunk, chat_completion, text_chunk, tex
 from controlplane.stepped_await import Waiting, resume, run_until_wait, unwind
 
 DONE_EVENT = b"data: [DONE]\n\n"
+#: a chunk is pushed only while the connection holds at most this many bytes unsent
+PUSH_HIGH_WATER = 64 * 1024
 _OPEN_TEXT = "\x00text\x00"  # a placeholder, spliced out of an encoded chunk
 
 
@@ -67,10 +78,13 @@ async def relay(request: web.Request, stream: Stream, events: Events,
 
 class EventWriter:
     """Holds a streamed answer's events until they are written; the answer's headers go
-    with the first write. Once they are out, :meth:`push` writes a chunk's event as it
-    arrives, from the SDK's receiving callback, without waking the handler: one write per
-    chunk and no task switch, while nothing is held or being written and the connection
-    takes data without waiting."""
+    with the first write. Once they are out on a chunked answer, :meth:`push` writes a
+    chunk's event to the connection as it arrives, from the SDK's receiving callback:
+    one transport write per chunk and no task switch, while nothing is held or being
+    written and the connection holds at most ``PUSH_HIGH_WATER`` bytes unsent.
+
+    What waits unsent is bounded: pushes stop at ``PUSH_HIGH_WATER``, and the handler's
+    own writes wait for the connection past aiohttp's limit (64 KiB of them)."""
 
     def __init__(self, request: web.Request, headers: Mapping[str, str]) -> None:
         self._request = request
@@ -78,7 +92,7 @@ class EventWriter:
         self._held: list[bytes] = []
         self._response: web.StreamResponse | None = None
         self._writing = False  # the handler awaits a write
-        self._draining: Waiting | None = None  # a pushed write that waits for the connection
+        self._pushing_to: asyncio.Transport | None = None  # the headers are out on a chunked answer
 
     @property
     def started(self) -> bool:
@@ -89,18 +103,14 @@ class EventWriter:
         self._held.append(event)
 
     def push(self, render: Callable[[str], bytes], chunk: StreamChunk) -> bool:
-        """Write ``chunk``'s event now if that keeps the events in order and needs no wait;
-        False leaves it to the handler."""
-        response, transport = self._response, self._request.transport
-        if (response is None or self._held or self._writing or self._draining is not None
-                or transport is None or transport.is_closing()):
+        """Write ``chunk``'s event now, as one HTTP chunk, if that keeps the events in order
+        and the connection takes it; False leaves it to the handler."""
+        transport = self._pushing_to
+        if (transport is None or self._held or self._writing or transport.is_closing()
+                or transport.get_write_buffer_size() > PUSH_HIGH_WATER):
             return False
-        try:
-            step = run_until_wait(response.write(render(chunk.text)))
-        except ConnectionError:  # the client went: the handler finds out
-            return False
-        if isinstance(step, Waiting):  # written; the connection's buffer is full
-            self._draining = step
+        event = render(chunk.text)
+        transport.write(b"%x\r\n%b\r\n" % (len(event), event))
         return True
 
     async def flush_before(self, waiting: Waiting) -> None:
@@ -110,9 +120,10 @@ class EventWriter:
             return
         self._writing = True
         try:
-            await self._drained()
             response = self._response or await self._start()
             await response.write(self._take())
+            if response.chunked:  # the headers went out with that write
+                self._pushing_to = self._request.transport
         except BaseException:
             await unwind(waiting)
             raise
@@ -121,16 +132,9 @@ class EventWriter:
 
     async def finish(self) -> web.StreamResponse:
         self._writing = True
-        await self._drained()
         response = self._response or await self._start()
         await response.write_eof(self._take())
         return response
-
-    async def _drained(self) -> None:
-        """Wait for the connection to take what a push wrote past its buffer."""
-        draining, self._draining = self._draining, None
-        if draining is not None:
-            await resume(draining)
 
     def _take(self) -> bytes:
         data = b"".join(self._held)
@@ -140,6 +144,8 @@ class EventWriter:
     async def _start(self) -> web.StreamResponse:
         response = self._response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._headers})
+        if self._request.version >= HttpVersion11:
+            response.enable_chunked_encoding()
         await response.prepare(self._request)
         return response
 

@@ -21,20 +21,13 @@ The contract:
 
 Why the gateway steps its awaits by hand: CPU per streamed token, 3-10% less than
 aiohttp's own streaming (``benchmarks.controlplane.relay_cost``).
-:mod:`controlplane.gateway_sse` uses this in two places.
-
-- The handler writes the events it holds only when the stream's next chunk is not ready.
-  Chunks that arrive together then go out in one HTTP write. To learn whether the next
-  chunk is ready, it starts reading it (``anext(stream)``). If the read has to wait, the
-  handler writes what it holds and then goes on with that same read. A plain ``await``
-  cannot stop to say it would wait. Putting each read in an ``asyncio.Task`` and checking
-  ``done()`` would cost a task and an event-loop pass per chunk.
-- Once an answer's headers are out, the SDK's receiving callback writes each chunk's event
-  itself (``Stream.push_chunks``). The callback is a plain function. It runs
-  ``response.write`` up to its first wait. A write the connection takes at once finishes
-  there, with no task. A write that has to wait for the connection to drain is kept as a
-  :class:`Waiting`, and the handler awaits it before its own next write. A task per write
-  (``asyncio.ensure_future``) would again cost a task and a loop pass per chunk.
+:mod:`controlplane.gateway_sse`'s handler writes the events it holds only when the
+stream's next chunk is not ready, so that chunks that arrive together go out in one
+HTTP write. To learn whether the next chunk is ready, it starts reading it
+(``anext(stream)``). If the read has to wait, the handler writes what it holds and then
+goes on with that same read. A plain ``await`` cannot stop to say it would wait. Putting
+each read in an ``asyncio.Task`` and checking ``done()`` would cost a task and an
+event-loop pass per chunk.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -150,6 +151,84 @@ def test_streamed_completion_sends_chunks_usage_and_done(cluster):
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+async def raw_stream(url: str, version: str, tokens: int, *, model: str = MODEL,
+                     wait_before_reading: asyncio.Event | None = None,
+                     receive_buffer: int | None = None) -> tuple[bytes, bytes]:
+    """A streamed completion over a plain socket: the answer's head and body as sent."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": [4] * 16, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+                       "model": model}).encode()
+    connection = socket.socket()
+    if receive_buffer is not None:  # before connecting: the window the server sees stays small
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    connection.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(connection, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=connection, limit=receive_buffer or 2**16)
+    writer.write(f"POST /v1/completions HTTP/{version}\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+    await writer.drain()
+    if wait_before_reading is not None:
+        await wait_before_reading.wait()
+    raw = await reader.read(-1)
+    writer.close()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def dechunk(body: bytes) -> list[bytes]:
+    """The chunks of an HTTP/1.1 chunked body, checked to end with the terminating chunk."""
+    chunks = []
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert body == b"\r\n", body[:80]
+            return chunks
+        assert body[size:size + 2] == b"\r\n", body[:size + 2][-80:]
+        chunks.append(body[:size])
+        body = body[size + 2:]
+
+
+def test_a_streamed_answer_is_well_framed_for_http_1_1_and_1_0_and_a_reader_that_lags(cluster):
+    """Pushed events are HTTP chunks written straight to the connection: every chunk holds
+    whole events, in order, then aiohttp's terminating chunk; an HTTP/1.0 client gets the
+    same events unchunked; a client that reads nothing until the answer is over (the
+    connection backs up past the push limit: a long model name, echoed in every event,
+    makes the answer larger than the kernel's socket buffers) still gets every event
+    once, in order."""
+    tokens = 400
+    long_name = "m" * 8192
+
+    async def scenario(session, url, client):
+        chunked = await raw_stream(url, "1.1", tokens)
+        plain = await raw_stream(url, "1.0", tokens)
+        finished = asyncio.Event()
+
+        async def finish_when_served():  # the daemon has answered every request it took
+            while (await client.status()).in_flight:
+                await asyncio.sleep(0.05)
+            finished.set()
+
+        lagging = asyncio.create_task(raw_stream(url, "1.1", 4 * tokens, model=long_name,
+                                                 wait_before_reading=finished, receive_buffer=4096))
+        while not (await client.status()).in_flight:
+            await asyncio.sleep(0.01)
+        await finish_when_served()
+        return chunked, plain, await lagging
+
+    (head, body), (plain_head, plain_body), (lag_head, lag_body) = with_gateway(cluster, scenario)
+    assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head
+    pieces = dechunk(body)
+    assert all(piece.endswith(b"\n\n") and piece.startswith(b"data: ") for piece in pieces)
+    joined = b"".join(pieces).decode()
+    assert "".join(c["choices"][0]["text"] for c in events(joined) if c["choices"]) == " tok" * tokens
+    assert plain_head.startswith(b"HTTP/1.0 200") and b"chunked" not in plain_head
+    assert "".join(c["choices"][0]["text"] for c in events(plain_body.decode()) if c["choices"]) == " tok" * tokens
+    lagged = events(b"".join(dechunk(lag_body)).decode())
+    assert len(lag_body) > 4 * 8192 * tokens and all(c["model"] == long_name for c in lagged)
+    assert "".join(c["choices"][0]["text"] for c in lagged if c["choices"]) == " tok" * (4 * tokens)
 
 
 @pytest.mark.parametrize(("body", "status", "fragment"), [
