@@ -14,10 +14,11 @@ late) at its overload rates, 1.5x and 2x the best baseline's capacity as its com
 - **PAB dispatch**: FairBatching ranks behind ``pab_least_loaded`` and (shared prefixes)
   ``pab_cache_aware``, a request no budget covers queued (the daemon's
   ``on_no_budget = "queue"``) or spilled (``"spill"``).
-- FairBatching ranks run ``fb-smooth+defer`` with ``max_defer_s`` over ``MAX_DEFERS``
-  (the ``[admission]`` setting: how long past its TTFT deadline a late prefill is kept),
-  behind every router, so neither side of a PAB comparison has a rank setting the other
-  lacks.
+- FairBatching ranks run ``fb-smooth+defer`` at each of ``RANK_SETTINGS``: ``give_up``
+  (the ``[admission]`` length weight of the prefill ``defer`` gives up first; None is 1,
+  the longest) and ``max_defer_s`` (how long past its TTFT deadline a late prefill is
+  kept), behind every router, so neither side of a PAB comparison has a rank setting the
+  other lacks.
 
 Every configuration runs at every arrival seed of ``--seeds`` (default 0, 1, 2: past
 capacity the cluster is chaotic, a 0.05% change of rate moves one configuration's on-time
@@ -61,7 +62,8 @@ SJF_TIMEOUTS = (1.0, 2.0, 3.0)
 SJF_TIMEOUT_BOUNDS = (0.25, 8.0)
 FIFO_TIMEOUT = "sarathi-queue-timeout@1024,timeout=1.75"
 FAIRBATCHING = cluster_sim.FAIRBATCHING
-MAX_DEFERS = (0.5, 2.0)
+#: (give_up, max_defer_s) of the FairBatching ranks; (None, 2.0) is the default
+RANK_SETTINGS: tuple[tuple[float | None, float], ...] = ((None, 0.5), (None, 2.0), (0.9, 3.0))
 LOAD_ROUTERS = ("round_robin", "request_count", "cache_aware")
 FB_LOAD_ROUTERS = ("request_count", "cache_aware")
 PAB_ROUTERS = ("pab_least_loaded", "pab_cache_aware")
@@ -84,8 +86,9 @@ class Configuration:
         return f"{self.policy} + {router}"
 
 
-def fb_policy(max_defer_s: float) -> str:
-    return str(parse_policy(f"{FAIRBATCHING}:max_defer={max_defer_s:g}").label)
+def fb_policy(max_defer_s: float, give_up: float | None = None) -> str:
+    weight = "" if give_up is None else f":{give_up:g}"
+    return str(parse_policy(f"{FAIRBATCHING}{weight}:max_defer={max_defer_s:g}").label)
 
 
 def _routers(case: Case, routers: Sequence[str]) -> list[str]:
@@ -99,8 +102,8 @@ def sjf_configurations(case: Case, timeouts: Sequence[float]) -> list[Configurat
 
 def fixed_configurations(case: Case) -> list[Configuration]:
     out = [Configuration(FIFO_TIMEOUT, r) for r in _routers(case, LOAD_ROUTERS)]
-    for max_defer in MAX_DEFERS:
-        policy = fb_policy(max_defer)
+    for give_up, max_defer in RANK_SETTINGS:
+        policy = fb_policy(max_defer, give_up)
         out += [Configuration(policy, r) for r in _routers(case, FB_LOAD_ROUTERS)]
         out += [Configuration(policy, r, mode) for r in _routers(case, PAB_ROUTERS)
                 for mode in ON_NO_BUDGET]
@@ -269,7 +272,8 @@ def markdown(doc: dict, command: str) -> str:
          "workload, the workloads and overload rates of `cluster_sim` (1.5x and 2x the best "
          "baseline's capacity). On time: effective req/s. `(queue)` / `(spill)`: the pab "
          "routers' `on_no_budget`. `max_defer=S`: the FairBatching ranks' `[admission]` "
-         f"`max_defer_s` (default 2). SJF timeouts swept per point: {SJF_TIMEOUTS} widened "
+         "`max_defer_s` (default 2); `:W` before it: their `give_up` length weight (default "
+         f"1, the longest prompt first). SJF timeouts swept per point: {SJF_TIMEOUTS} widened "
          f"while the best is at an edge. Each cell is the mean over arrival seeds "
          f"{', '.join(map(str, doc['seeds']))} (Azure's trace arrivals do not depend on it)"
          + (f"; configurations matching `{doc['only']}` only" if doc.get("only")

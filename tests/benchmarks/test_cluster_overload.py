@@ -10,17 +10,18 @@ import pytest
 from benchmarks.sim import cluster_overload, cluster_sim
 
 
-def test_every_router_runs_over_both_rank_settings_and_pab_in_both_modes() -> None:
+def test_every_router_runs_over_every_rank_setting_and_pab_in_both_modes() -> None:
     cases = cluster_sim.build_cases(Path("/nonexistent.csv"), 50)
     labels = {c.label for c in cluster_overload.fixed_configurations(cases["bursty"])}
-    for max_defer in cluster_overload.MAX_DEFERS:
-        policy = cluster_overload.fb_policy(max_defer)
+    for give_up, max_defer in cluster_overload.RANK_SETTINGS:
+        policy = cluster_overload.fb_policy(max_defer, give_up)
         for router in ("pab_least_loaded", "pab_cache_aware"):
             assert {f"{policy} + {router} (queue)", f"{policy} + {router} (spill)"} <= labels
         assert f"{policy} + cache_aware" in labels
     azure = {c.router for c in cluster_overload.fixed_configurations(cases["azure"])}
     assert "cache_aware" not in azure and "pab_cache_aware" not in azure  # no shared prefixes
     assert cluster_overload.fb_policy(2.0) == cluster_sim.FAIRBATCHING  # the default
+    assert cluster_overload.fb_policy(3.0, 0.9) == f"{cluster_sim.FAIRBATCHING}:0.9:max_defer=3"
 
 
 def point(policy: str, router: str, rps: float) -> dict:
