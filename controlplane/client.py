@@ -723,11 +723,8 @@ class AsyncClient:
         if type(message) is Chunk:  # the most frequent by far
             self._to_request(message)
         elif isinstance(message, Replies):
-            inboxes = self._inboxes
             for item in message.items:
-                inbox = inboxes.get(item.request_id)
-                if inbox is not None and not inbox.put(item):
-                    self._overflowed(inbox, item.request_id)
+                self._to_request(item)
         elif isinstance(message, Pong):
             self._saw_daemon(message.daemon_id)
             self._daemon_protocol = message.protocol
@@ -754,13 +751,9 @@ class AsyncClient:
     def _to_request(self, message: Dispatched | Chunk | Finish | Any) -> None:
         inbox = self._inboxes.get(message.request_id)
         if inbox is not None and not inbox.put(message):
-            self._overflowed(inbox, message.request_id)
-
-    def _overflowed(self, inbox: _Inbox, request_id: str) -> None:
-        """``inbox`` is full: its request stops, cancelled at the daemon."""
-        sent = self._try_send(Cancel(request_id))
-        inbox.interrupt(_Stop(SlowConsumer(f"{inbox.limit} replies were waiting to be read",
-                                           request_id=request_id), sent))
+            sent = self._try_send(Cancel(message.request_id))
+            inbox.interrupt(_Stop(SlowConsumer(
+                f"{inbox.limit} replies were waiting to be read", request_id=message.request_id), sent))
 
     def _saw_daemon(self, daemon_id: str) -> None:
         if self._daemon_id is None:
