@@ -76,6 +76,7 @@ from operator import eq, itemgetter
 
 import numpy as np
 
+from sglang_ext.policy import compiled
 from sglang_ext.policy.knee_step_model import KneeStepModel
 from sglang_ext.policy.pab import prefill_admission_budget
 from sglang_ext.policy.request_table import RequestTable
@@ -426,6 +427,13 @@ def forecast(
     :func:`eviction_key` of ``length_weight`` (``AdmissionSettings.length_weight``), or
     with None each that does not fit."""
     usable = coefficients.usable()
+    prompt_for_work = None if isinstance(usable, StepCoefficients) else usable.prompt_for_work
+    computed = _compiled_forecast(requests, now, usable, default_tpot_s, headroom, kv,
+                                  length_weight, with_tables=True)
+    if computed is not None:
+        rate, ids, deadlines, work_through, spare_after, need_through, kv_spare_after = computed
+        return QueueForecast(now, rate, deadlines, work_through, spare_after, ids, kv,
+                             need_through, kv_spare_after, prompt_for_work)
     rate, kept, hopeless = _kept(requests, now, usable, default_tpot_s, headroom, kv,
                                  length_weight)
     tables = _Tables()
@@ -433,8 +441,7 @@ def forecast(
     return QueueForecast(
         now, rate, tuple(tables.deadlines), tuple(tables.work_through),
         _suffix_minima(tables.spares), frozenset(hopeless), kv, tuple(tables.need_through),
-        _suffix_minima(tables.kv_spares) if kv is not None else (),
-        None if isinstance(usable, StepCoefficients) else usable.prompt_for_work,
+        _suffix_minima(tables.kv_spares) if kv is not None else (), prompt_for_work,
     )
 
 
@@ -445,10 +452,42 @@ def hopeless_prefills(
 ) -> frozenset[Hashable]:
     """``forecast(...).hopeless`` and nothing else: what a decision under ``defer`` reads
     (the scan runs the same, without the tables the budgets need)."""
-    rate, kept, hopeless = _kept(requests, now, coefficients.usable(), default_tpot_s,
-                                 headroom, kv, length_weight)
+    usable = coefficients.usable()
+    computed = _compiled_forecast(requests, now, usable, default_tpot_s, headroom, kv,
+                                  length_weight, with_tables=False)
+    if computed is not None:
+        return computed[1]
+    rate, kept, hopeless = _kept(requests, now, usable, default_tpot_s, headroom, kv,
+                                 length_weight)
     _scan(kept, rate, now, kv, hopeless)
     return frozenset(hopeless)
+
+
+def _compiled_forecast(
+    requests: Sequence[RequestState], now: float, usable: StepPredictor, default_tpot_s: float,
+    headroom: float, kv: KvOutlook | None, length_weight: float | None, *, with_tables: bool,
+) -> tuple | None:
+    """The forecast of a table by the compiled path (``compiled.queue_forecast``): ``(rate,
+    hopeless)``, and with tables the :class:`QueueForecast` fields after them. None where
+    the reference runs: no compiled module, a list, or a step model other than the two."""
+    queue_forecast = compiled.queue_forecast
+    if queue_forecast is None or type(requests) is not RequestTable:
+        return None
+    terms = _decode_cost_terms(usable, len(requests))
+    if terms is None:
+        return None
+    knee = type(usable) is KneeStepModel
+    columns = requests.columns
+    return queue_forecast(
+        requests, requests.due, columns.seq, columns.pending, columns.context, columns.prompt,
+        columns.tpot, now, default_tpot_s, usable.a_s, usable.b_s_per_token, headroom, *terms,
+        usable.knee_tokens if knee else None, usable.b_s_per_token,
+        usable.c_s_per_prefill_context_token if knee else 0.0,
+        usable.e_s_per_pair if knee else 0.0, length_weight,
+        None if kv is None else (kv.free_tokens, kv.release_times, kv.released_through,
+                                 kv.reserves, kv.new_reserve),
+        with_tables,
+    )
 
 
 def _kept(

@@ -1,4 +1,5 @@
-"""The admission forecast over a ``RequestTable`` takes its rate from the columns and a
+"""The admission forecast over a ``RequestTable``, compiled or by the reference: the
+reference takes its rate from the columns and a
 long queue as columns too (running sums where every entry fits, Moore-Hodgson's heap over
 plain lists, the scan entry by entry only from the first that does not fit), a short one
 as the list's entries; it must stay bit for bit the forecast over the same requests as a
@@ -8,12 +9,15 @@ Each test runs both ways of taking the queue, whatever its length."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from functools import partial
+from types import MappingProxyType
 
 import numpy as np
 import pytest
+from policy_helpers import require_compiled
 
-from sglang_ext.policy import admission
+from sglang_ext.policy import admission, compiled
 from sglang_ext.policy.admission import (
     KvOutlook,
     QueueForecast,
@@ -37,10 +41,15 @@ SLOS = (Slo.from_ms(500, 50), Slo.from_ms(2000, 50), Slo.from_ms(5000, 200))
 WEIGHTS = (None, 1.0, 0.5, 0.0)
 
 
-@pytest.fixture(params=["columns", "entries"])
+@pytest.fixture(params=["compiled", "columns", "entries"])
 def queue_taken_as(request, monkeypatch) -> str:
-    """The table's queue as columns, or as entries, at every length."""
-    monkeypatch.setattr(admission, "COLUMNS_FROM", 0 if request.param == "columns" else 10**9)
+    """The table's forecast by the compiled path, or by the reference with its queue as
+    columns or as entries at every length."""
+    if request.param == "compiled":
+        require_compiled()
+    else:
+        monkeypatch.setattr(compiled, "queue_forecast", None)
+        monkeypatch.setattr(admission, "COLUMNS_FROM", 0 if request.param == "columns" else 10**9)
     return request.param
 
 
@@ -235,3 +244,26 @@ def test_running_sums_add_left_to_right_bit_for_bit():
     assert pairwise_differs  # a pairwise sum would not do
 
 
+
+
+def test_the_compiled_forecast_reads_reserves_from_any_mapping():
+    require_compiled()
+    state = cases()["late behind entries on time"]
+    rng = random.Random(2)
+    kv = kv_outlook(rng, state, 3e3)
+    proxied = KvOutlook(kv.free_tokens, kv.release_times, kv.released_through,
+                        MappingProxyType(dict(kv.reserves)), kv.new_reserve)
+    table = RequestTable.of(state)
+    args = (NOW, MODELS["knee"], 0.05, 0.1)
+    assert forecast_bits(forecast(table, *args, proxied, 1.0)) == forecast_bits(
+        forecast(table, *args, kv, 1.0))
+
+
+def test_the_compiled_forecast_refuses_columns_of_the_wrong_type():
+    require_compiled()
+    state = cases()["all on time"]
+    table = RequestTable.of(state)
+    columns = table.columns
+    broken = RequestTable(state, replace(columns, pending=columns.pending.astype(np.float64)))
+    with pytest.raises(TypeError, match="column pending: expected a 1-d int64 array"):
+        hopeless_prefills(broken, NOW, MODELS["knee"], 0.05, 0.1, None, 1.0)

@@ -51,6 +51,7 @@ from sglang_ext.adapter.scheduler.requests import LiveRequestView, must_decode
 from sglang_ext.adapter.scheduler.state import LAUNCH_ATTR, FairBatchingState, StepLaunch
 from sglang_ext.adapter.scheduler.step_features import step_features
 from sglang_ext.adapter.scheduler.step_trace import StepTrace
+from sglang_ext.policy import compiled
 
 logger = logging.getLogger("sglang_ext.fairbatching")
 
@@ -123,11 +124,11 @@ def attach(scheduler: Scheduler, config: ExtensionConfig) -> FairBatchingState:
                     dataclasses.replace(owner, get_running_batch=_with_parked(scheduler)))
     logger.info(
         "FairBatching on: policy=%s, default SLO %s, max %d new tokens per step, decisions "
-        "over %s (%s)",
+        "over %s, decision path %s (%s)",
         config.policy, config.catalog.default, config.max_token_budget,
         "request lists" if state.table_min_requests is None
         else f"request tables (columns) from {state.table_min_requests} requests",
-        config.source,
+        compiled.decision_path(), config.source,
     )
     if config.calibrate:
         start_calibration(scheduler, state)

@@ -1,0 +1,642 @@
+/* The admission forecast of a RequestTable, compiled: sglang_ext.policy.compiled.
+
+   queue_forecast() is sglang_ext.policy.admission's forecast of a table's prefill queue
+   (the rate, the queue in deadline order, Moore-Hodgson's eviction under `defer`, the
+   EDF scan and its tables) in one call. Every float is the same IEEE operation, in the
+   same order, on the same values as the Python reference, so the results are bit for bit
+   its results (built with -ffp-contract=off: no fused multiply-adds); tests/policy/
+   test_forecast_table.py checks it against the reference on every path. The columns are
+   read through the buffer protocol (float64 and int64, any stride), so numpy is not a
+   build dependency. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    Py_buffer view;
+    const char *data;
+    Py_ssize_t stride;
+    int taken;
+} Column;
+
+static int column_take(Column *column, PyObject *array, char kind, Py_ssize_t rows,
+                       const char *name) {
+    if (PyObject_GetBuffer(array, &column->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    column->taken = 1;
+    const char *format = column->view.format ? column->view.format : "B";
+    char last = format[strlen(format) - 1];
+    int matches = column->view.itemsize == 8 && column->view.ndim == 1
+                  && (kind == 'd' ? last == 'd' : (last == 'l' || last == 'q'));
+    if (!matches) {
+        PyErr_Format(PyExc_TypeError, "column %s: expected a 1-d %s array", name,
+                     kind == 'd' ? "float64" : "int64");
+        return -1;
+    }
+    if (column->view.shape[0] != rows) {
+        PyErr_Format(PyExc_ValueError, "column %s has %zd rows for %zd requests", name,
+                     column->view.shape[0], rows);
+        return -1;
+    }
+    column->data = (const char *)column->view.buf;
+    column->stride = column->view.strides[0];
+    return 0;
+}
+
+static void column_release(Column *column) {
+    if (column->taken) {
+        PyBuffer_Release(&column->view);
+        column->taken = 0;
+    }
+}
+
+static inline double as_double(const Column *column, Py_ssize_t row) {
+    return *(const double *)(column->data + row * column->stride);
+}
+
+static inline int64_t as_int(const Column *column, Py_ssize_t row) {
+    return *(const int64_t *)(column->data + row * column->stride);
+}
+
+/* One queued prefill: _queue's entry (deadline, arrival number, work, KV need, started)
+   and its row in the table. */
+typedef struct {
+    double deadline;
+    int64_t seq;
+    double work;
+    double need;
+    int started;
+    Py_ssize_t row;
+} Entry;
+
+/* Python's ordering of floats in a sort: numpy puts NaN last. */
+static inline int compare_doubles(double a, double b) {
+    int a_nan = isnan(a), b_nan = isnan(b);
+    if (a_nan || b_nan) {
+        return a_nan - b_nan;
+    }
+    return (a > b) - (a < b);
+}
+
+/* np.lexsort((seq, due)) of the queued rows: deadline, then arrival number, then the row
+   (lexsort is stable). */
+static int by_deadline(const void *left, const void *right) {
+    const Entry *a = (const Entry *)left, *b = (const Entry *)right;
+    int order = compare_doubles(a->deadline, b->deadline);
+    if (order) {
+        return order;
+    }
+    if (a->seq != b->seq) {
+        return a->seq < b->seq ? -1 : 1;
+    }
+    return (a->row > b->row) - (a->row < b->row);
+}
+
+/* _evicted's heap: the victim with the largest key first, ties to the latest position
+   (Python's heap of (-key, -position) pops the same one). */
+typedef struct {
+    double key;
+    Py_ssize_t position;
+} Victim;
+
+static inline int pops_before(const Victim *a, const Victim *b) {
+    if (a->key != b->key) {
+        return a->key > b->key;
+    }
+    return a->position > b->position;
+}
+
+static void heap_push(Victim *heap, Py_ssize_t *size, Victim victim) {
+    Py_ssize_t at = (*size)++;
+    while (at > 0) {
+        Py_ssize_t parent = (at - 1) / 2;
+        if (!pops_before(&victim, &heap[parent])) {
+            break;
+        }
+        heap[at] = heap[parent];
+        at = parent;
+    }
+    heap[at] = victim;
+}
+
+static Victim heap_pop(Victim *heap, Py_ssize_t *size) {
+    Victim top = heap[0];
+    Victim last = heap[--(*size)];
+    Py_ssize_t at = 0, count = *size;
+    for (;;) {
+        Py_ssize_t child = 2 * at + 1;
+        if (child >= count) {
+            break;
+        }
+        if (child + 1 < count && pops_before(&heap[child + 1], &heap[child])) {
+            child++;
+        }
+        if (!pops_before(&heap[child], &last)) {
+            break;
+        }
+        heap[at] = heap[child];
+        at = child;
+    }
+    if (count) {
+        heap[at] = last;
+    }
+    return top;
+}
+
+static const uint64_t FIBONACCI = 0x9E3779B97F4A7C15ULL;
+
+/* admission.eviction_key's key of one entry. */
+typedef struct {
+    int kind; /* 0: longest (the work), 1: drawn (blind to length), 2: weighed */
+    double weight, rest;
+} EvictionKey;
+
+static inline double eviction_key(const EvictionKey *key, int64_t seq, double work) {
+    if (key->kind == 0) {
+        return work;
+    }
+    uint64_t hashed = (uint64_t)seq * FIBONACCI;
+    if (key->kind == 1) {
+        return (double)hashed;
+    }
+    double draw = (double)hashed * 0x1p-64;
+    return key->weight * log(1.0 > work ? 1.0 : work) - key->rest * log(1.0 - draw);
+}
+
+/* _evicted over entries[0..count): marks dropped[i]. Returns -1 on memory error. */
+static int evict(const Entry *entries, Py_ssize_t count, const double *capacities,
+                 const EvictionKey *key, char *dropped) {
+    Py_ssize_t start = 0;
+    while (start < count && entries[start].work > capacities[start]) {
+        dropped[start++] = 1;
+    }
+    double work = 0.0;
+    Py_ssize_t first_late = start;
+    for (; first_late < count; first_late++) {
+        double pending = entries[first_late].work;
+        if (work + pending > capacities[first_late]) {
+            break;
+        }
+        work += pending;
+    }
+    if (first_late == count) {
+        return 0;
+    }
+    Victim *heap = PyMem_Malloc(sizeof(Victim) * (size_t)(count ? count : 1));
+    if (heap == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t size = 0;
+    for (Py_ssize_t position = start; position < first_late; position++) {
+        if (!entries[position].started) {
+            Victim victim = {eviction_key(key, entries[position].seq, entries[position].work),
+                             position};
+            heap_push(heap, &size, victim);
+        }
+    }
+    for (Py_ssize_t position = first_late; position < count; position++) {
+        double pending = entries[position].work;
+        work += pending;
+        if (!entries[position].started) {
+            Victim victim = {eviction_key(key, entries[position].seq, pending), position};
+            heap_push(heap, &size, victim);
+        }
+        double capacity = capacities[position];
+        while (work > capacity && size) {
+            Py_ssize_t victim = heap_pop(heap, &size).position;
+            work -= entries[victim].work;
+            dropped[victim] = 1;
+        }
+        if (work > capacity && !dropped[position]) {
+            work -= pending;
+            dropped[position] = 1;
+        }
+    }
+    PyMem_Free(heap);
+    return 0;
+}
+
+/* KvOutlook, read once: free tokens, releases (ascending times, cumulative tokens). */
+typedef struct {
+    double free_tokens;
+    Py_ssize_t releases;
+    double *release_times;
+    double *released_through;
+} Outlook;
+
+static double available_at(const Outlook *kv, double time_s) {
+    /* bisect_right(release_times, time_s) */
+    Py_ssize_t low = 0, high = kv->releases;
+    while (low < high) {
+        Py_ssize_t middle = (low + high) / 2;
+        if (time_s < kv->release_times[middle]) {
+            high = middle;
+        } else {
+            low = middle + 1;
+        }
+    }
+    return kv->free_tokens + (low ? kv->released_through[low - 1] : 0.0);
+}
+
+static int doubles_of(PyObject *sequence, Py_ssize_t count, double *out, const char *name) {
+    PyObject *fast = PySequence_Fast(sequence, name);
+    if (fast == NULL) {
+        return -1;
+    }
+    if (PySequence_Fast_GET_SIZE(fast) != count) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd values, expected %zd", name,
+                     PySequence_Fast_GET_SIZE(fast), count);
+        Py_DECREF(fast);
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        out[i] = PyFloat_AsDouble(items[i]);
+        if (out[i] == -1.0 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* _suffix_minima: out[i] = min(values[i:]), one longer (its last is inf), as a tuple. */
+static PyObject *suffix_minima(const double *values, Py_ssize_t count) {
+    PyObject *out = PyTuple_New(count + 1);
+    if (out == NULL) {
+        return NULL;
+    }
+    double smallest = INFINITY;
+    for (Py_ssize_t i = count; i >= 0; i--) {
+        if (i < count) {
+            double value = values[i];
+            smallest = smallest < value ? smallest : value; /* min(value, smallest) */
+        }
+        PyObject *item = PyFloat_FromDouble(smallest);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+static PyObject *tuple_of(const double *values, Py_ssize_t count) {
+    PyObject *out = PyTuple_New(count);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyFloat_FromDouble(values[i]);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, item);
+    }
+    return out;
+}
+
+static PyObject *REQ_ID, *GET;
+
+static PyObject *request_id(PyObject *requests, Py_ssize_t row) {
+    return PyObject_GetAttr(PyList_GET_ITEM(requests, row), REQ_ID);
+}
+
+static int add_hopeless(PyObject *hopeless, PyObject *requests, Py_ssize_t row) {
+    PyObject *req_id = request_id(requests, row);
+    if (req_id == NULL) {
+        return -1;
+    }
+    int status = PySet_Add(hopeless, req_id);
+    Py_DECREF(req_id);
+    return status;
+}
+
+static double number(PyObject *value, int *failed) {
+    double out = PyFloat_AsDouble(value);
+    if (out == -1.0 && PyErr_Occurred()) {
+        *failed = 1;
+    }
+    return out;
+}
+
+enum {
+    ARG_REQUESTS, ARG_DUE, ARG_SEQ, ARG_PENDING, ARG_CONTEXT, ARG_PROMPT, ARG_TPOT,
+    ARG_NOW, ARG_DEFAULT_TPOT, ARG_A, ARG_B, ARG_HEADROOM, ARG_FIXED, ARG_PER_KV, ARG_SCALE,
+    ARG_KNEE, ARG_WORK_B, ARG_WORK_C, ARG_WORK_E, ARG_LENGTH_WEIGHT, ARG_KV, ARG_WITH_TABLES,
+    ARGS
+};
+
+PyDoc_STRVAR(queue_forecast_doc,
+"queue_forecast(requests, due, seq, pending, context, prompt, tpot, now, default_tpot_s,\n"
+"               a_s, b_s_per_token, headroom, fixed, per_kv_token, scale, knee_tokens,\n"
+"               work_b, work_c, work_e, length_weight, kv, with_tables)\n"
+"--\n\n"
+"The admission forecast of a table (sglang_ext.policy.admission._compiled_forecast\n"
+"says what each argument is). Returns (rate, hopeless request ids) and, with tables,\n"
+"(deadlines, work_through, spare_after, need_through, kv_spare_after) after them.");
+
+static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != ARGS) {
+        PyErr_Format(PyExc_TypeError, "queue_forecast takes %d arguments (%zd given)", ARGS,
+                     nargs);
+        return NULL;
+    }
+    PyObject *requests = args[ARG_REQUESTS];
+    if (!PyList_Check(requests)) {
+        PyErr_SetString(PyExc_TypeError, "requests must be a list (a RequestTable)");
+        return NULL;
+    }
+    Py_ssize_t rows = PyList_GET_SIZE(requests);
+    int failed = 0;
+    double now = number(args[ARG_NOW], &failed);
+    double default_tpot = number(args[ARG_DEFAULT_TPOT], &failed);
+    double a_s = number(args[ARG_A], &failed);
+    double b = number(args[ARG_B], &failed);
+    double headroom = number(args[ARG_HEADROOM], &failed);
+    double fixed = number(args[ARG_FIXED], &failed);
+    double per_kv = number(args[ARG_PER_KV], &failed);
+    double scale = number(args[ARG_SCALE], &failed);
+    int knee = args[ARG_KNEE] != Py_None;
+    double knee_tokens = knee ? number(args[ARG_KNEE], &failed) : 0.0;
+    double work_b = knee ? number(args[ARG_WORK_B], &failed) : 0.0;
+    double work_c = knee ? number(args[ARG_WORK_C], &failed) : 0.0;
+    double work_e = knee ? number(args[ARG_WORK_E], &failed) : 0.0;
+    int evicting = args[ARG_LENGTH_WEIGHT] != Py_None;
+    double length_weight = evicting ? number(args[ARG_LENGTH_WEIGHT], &failed) : 0.0;
+    int with_tables = PyObject_IsTrue(args[ARG_WITH_TABLES]);
+    if (failed || with_tables < 0) {
+        return NULL;
+    }
+    PyObject *kv_args = args[ARG_KV];
+    int with_kv = kv_args != Py_None;
+    PyObject *reserves = NULL;
+    double new_reserve = 0.0;
+    Outlook kv = {0.0, 0, NULL, NULL};
+
+    Column due = {0}, seq = {0}, pending = {0}, context = {0}, prompt = {0}, tpot = {0};
+    Entry *entries = NULL;
+    double *capacities = NULL, *kept_table = NULL;
+    char *dropped = NULL;
+    PyObject *hopeless = NULL, *result = NULL;
+
+    if (column_take(&due, args[ARG_DUE], 'd', rows, "due") < 0
+        || column_take(&seq, args[ARG_SEQ], 'q', rows, "seq") < 0
+        || column_take(&pending, args[ARG_PENDING], 'q', rows, "pending") < 0
+        || column_take(&context, args[ARG_CONTEXT], 'q', rows, "context") < 0
+        || column_take(&prompt, args[ARG_PROMPT], 'q', rows, "prompt") < 0
+        || column_take(&tpot, args[ARG_TPOT], 'd', rows, "tpot") < 0) {
+        goto done;
+    }
+    if (with_kv) {
+        PyObject *times, *through;
+        double free_tokens;
+        if (!PyArg_ParseTuple(kv_args, "dOOOd;kv must be (free_tokens, release_times, "
+                              "released_through, reserves, new_reserve)",
+                              &free_tokens, &times, &through, &reserves, &new_reserve)) {
+            goto done;
+        }
+        kv.free_tokens = free_tokens;
+        kv.releases = PyObject_Length(times);
+        if (kv.releases < 0) {
+            goto done;
+        }
+        kv.release_times = PyMem_Malloc(sizeof(double) * (size_t)(2 * kv.releases + 1));
+        if (kv.release_times == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        kv.released_through = kv.release_times + kv.releases;
+        if (doubles_of(times, kv.releases, kv.release_times, "release_times") < 0
+            || doubles_of(through, kv.releases, kv.released_through, "released_through") < 0) {
+            goto done;
+        }
+    }
+
+    /* the rate: prefill_rate's sum over every request, in the table's order */
+    double period = default_tpot;
+    double decode_share = 0.0;
+    Py_ssize_t queued = 0;
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        double request_tpot = as_double(&tpot, row);
+        if (request_tpot < period) {
+            period = request_tpot;
+        }
+        int64_t request_pending = as_int(&pending, row);
+        decode_share += (fixed + per_kv * (double)(as_int(&context, row) + request_pending) * scale)
+                        / request_tpot;
+        queued += request_pending != 0;
+    }
+    double free_share = 1.0 - a_s / period - decode_share;
+    double rate = (free_share > 0.0 ? free_share : 0.0) / b * (1.0 - headroom);
+
+    /* the queue, in deadline order */
+    size_t slots = (size_t)(queued ? queued : 1);
+    entries = PyMem_Malloc(sizeof(Entry) * slots);
+    capacities = PyMem_Malloc(sizeof(double) * slots);
+    dropped = PyMem_Calloc(slots, 1);
+    kept_table = PyMem_Malloc(sizeof(double) * slots * 5);
+    hopeless = PySet_New(NULL);
+    if (entries == NULL || capacities == NULL || dropped == NULL || kept_table == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (hopeless == NULL) {
+        goto done;
+    }
+    Py_ssize_t count = 0;
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        int64_t request_pending = as_int(&pending, row);
+        if (request_pending == 0) {
+            continue;
+        }
+        Entry *entry = &entries[count++];
+        int64_t request_context = as_int(&context, row);
+        entry->deadline = as_double(&due, row);
+        entry->seq = as_int(&seq, row);
+        entry->row = row;
+        entry->started = request_pending < as_int(&prompt, row);
+        if (knee) { /* prefill_cost_s(pending, context, knee_tokens) / b */
+            double after = knee_tokens + (double)request_pending;
+            if (after < knee_tokens) {
+                after = knee_tokens;
+            }
+            entry->work = (work_b * (after - knee_tokens) + work_c * (double)request_context
+                           + work_e * (double)request_pending
+                                 * ((double)request_context + (double)(request_pending + 1) / 2.0))
+                          / work_b;
+        } else {
+            entry->work = (double)request_pending;
+        }
+        entry->need = 0.0;
+    }
+    qsort(entries, (size_t)count, sizeof(Entry), by_deadline);
+    if (with_kv) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *req_id = request_id(requests, entries[i].row);
+            if (req_id == NULL) {
+                goto done;
+            }
+            PyObject *reserve;
+            if (PyDict_CheckExact(reserves)) {
+                reserve = PyDict_GetItemWithError(reserves, req_id);
+                if (reserve == NULL && PyErr_Occurred()) {
+                    Py_DECREF(req_id);
+                    goto done;
+                }
+                Py_XINCREF(reserve);
+            } else {
+                reserve = PyObject_CallMethodObjArgs(reserves, GET, req_id, Py_None, NULL);
+                if (reserve == NULL) {
+                    Py_DECREF(req_id);
+                    goto done;
+                }
+                if (reserve == Py_None) {
+                    Py_CLEAR(reserve);
+                }
+            }
+            Py_DECREF(req_id);
+            double reserved = new_reserve;
+            if (reserve != NULL) {
+                reserved = PyFloat_AsDouble(reserve);
+                Py_DECREF(reserve);
+                if (reserved == -1.0 && PyErr_Occurred()) {
+                    goto done;
+                }
+            }
+            entries[i].need = (double)as_int(&pending, entries[i].row) + reserved;
+        }
+    }
+
+    int all_need_work = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        capacities[i] = rate * (entries[i].deadline - now);
+        all_need_work &= entries[i].work > 0.0;
+    }
+    if (rate <= 0.0 && all_need_work) {
+        /* no prefill rate left: every queued prefill is late */
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (add_hopeless(hopeless, requests, entries[i].row) < 0) {
+                goto done;
+            }
+        }
+        count = 0;
+    } else if (evicting) {
+        EvictionKey key = {2, length_weight, 1.0 - length_weight};
+        if (length_weight >= 1.0) {
+            key.kind = 0;
+        } else if (length_weight <= 0.0) {
+            key.kind = 1;
+        }
+        if (evict(entries, count, capacities, &key, dropped) < 0) {
+            goto done;
+        }
+        Py_ssize_t kept = 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (dropped[i]) {
+                if (add_hopeless(hopeless, requests, entries[i].row) < 0) {
+                    goto done;
+                }
+            } else {
+                entries[kept] = entries[i];
+                capacities[kept++] = capacities[i];
+            }
+        }
+        count = kept;
+    }
+
+    /* the EDF scan */
+    double *deadlines = kept_table, *work_through = kept_table + slots,
+           *spares = kept_table + 2 * slots, *need_through = kept_table + 3 * slots,
+           *kv_spares = kept_table + 4 * slots;
+    Py_ssize_t feasible = 0;
+    double work = 0.0, needed = 0.0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const Entry *entry = &entries[i];
+        double capacity = capacities[i];
+        if (work + entry->work > capacity) {
+            if (add_hopeless(hopeless, requests, entry->row) < 0) {
+                goto done;
+            }
+            continue;
+        }
+        if (with_kv) {
+            double kv_spare = available_at(&kv, entry->deadline - entry->work / rate) - needed
+                              - entry->need;
+            if (kv_spare < 0) {
+                if (add_hopeless(hopeless, requests, entry->row) < 0) {
+                    goto done;
+                }
+                continue;
+            }
+            needed += entry->need;
+            need_through[feasible] = needed;
+            kv_spares[feasible] = kv_spare;
+        }
+        work += entry->work;
+        deadlines[feasible] = entry->deadline;
+        work_through[feasible] = work;
+        spares[feasible] = capacity - work;
+        feasible++;
+    }
+
+    PyObject *ids = PyFrozenSet_New(hopeless);
+    if (ids == NULL) {
+        goto done;
+    }
+    if (!with_tables) {
+        result = Py_BuildValue("(dN)", rate, ids);
+        goto done;
+    }
+    PyObject *empty = PyTuple_New(0);
+    result = Py_BuildValue(
+        "(dNNNNNN)", rate, ids, tuple_of(deadlines, feasible), tuple_of(work_through, feasible),
+        suffix_minima(spares, feasible),
+        with_kv ? tuple_of(need_through, feasible) : (Py_XINCREF(empty), empty),
+        with_kv ? suffix_minima(kv_spares, feasible) : (Py_XINCREF(empty), empty));
+    Py_XDECREF(empty);
+
+done:
+    column_release(&due);
+    column_release(&seq);
+    column_release(&pending);
+    column_release(&context);
+    column_release(&prompt);
+    column_release(&tpot);
+    PyMem_Free(kv.release_times);
+    PyMem_Free(entries);
+    PyMem_Free(capacities);
+    PyMem_Free(dropped);
+    PyMem_Free(kept_table);
+    Py_XDECREF(hopeless);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"queue_forecast", (PyCFunction)(void (*)(void))queue_forecast, METH_FASTCALL,
+     queue_forecast_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_compiled",
+    "FairBatching's decision hot path, compiled (sglang_ext.policy.compiled).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__compiled(void) {
+    REQ_ID = PyUnicode_InternFromString("req_id");
+    GET = PyUnicode_InternFromString("get");
+    if (REQ_ID == NULL || GET == NULL) {
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,37 @@
+"""Which decision path this process runs: the compiled one (``_compiled.c``, built on
+install where a C compiler exists) or the pure-Python reference it must match bit for bit.
+
+``FAIRBATCHING_PURE_PYTHON=1`` in the environment runs the reference even where the
+compiled module is built. Callers read :data:`queue_forecast` at each call (None: the
+reference), so a test can switch paths by setting it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+PURE_PYTHON_ENV = "FAIRBATCHING_PURE_PYTHON"
+
+try:
+    from sglang_ext.policy import _compiled
+except ImportError as error:
+    _compiled = None
+    _missing = f"the compiled module is not built ({error})"
+else:
+    _missing = ""
+
+_forced_pure = os.environ.get(PURE_PYTHON_ENV, "").strip() not in ("", "0")
+
+#: the admission forecast of a RequestTable (admission._compiled_forecast), or None
+queue_forecast: Callable | None = (
+    None if _compiled is None or _forced_pure else _compiled.queue_forecast)
+
+
+def decision_path() -> str:
+    """One line for a start-up log: which path decides, and why not the compiled one."""
+    if queue_forecast is not None:
+        return f"compiled ({os.path.basename(_compiled.__file__)})"
+    if _compiled is not None:
+        return f"pure Python ({PURE_PYTHON_ENV} is set)"
+    return f"pure Python: {_missing}"
