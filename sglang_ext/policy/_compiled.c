@@ -621,9 +621,309 @@ done:
     return result;
 }
 
+/* A row and its sort key (a float, or an arrival number), for numpy's stable argsort of
+   rows given in increasing order: by key (a float's NaN last), ties by row. */
+typedef struct {
+    double key;
+    int64_t seq;
+    Py_ssize_t row;
+} Keyed;
+
+static inline int by_key(const Keyed *a, const Keyed *b) {
+    int order = compare_doubles(a->key, b->key);
+    return order ? order < 0 : a->row < b->row;
+}
+
+static inline int by_seq(const Keyed *a, const Keyed *b) {
+    return a->seq != b->seq ? a->seq < b->seq : a->row < b->row;
+}
+
+/* A merge sort of items[0..count) by a total order (so stable whatever the algorithm);
+   scratch holds as many. Runs of 8 by insertion first. */
+#define DEFINE_SORT(name, before)                                                          \
+    static void name(Keyed *items, Keyed *scratch, Py_ssize_t count) {                     \
+        for (Py_ssize_t start = 0; start < count; start += 8) {                            \
+            Py_ssize_t end = start + 8 < count ? start + 8 : count;                        \
+            for (Py_ssize_t i = start + 1; i < end; i++) {                                 \
+                Keyed item = items[i];                                                     \
+                Py_ssize_t j = i;                                                          \
+                while (j > start && before(&item, &items[j - 1])) {                        \
+                    items[j] = items[j - 1];                                               \
+                    j--;                                                                   \
+                }                                                                          \
+                items[j] = item;                                                           \
+            }                                                                              \
+        }                                                                                  \
+        Keyed *from = items, *to = scratch;                                                \
+        for (Py_ssize_t width = 8; width < count; width *= 2) {                            \
+            for (Py_ssize_t left = 0; left < count; left += 2 * width) {                   \
+                Py_ssize_t middle = left + width < count ? left + width : count;           \
+                Py_ssize_t right = left + 2 * width < count ? left + 2 * width : count;    \
+                Py_ssize_t i = left, j = middle, k = left;                                 \
+                while (i < middle && j < right) {                                          \
+                    to[k++] = before(&from[j], &from[i]) ? from[j++] : from[i++];          \
+                }                                                                          \
+                while (i < middle) {                                                       \
+                    to[k++] = from[i++];                                                   \
+                }                                                                          \
+                while (j < right) {                                                        \
+                    to[k++] = from[j++];                                                   \
+                }                                                                          \
+            }                                                                              \
+            Keyed *swap = from;                                                            \
+            from = to;                                                                     \
+            to = swap;                                                                     \
+        }                                                                                  \
+        if (from != items) {                                                               \
+            memcpy(items, from, sizeof(Keyed) * (size_t)count);                            \
+        }                                                                                  \
+    }
+
+DEFINE_SORT(sort_by_key, by_key)
+DEFINE_SORT(sort_by_seq, by_seq)
+
+static int writable_column(Column *column, PyObject *array, char kind, Py_ssize_t rows,
+                           const char *name) {
+    if (PyObject_GetBuffer(array, &column->view,
+                           PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    column->taken = 1;
+    const char *format = column->view.format ? column->view.format : "B";
+    char last = format[strlen(format) - 1];
+    int matches = column->view.itemsize == 8 && column->view.ndim == 1
+                  && column->view.shape[0] == rows
+                  && (kind == 'd' ? last == 'd' : (last == 'l' || last == 'q'));
+    if (!matches) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a writable 1-d %s array of %zd rows",
+                     name, kind == 'd' ? "float64" : "intp", rows);
+        return -1;
+    }
+    column->data = (const char *)column->view.buf;
+    column->stride = 8;
+    return 0;
+}
+
+enum {
+    TRIAGE_REQUESTS, TRIAGE_DUE, TRIAGE_TPOT, TRIAGE_PENDING, TRIAGE_SEQ, TRIAGE_NEXT_INDEX,
+    TRIAGE_FIRST, TRIAGE_NOW, TRIAGE_ANCHORED, TRIAGE_FLOOR, TRIAGE_HOPELESS, TRIAGE_GUARD,
+    TRIAGE_SLACK_OUT, TRIAGE_ROWS_OUT, TRIAGE_ARGS
+};
+
+PyDoc_STRVAR(triage_doc,
+"triage(requests, due, tpot, pending, seq, next_index, first, now, anchored, floor,\n"
+"       hopeless, deadline_guard_s, slack_out, rows_out)\n"
+"--\n\n"
+"FairBatching's triage of a table (sglang_ext.policy.row_groups._compiled_triage says\n"
+"what each argument is). Fills slack_out with each row's slack (less the guard where in\n"
+"time) and rows_out with the in-time decodes, then the in-time prefills, by slack, then\n"
+"the late decodes and the late prefills in arrival order. Returns (init_time_budget_s,\n"
+"min_tpot_s, late_decode_tpot_s, urgent decodes, in-time decodes, in-time prefills,\n"
+"late decodes).");
+
+static PyObject *triage(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != TRIAGE_ARGS) {
+        PyErr_Format(PyExc_TypeError, "triage takes %d arguments (%zd given)", TRIAGE_ARGS,
+                     nargs);
+        return NULL;
+    }
+    PyObject *requests = args[TRIAGE_REQUESTS];
+    if (!PyList_Check(requests)) {
+        PyErr_SetString(PyExc_TypeError, "requests must be a list (a RequestTable)");
+        return NULL;
+    }
+    Py_ssize_t rows = PyList_GET_SIZE(requests);
+    int failed = 0;
+    double now = number(args[TRIAGE_NOW], &failed);
+    double guard = number(args[TRIAGE_GUARD], &failed);
+    int anchored = PyObject_IsTrue(args[TRIAGE_ANCHORED]);
+    PyObject *hopeless = args[TRIAGE_HOPELESS];
+    int has_hopeless = PyObject_IsTrue(hopeless);
+    PyObject *floor_args = args[TRIAGE_FLOOR];
+    int has_floor = floor_args != Py_None;
+    double serviceable = -INFINITY, fallback_budget = 0.0, min_budget = 0.0;
+    if (failed || anchored < 0 || has_hopeless < 0) {
+        return NULL;
+    }
+    if (has_floor && !PyArg_ParseTuple(floor_args, "ddd;floor must be (min_serviceable_tpot_s, "
+                                       "fallback_budget_s, min_budget_s)",
+                                       &serviceable, &fallback_budget, &min_budget)) {
+        return NULL;
+    }
+    if (has_hopeless && !PyAnySet_Check(hopeless)) {
+        PyErr_SetString(PyExc_TypeError, "hopeless must be a set of request ids");
+        return NULL;
+    }
+
+    Column due = {0}, tpot = {0}, pending = {0}, seq = {0}, next_index = {0}, first = {0};
+    Column slack_out = {0}, rows_out = {0};
+    Keyed *in_time = NULL;
+    char *late = NULL;
+    PyObject *result = NULL;
+    if (column_take(&due, args[TRIAGE_DUE], 'd', rows, "due") < 0
+        || column_take(&tpot, args[TRIAGE_TPOT], 'd', rows, "tpot") < 0
+        || column_take(&pending, args[TRIAGE_PENDING], 'q', rows, "pending") < 0
+        || column_take(&seq, args[TRIAGE_SEQ], 'q', rows, "seq") < 0
+        || column_take(&next_index, args[TRIAGE_NEXT_INDEX], 'q', rows, "next_index") < 0
+        || column_take(&first, args[TRIAGE_FIRST], 'd', rows, "first") < 0
+        || writable_column(&slack_out, args[TRIAGE_SLACK_OUT], 'd', rows, "slack_out") < 0
+        || writable_column(&rows_out, args[TRIAGE_ROWS_OUT], 'q', rows, "rows_out") < 0) {
+        goto done;
+    }
+    double *slack = (double *)slack_out.view.buf;
+    Py_ssize_t *order = (Py_ssize_t *)rows_out.view.buf;
+    size_t slots = (size_t)(rows ? rows : 1);
+    in_time = PyMem_Malloc(sizeof(Keyed) * slots * 2);
+    late = PyMem_Calloc(slots, 1);
+    if (in_time == NULL || late == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Keyed *scratch = in_time + slots;
+
+    /* slack, and who is late: past the deadline or under the serviceable TPOT (with a
+       floor), or a queued prefill the forecast gave up */
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        double deadline = as_double(&due, row);
+        if (anchored) { /* after a first token its deadline is first + tpot * j */
+            int64_t index = as_int(&next_index, row);
+            double first_time = as_double(&first, row);
+            if (index != 0 && !isnan(first_time)) {
+                deadline = first_time + as_double(&tpot, row) * (double)index;
+            }
+        }
+        slack[row] = deadline - now;
+        if (has_floor) {
+            late[row] = slack[row] < 0.0 || as_double(&tpot, row) < serviceable;
+        }
+        if (has_hopeless && !late[row] && as_int(&pending, row) != 0) {
+            PyObject *req_id = request_id(requests, row);
+            if (req_id == NULL) {
+                goto done;
+            }
+            int given_up = PySet_Contains(hopeless, req_id);
+            Py_DECREF(req_id);
+            if (given_up < 0) {
+                goto done;
+            }
+            late[row] = (char)given_up;
+        }
+    }
+    Py_ssize_t in_time_count = 0, late_count = 0;
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        if (late[row]) {
+            late_count++;
+            continue;
+        }
+        if (guard != 0.0) {
+            slack[row] = slack[row] - guard;
+        }
+        in_time[in_time_count].key = slack[row];
+        in_time[in_time_count++].row = row;
+    }
+    sort_by_key(in_time, scratch, in_time_count);
+    double min_slack = in_time_count ? slack[in_time[0].row] : 0.0;
+
+    /* the in-time decodes, then the in-time prefills, by slack */
+    Py_ssize_t decodes = 0;
+    double min_tpot = INFINITY;
+    for (Py_ssize_t i = 0; i < in_time_count; i++) {
+        Py_ssize_t row = in_time[i].row;
+        double request_tpot = as_double(&tpot, row);
+        if (request_tpot < min_tpot || isnan(request_tpot)) {
+            min_tpot = request_tpot; /* np.minimum propagates NaN */
+        }
+        if (as_int(&pending, row) == 0) {
+            order[decodes++] = row;
+        }
+    }
+    Py_ssize_t prefills = decodes;
+    for (Py_ssize_t i = 0; i < in_time_count; i++) {
+        Py_ssize_t row = in_time[i].row;
+        if (as_int(&pending, row) != 0) {
+            order[prefills++] = row;
+        }
+    }
+
+    /* the late ones in arrival order: decodes, then prefills */
+    Py_ssize_t late_decodes = prefills, late_total = 0;
+    double late_tpot = INFINITY;
+    if (late_count) {
+        Keyed *late_rows = in_time; /* the in-time order is in rows_out now */
+        for (Py_ssize_t row = 0; row < rows; row++) {
+            if (late[row]) {
+                late_rows[late_total].seq = as_int(&seq, row);
+                late_rows[late_total++].row = row;
+            }
+        }
+        sort_by_seq(late_rows, scratch, late_total);
+        for (Py_ssize_t i = 0; i < late_total; i++) {
+            Py_ssize_t row = late_rows[i].row;
+            if (as_int(&pending, row) == 0) {
+                order[late_decodes++] = row;
+                double request_tpot = as_double(&tpot, row); /* np.maximum(tpot, serviceable) */
+                double served = isnan(request_tpot) || request_tpot >= serviceable
+                                ? request_tpot : serviceable;
+                if (served < late_tpot || isnan(served)) {
+                    late_tpot = served;
+                }
+            }
+        }
+        Py_ssize_t late_prefills = late_decodes;
+        for (Py_ssize_t i = 0; i < late_total; i++) {
+            Py_ssize_t row = late_rows[i].row;
+            if (as_int(&pending, row) != 0) {
+                order[late_prefills++] = row;
+            }
+        }
+    }
+
+    /* batch_former.initial_time_budget */
+    double init_time_budget;
+    if (min_tpot == INFINITY) { /* nobody in time */
+        init_time_budget = has_floor ? fallback_budget : INFINITY;
+    } else {
+        double lowest = min_tpot - guard;
+        if (has_floor && lowest < min_budget) {
+            lowest = min_tpot < min_budget ? min_tpot : min_budget;
+        }
+        init_time_budget = lowest > min_slack ? lowest : min_slack; /* max(min_slack, lowest) */
+    }
+    if (late_tpot < init_time_budget) {
+        init_time_budget = late_tpot;
+    }
+    /* searchsorted(slack of the in-time decodes, init + min_tpot, side="left") */
+    double threshold = init_time_budget + min_tpot;
+    Py_ssize_t urgent = 0, above = decodes;
+    while (urgent < above) {
+        Py_ssize_t middle = (urgent + above) / 2;
+        if (compare_doubles(slack[order[middle]], threshold) < 0) {
+            urgent = middle + 1;
+        } else {
+            above = middle;
+        }
+    }
+    result = Py_BuildValue("(dddnnnn)", init_time_budget, min_tpot, late_tpot, urgent, decodes,
+                           prefills, late_decodes);
+
+done:
+    column_release(&due);
+    column_release(&tpot);
+    column_release(&pending);
+    column_release(&seq);
+    column_release(&next_index);
+    column_release(&first);
+    column_release(&slack_out);
+    column_release(&rows_out);
+    PyMem_Free(in_time);
+    PyMem_Free(late);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"queue_forecast", (PyCFunction)(void (*)(void))queue_forecast, METH_FASTCALL,
      queue_forecast_doc},
+    {"triage", (PyCFunction)(void (*)(void))triage, METH_FASTCALL, triage_doc},
     {NULL, NULL, 0, NULL},
 };
 

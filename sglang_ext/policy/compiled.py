@@ -23,9 +23,11 @@ else:
 
 _forced_pure = os.environ.get(PURE_PYTHON_ENV, "").strip() not in ("", "0")
 
+_built = None if _forced_pure else _compiled
 #: the admission forecast of a RequestTable (admission._compiled_forecast), or None
-queue_forecast: Callable | None = (
-    None if _compiled is None or _forced_pure else _compiled.queue_forecast)
+queue_forecast: Callable | None = None if _built is None else _built.queue_forecast
+#: FairBatching's triage of a RequestTable (row_groups._compiled_triage), or None
+triage: Callable | None = None if _built is None else _built.triage
 
 
 def decision_path() -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from sglang_ext.policy import compiled
 from sglang_ext.policy.batch_former import (
     ServiceFloor,
     Triage,
@@ -144,6 +145,8 @@ def triage_rows(
     hopeless: frozenset, deadline_guard_s: float,
 ) -> RowGroups:
     """:func:`~sglang_ext.policy.batch_former.triage` of a non-empty table."""
+    if compiled.triage is not None:
+        return _compiled_triage(table, now, anchored, floor, hopeless, deadline_guard_s)
     columns = table.columns
     tpot = columns.tpot
     due = table.due
@@ -190,6 +193,29 @@ def triage_rows(
     split = int(np.searchsorted(guarded[decode_rows], init_time_budget + min_tpot, side="left"))
     return RowGroups(table, guarded, init_time_budget, min_tpot, decode_rows[:split], prefill_rows,
                      decode_rows[split:], late_decode_rows, late_prefill_rows, late_tpot)
+
+
+def _compiled_triage(
+    table: RequestTable, now: float, anchored: bool, floor: ServiceFloor | None,
+    hopeless: frozenset, deadline_guard_s: float,
+) -> RowGroups:
+    """:func:`triage_rows` by the compiled path (``compiled.triage``): the rows in one
+    array, in-time decodes, in-time prefills, late decodes, late prefills, each group a
+    slice of it."""
+    columns = table.columns
+    count = len(table)
+    slack = np.empty(count, dtype=np.float64)
+    rows = np.empty(count, dtype=np.intp)
+    init_time_budget, min_tpot, late_tpot, urgent, decodes, prefills, late_decodes = (
+        compiled.triage(
+            table, table.due, columns.tpot, columns.pending, columns.seq, columns.next_index,
+            columns.first, now, anchored,
+            None if floor is None else (floor.min_serviceable_tpot_s, floor.fallback_budget_s,
+                                        floor.min_budget_s),
+            hopeless, deadline_guard_s, slack, rows))
+    return RowGroups(table, slack, init_time_budget, min_tpot, rows[:urgent],
+                     rows[decodes:prefills], rows[urgent:decodes],
+                     rows[prefills:late_decodes], rows[late_decodes:], late_tpot)
 
 
 def prefill_costs_s(coefficients: StepPredictor, chunks: np.ndarray, prefixes: np.ndarray,

@@ -1,7 +1,8 @@
 """A decision over a ``RequestTable`` (the requests with their columns) is bit for bit the
 decision over the same requests as a plain list: on random states of every kind the
 triage distinguishes, for every FairBatching policy under every admission mode, and at
-every step of simulated runs."""
+every step of simulated runs. Each test runs on the compiled decision path and on the
+pure-Python reference."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import random
 
 import numpy as np
 import pytest
+from policy_helpers import require_compiled
 
 import sglang_ext.sim.runner  # noqa: F401  (registers every policy)
+from sglang_ext.policy import compiled
 from sglang_ext.policy.admission import (
     KvOutlook,
     _decode_cost_terms,
@@ -40,6 +43,16 @@ ADMISSIONS = ("", "+defer", "+defer:fair", "+defer:latest", "+reject")
 LABELS = [name + ("@1024" if POLICIES.get(name).takes_token_budget else "") + admission
           for name in FAMILY for admission in ADMISSIONS
           if not (admission and getattr(POLICIES.get(name), "implied_admission", None))]
+
+
+@pytest.fixture(autouse=True, params=["compiled", "reference"])
+def decision_path(request, monkeypatch) -> str:
+    if request.param == "compiled":
+        require_compiled()
+    else:
+        monkeypatch.setattr(compiled, "queue_forecast", None)
+        monkeypatch.setattr(compiled, "triage", None)
+    return request.param
 
 
 def random_state(rng: random.Random, decodes: int, waiting: int, now: float = 100.0,
