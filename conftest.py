@@ -13,15 +13,24 @@ kept out of the fast part by where it is put, not by a marker someone has to rem
 A test elsewhere that runs a multi-second simulation, or starts a process, carries
 ``@pytest.mark.slow`` (or its module ``pytestmark``) itself. The markers are declared in
 pyproject.toml; docs/tests.md says what each folder covers.
+
+The fixtures ``compiled_path``, ``reference_path`` and ``decision_path`` (both, as two
+runs of a test) choose between the compiled decision path and its pure-Python reference.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from sglang_ext.policy import compiled
+
 ROOT = Path(__file__).resolve().parent
+
+#: set by the test script where a C compiler exists: the compiled path must be built there
+REQUIRE_COMPILED_ENV = "FAIRBATCHING_REQUIRE_COMPILED"
 
 #: folder, relative to the repository -> the markers of every test under it
 FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
@@ -48,3 +57,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         markers = by_file.setdefault(item.path, folder_markers(item.path))
         for marker in markers:
             item.add_marker(marker)
+
+
+@pytest.fixture
+def compiled_path() -> None:
+    """The compiled decision path: skipped where it is not built, failed where
+    ``FAIRBATCHING_REQUIRE_COMPILED`` says it must be."""
+    if not compiled.built():
+        if os.environ.get(REQUIRE_COMPILED_ENV):
+            pytest.fail(f"the compiled path is required here: {compiled.decision_path()}")
+        pytest.skip(compiled.decision_path())
+
+
+@pytest.fixture
+def reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pure-Python reference, wherever the compiled path is built."""
+    for name in compiled.FUNCTIONS:
+        monkeypatch.setattr(compiled, name, None)
+
+
+@pytest.fixture(params=["compiled", "reference"])
+def decision_path(request: pytest.FixtureRequest) -> str:
+    """A test run twice: on the compiled decision path and on the reference."""
+    request.getfixturevalue(f"{request.param}_path")
+    return request.param

@@ -640,12 +640,12 @@ static inline int by_seq(const Keyed *a, const Keyed *b) {
 
 /* A merge sort of items[0..count) by a total order (so stable whatever the algorithm);
    scratch holds as many. Runs of 8 by insertion first. */
-#define DEFINE_SORT(name, before)                                                          \
-    static void name(Keyed *items, Keyed *scratch, Py_ssize_t count) {                     \
+#define DEFINE_SORT(name, Item, before)                                                          \
+    static void name(Item *items, Item *scratch, Py_ssize_t count) {                     \
         for (Py_ssize_t start = 0; start < count; start += 8) {                            \
             Py_ssize_t end = start + 8 < count ? start + 8 : count;                        \
             for (Py_ssize_t i = start + 1; i < end; i++) {                                 \
-                Keyed item = items[i];                                                     \
+                Item item = items[i];                                                      \
                 Py_ssize_t j = i;                                                          \
                 while (j > start && before(&item, &items[j - 1])) {                        \
                     items[j] = items[j - 1];                                               \
@@ -654,7 +654,7 @@ static inline int by_seq(const Keyed *a, const Keyed *b) {
                 items[j] = item;                                                           \
             }                                                                              \
         }                                                                                  \
-        Keyed *from = items, *to = scratch;                                                \
+        Item *from = items, *to = scratch;                                                 \
         for (Py_ssize_t width = 8; width < count; width *= 2) {                            \
             for (Py_ssize_t left = 0; left < count; left += 2 * width) {                   \
                 Py_ssize_t middle = left + width < count ? left + width : count;           \
@@ -670,17 +670,41 @@ static inline int by_seq(const Keyed *a, const Keyed *b) {
                     to[k++] = from[j++];                                                   \
                 }                                                                          \
             }                                                                              \
-            Keyed *swap = from;                                                            \
+            Item *swap = from;                                                             \
             from = to;                                                                     \
             to = swap;                                                                     \
         }                                                                                  \
         if (from != items) {                                                               \
-            memcpy(items, from, sizeof(Keyed) * (size_t)count);                            \
+            memcpy(items, from, sizeof(Item) * (size_t)count);                             \
         }                                                                                  \
     }
 
-DEFINE_SORT(sort_by_key, by_key)
-DEFINE_SORT(sort_by_seq, by_seq)
+DEFINE_SORT(sort_by_key, Keyed, by_key)
+DEFINE_SORT(sort_by_seq, Keyed, by_seq)
+
+/* A running request's KV release: when, how many tokens, its place (np.lexsort((tokens,
+   times)) orders by time, then tokens, then place). */
+typedef struct {
+    double time;
+    double tokens;
+    Py_ssize_t index;
+} Release;
+
+static inline int release_before(const Release *a, const Release *b) {
+    int order = compare_doubles(a->time, b->time);
+    if (order) {
+        return order < 0;
+    }
+    order = compare_doubles(a->tokens, b->tokens);
+    return order ? order < 0 : a->index < b->index;
+}
+
+static inline int int_before(const int64_t *a, const int64_t *b) {
+    return *a < *b;
+}
+
+DEFINE_SORT(sort_releases, Release, release_before)
+DEFINE_SORT(sort_ints, int64_t, int_before)
 
 static int writable_column(Column *column, PyObject *array, char kind, Py_ssize_t rows,
                            const char *name) {
@@ -920,10 +944,196 @@ done:
     return result;
 }
 
+static int bool_column(Column *column, PyObject *array, const char *name) {
+    if (PyObject_GetBuffer(array, &column->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    column->taken = 1;
+    const char *format = column->view.format ? column->view.format : "B";
+    if (column->view.itemsize != 1 || column->view.ndim != 1
+        || format[strlen(format) - 1] != '?') {
+        PyErr_Format(PyExc_TypeError, "column %s: expected a 1-d bool array", name);
+        return -1;
+    }
+    column->data = (const char *)column->view.buf;
+    column->stride = column->view.strides[0];
+    return 0;
+}
+
+enum {
+    KV_FREE, KV_RATIO, KV_CLIP, KV_DECODING, KV_QUEUED_FROM, KV_STORE_ROWS, KV_MAX_NEW,
+    KV_IGNORE_EOS, KV_OUTPUTS, KV_FIRST, KV_ARRIVAL, KV_TTFT, KV_TPOT, KV_CONTEXT, KV_ARGS
+};
+
+PyDoc_STRVAR(kv_outlook_doc,
+"kv_outlook(free_and_evictable, new_token_ratio, clip, decoding, queued_from, store_rows,\n"
+"           max_new, ignore_eos, outputs, first, arrival, ttft, tpot, context)\n"
+"--\n\n"
+"The KV outlook of a decision's table (sglang_ext.adapter.scheduler.kv_outlook.\n"
+"kv_outlook_of_table says what each argument is). Returns (free tokens, release times,\n"
+"released through, the queued requests' output reserves, new_reserve).");
+
+static PyObject *kv_outlook(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != KV_ARGS) {
+        PyErr_Format(PyExc_TypeError, "kv_outlook takes %d arguments (%zd given)", KV_ARGS,
+                     nargs);
+        return NULL;
+    }
+    int failed = 0;
+    double free_tokens = number(args[KV_FREE], &failed);
+    double ratio = number(args[KV_RATIO], &failed);
+    int64_t clip = PyLong_AsLongLong(args[KV_CLIP]);
+    Py_ssize_t decoding = PyLong_AsSsize_t(args[KV_DECODING]);
+    Py_ssize_t queued_from = PyLong_AsSsize_t(args[KV_QUEUED_FROM]);
+    if (failed || PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *outputs = args[KV_OUTPUTS];
+    if (!PyList_Check(outputs)) {
+        PyErr_SetString(PyExc_TypeError, "outputs must be a list of ints");
+        return NULL;
+    }
+    Py_ssize_t rows = PyList_GET_SIZE(outputs);
+    if (decoding < 0 || decoding > rows || queued_from < decoding || queued_from > rows) {
+        PyErr_SetString(PyExc_ValueError, "decoding and queued_from must split the rows");
+        return NULL;
+    }
+    Column store_rows = {0}, max_new = {0}, ignore_eos = {0}, first = {0}, arrival = {0},
+           ttft = {0}, tpot = {0}, context = {0};
+    Release *releases = NULL;
+    int64_t *initial = NULL;
+    PyObject *result = NULL, *whole_queued = NULL, *times = NULL, *through = NULL;
+    if (column_take(&store_rows, args[KV_STORE_ROWS], 'q', rows, "store_rows") < 0
+        || column_take(&first, args[KV_FIRST], 'd', rows, "first") < 0
+        || column_take(&arrival, args[KV_ARRIVAL], 'd', rows, "arrival") < 0
+        || column_take(&ttft, args[KV_TTFT], 'd', rows, "ttft") < 0
+        || column_take(&tpot, args[KV_TPOT], 'd', rows, "tpot") < 0
+        || column_take(&context, args[KV_CONTEXT], 'q', rows, "context") < 0) {
+        goto done;
+    }
+    if (PyObject_GetBuffer(args[KV_MAX_NEW], &max_new.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        goto done;
+    }
+    max_new.taken = 1;
+    const char *format = max_new.view.format ? max_new.view.format : "B";
+    char last = format[strlen(format) - 1];
+    if (max_new.view.itemsize != 8 || max_new.view.ndim != 1 || (last != 'l' && last != 'q')) {
+        PyErr_SetString(PyExc_TypeError, "column max_new: expected a 1-d int64 array");
+        goto done;
+    }
+    max_new.data = (const char *)max_new.view.buf;
+    max_new.stride = max_new.view.strides[0];
+    if (bool_column(&ignore_eos, args[KV_IGNORE_EOS], "ignore_eos") < 0) {
+        goto done;
+    }
+    if (ignore_eos.view.shape[0] != max_new.view.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "max_new and ignore_eos are store columns of one length");
+        goto done;
+    }
+    Py_ssize_t store_size = max_new.view.shape[0];
+    size_t slots = (size_t)(rows ? rows : 1);
+    releases = PyMem_Malloc(sizeof(Release) * slots * 2);
+    initial = PyMem_Malloc(sizeof(int64_t) * slots * 2);
+    whole_queued = PyList_New(rows - queued_from);
+    if (releases == NULL || initial == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (whole_queued == NULL) {
+        goto done;
+    }
+    Py_ssize_t initials = 0;
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        if (row >= decoding && row < queued_from) {
+            continue; /* the cut prompt: the caller charges it */
+        }
+        Py_ssize_t store_row = (Py_ssize_t)as_int(&store_rows, row);
+        if (store_row < 0 || store_row >= store_size) {
+            PyErr_SetString(PyExc_IndexError, "a store row out of the store");
+            goto done;
+        }
+        int64_t request_max_new = as_int(&max_new, store_row);
+        int64_t produced = PyLong_AsLongLong(PyList_GET_ITEM(outputs, row));
+        if (produced == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        int64_t remaining = request_max_new - produced;
+        if (remaining < 0) {
+            remaining = 0;
+        }
+        int64_t whole = remaining < clip ? remaining : clip;
+        int64_t reserved_at_start = request_max_new > 0 ? request_max_new : 0;
+        initial[initials++] = reserved_at_start < clip ? reserved_at_start : clip;
+        if (row >= queued_from) {
+            PyObject *item = PyFloat_FromDouble((double)whole);
+            if (item == NULL) {
+                goto done;
+            }
+            PyList_SET_ITEM(whole_queued, row - queued_from, item);
+            continue;
+        }
+        double reserve = (double)whole
+                         * (*(const char *)(ignore_eos.data + store_row * ignore_eos.stride)
+                            ? 1.0 : ratio);
+        free_tokens -= reserve;
+        double first_time = as_double(&first, row);
+        double anchor = isnan(first_time) ? as_double(&arrival, row) + as_double(&ttft, row)
+                                          : first_time;
+        int64_t later = request_max_new - 1;
+        releases[row].time = anchor + (double)(later > 0 ? later : 0) * as_double(&tpot, row);
+        releases[row].tokens = (double)as_int(&context, row) + reserve;
+        releases[row].index = row;
+    }
+    sort_releases(releases, releases + slots, decoding);
+    sort_ints(initial, initial + slots, initials);
+    double new_reserve = 0.0;
+    if (initials) { /* statistics.median */
+        Py_ssize_t middle = initials / 2;
+        new_reserve = initials % 2 ? (double)initial[middle]
+                                   : (double)(initial[middle - 1] + initial[middle]) / 2.0;
+    }
+    times = PyTuple_New(decoding);
+    through = PyTuple_New(decoding);
+    if (times == NULL || through == NULL) {
+        goto done;
+    }
+    double total = 0.0;
+    for (Py_ssize_t i = 0; i < decoding; i++) {
+        total = i ? total + releases[i].tokens : releases[i].tokens;
+        PyObject *time_item = PyFloat_FromDouble(releases[i].time);
+        PyObject *total_item = PyFloat_FromDouble(total);
+        if (time_item == NULL || total_item == NULL) {
+            Py_XDECREF(time_item);
+            Py_XDECREF(total_item);
+            goto done;
+        }
+        PyTuple_SET_ITEM(times, i, time_item);
+        PyTuple_SET_ITEM(through, i, total_item);
+    }
+    result = Py_BuildValue("(dOOOd)", free_tokens, times, through, whole_queued, new_reserve);
+
+done:
+    column_release(&store_rows);
+    column_release(&max_new);
+    column_release(&ignore_eos);
+    column_release(&first);
+    column_release(&arrival);
+    column_release(&ttft);
+    column_release(&tpot);
+    column_release(&context);
+    PyMem_Free(releases);
+    PyMem_Free(initial);
+    Py_XDECREF(whole_queued);
+    Py_XDECREF(times);
+    Py_XDECREF(through);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"queue_forecast", (PyCFunction)(void (*)(void))queue_forecast, METH_FASTCALL,
      queue_forecast_doc},
     {"triage", (PyCFunction)(void (*)(void))triage, METH_FASTCALL, triage_doc},
+    {"kv_outlook", (PyCFunction)(void (*)(void))kv_outlook, METH_FASTCALL, kv_outlook_doc},
     {NULL, NULL, 0, NULL},
 };
 

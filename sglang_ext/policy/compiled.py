@@ -28,11 +28,22 @@ _built = None if _forced_pure else _compiled
 queue_forecast: Callable | None = None if _built is None else _built.queue_forecast
 #: FairBatching's triage of a RequestTable (row_groups._compiled_triage), or None
 triage: Callable | None = None if _built is None else _built.triage
+#: the SGLang adapter's KV outlook of a decision's table (kv_outlook_of_table), or None
+kv_outlook: Callable | None = None if _built is None else _built.kv_outlook
+
+
+#: what the compiled module provides, each None where the reference runs
+FUNCTIONS = ("queue_forecast", "triage", "kv_outlook")
+
+
+def built() -> bool:
+    """Whether this process runs the compiled path (every function of it)."""
+    return all(globals()[name] is not None for name in FUNCTIONS)
 
 
 def decision_path() -> str:
     """One line for a start-up log: which path decides, and why not the compiled one."""
-    if queue_forecast is not None:
+    if built():
         return f"compiled ({os.path.basename(_compiled.__file__)})"
     if _compiled is not None:
         return f"pure Python ({PURE_PYTHON_ENV} is set)"

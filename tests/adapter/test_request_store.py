@@ -119,6 +119,7 @@ def test_a_view_whose_arrival_moves_moves_in_the_table():
     assert 500.0 in table.columns.arrival.tolist()
 
 
+@pytest.mark.usefixtures("decision_path")
 @pytest.mark.parametrize("with_chunked", [False, True])
 def test_the_kv_outlook_of_the_table_is_the_one_request_by_request(with_chunked):
     from sglang_ext.adapter.scheduler.kv_outlook import kv_outlook, kv_outlook_of_table

@@ -3,12 +3,8 @@ directory on ``sys.path`` because ``tests/policy`` is not a package)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable
 
-import pytest
-
-from sglang_ext.policy import compiled
 from sglang_ext.policy.slo import Slo
 from sglang_ext.policy.step_model import StepCoefficients
 from sglang_ext.policy.step_shape import StepShape
@@ -66,15 +62,3 @@ def measured_step(new_tokens: int, context: int, prefill_tokens: int = 0) -> Ste
                          context, 1)
     return StepShape(0, 0.0, 0, decodes, context, 0)
 
-
-REQUIRE_COMPILED_ENV = "FAIRBATCHING_REQUIRE_COMPILED"
-
-
-def require_compiled() -> None:
-    """Skips a test of the compiled decision path where it is not built, or fails it
-    where ``FAIRBATCHING_REQUIRE_COMPILED`` is set (the test script sets it: there the
-    install must have built it)."""
-    if compiled.queue_forecast is None:
-        if os.environ.get(REQUIRE_COMPILED_ENV):
-            pytest.fail(f"the compiled path is required here: {compiled.decision_path()}")
-        pytest.skip(compiled.decision_path())

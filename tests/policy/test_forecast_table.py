@@ -15,9 +15,8 @@ from types import MappingProxyType
 
 import numpy as np
 import pytest
-from policy_helpers import require_compiled
 
-from sglang_ext.policy import admission, compiled
+from sglang_ext.policy import admission
 from sglang_ext.policy.admission import (
     KvOutlook,
     QueueForecast,
@@ -46,9 +45,9 @@ def queue_taken_as(request, monkeypatch) -> str:
     """The table's forecast by the compiled path, or by the reference with its queue as
     columns or as entries at every length."""
     if request.param == "compiled":
-        require_compiled()
+        request.getfixturevalue("compiled_path")
     else:
-        monkeypatch.setattr(compiled, "queue_forecast", None)
+        request.getfixturevalue("reference_path")
         monkeypatch.setattr(admission, "COLUMNS_FROM", 0 if request.param == "columns" else 10**9)
     return request.param
 
@@ -246,8 +245,8 @@ def test_running_sums_add_left_to_right_bit_for_bit():
 
 
 
+@pytest.mark.usefixtures("compiled_path")
 def test_the_compiled_forecast_reads_reserves_from_any_mapping():
-    require_compiled()
     state = cases()["late behind entries on time"]
     rng = random.Random(2)
     kv = kv_outlook(rng, state, 3e3)
@@ -259,8 +258,8 @@ def test_the_compiled_forecast_reads_reserves_from_any_mapping():
         forecast(table, *args, kv, 1.0))
 
 
+@pytest.mark.usefixtures("compiled_path")
 def test_the_compiled_forecast_refuses_columns_of_the_wrong_type():
-    require_compiled()
     state = cases()["all on time"]
     table = RequestTable.of(state)
     columns = table.columns

@@ -10,10 +10,8 @@ import random
 
 import numpy as np
 import pytest
-from policy_helpers import require_compiled
 
 import sglang_ext.sim.runner  # noqa: F401  (registers every policy)
-from sglang_ext.policy import compiled
 from sglang_ext.policy.admission import (
     KvOutlook,
     _decode_cost_terms,
@@ -40,19 +38,11 @@ SLOS = (Slo.from_ms(500, 50), Slo.from_ms(2000, 50), Slo.from_ms(5000, 200), Slo
 FAMILY = sorted(name for name in POLICIES.names() if POLICIES.get(name).takes_admission)
 ADMISSIONS = ("", "+defer", "+defer:fair", "+defer:latest", "+reject")
 #: each policy with each admission it accepts (a name that implies one takes only that)
+pytestmark = pytest.mark.usefixtures("decision_path")
+
 LABELS = [name + ("@1024" if POLICIES.get(name).takes_token_budget else "") + admission
           for name in FAMILY for admission in ADMISSIONS
           if not (admission and getattr(POLICIES.get(name), "implied_admission", None))]
-
-
-@pytest.fixture(autouse=True, params=["compiled", "reference"])
-def decision_path(request, monkeypatch) -> str:
-    if request.param == "compiled":
-        require_compiled()
-    else:
-        monkeypatch.setattr(compiled, "queue_forecast", None)
-        monkeypatch.setattr(compiled, "triage", None)
-    return request.param
 
 
 def random_state(rng: random.Random, decodes: int, waiting: int, now: float = 100.0,

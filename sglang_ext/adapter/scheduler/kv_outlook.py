@@ -21,6 +21,7 @@ import numpy as np
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
 from sglang_ext.adapter.scheduler.request_store import RequestStore
+from sglang_ext.policy import compiled
 from sglang_ext.policy.admission import KvOutlook
 from sglang_ext.policy.request_table import RequestTable
 from sglang_ext.policy.view import RequestState
@@ -101,7 +102,11 @@ def kv_outlook_of_table(
     running and parked requests, then the cut prompt when ``chunked`` (its ``Req``), then
     the waiting queue; ``store_rows`` their rows in ``store``, ``outputs`` each one's
     ``len(req.output_ids)``. The same operations per request, the reserves taken from the
-    free memory in order and the releases summed in time order, bit for bit."""
+    free memory in order and the releases summed in time order, bit for bit (compiled,
+    ``compiled.kv_outlook``, where it is built)."""
+    if compiled.kv_outlook is not None:
+        return _compiled_kv_outlook(free_and_evictable, new_token_ratio, table, store,
+                                    store_rows, outputs, decoding, chunked)
     columns = table.columns
     queued = slice(decoding + (chunked is not None), None)
     clip = CLIP_MAX_NEW_TOKENS
@@ -127,6 +132,25 @@ def kv_outlook_of_table(
         reserves[view.req_id] = -float(view.pending_prefill)
     return KvOutlook(free, tuple(times[order].tolist()), tuple(np.add.accumulate(tokens[order]).tolist()),
                      reserves, new_reserve)
+
+
+def _compiled_kv_outlook(
+    free_and_evictable: int, new_token_ratio: float, table: RequestTable, store: RequestStore,
+    store_rows: np.ndarray, outputs: Sequence[int], decoding: int, chunked: Any | None,
+) -> KvOutlook:
+    columns = table.columns
+    queued_from = decoding + (chunked is not None)
+    free, times, through, queued_reserves, new_reserve = compiled.kv_outlook(
+        free_and_evictable, new_token_ratio, CLIP_MAX_NEW_TOKENS, decoding, queued_from,
+        store_rows, store.max_new, store.ignore_eos,
+        outputs if type(outputs) is list else list(outputs), columns.first, columns.arrival,
+        columns.ttft, columns.tpot, columns.context)
+    reserves = dict(zip(table.ids[queued_from:].tolist(), queued_reserves))
+    if chunked is not None:
+        view = table[decoding]
+        free -= view.pending_prefill + output_reserve(chunked, new_token_ratio)
+        reserves[view.req_id] = -float(view.pending_prefill)
+    return KvOutlook(free, times, through, reserves, new_reserve)
 
 
 def _median(values: np.ndarray) -> float:
