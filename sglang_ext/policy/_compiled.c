@@ -1129,11 +1129,155 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(overdue_doc,
+"overdue(next_index, arrival, ttft, now, limit)\n"
+"--\n\n"
+"The rows still without a first token `limit` seconds after their TTFT deadline\n"
+"(policies._overdue), as a list.");
+
+static PyObject *overdue(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "overdue takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    int failed = 0;
+    double now = number(args[3], &failed);
+    double limit = number(args[4], &failed);
+    if (failed) {
+        return NULL;
+    }
+    Column next_index = {0}, arrival = {0}, ttft = {0};
+    PyObject *rows_over = NULL;
+    if (PyObject_GetBuffer(args[0], &next_index.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    next_index.taken = 1;
+    Py_ssize_t rows = next_index.view.ndim == 1 ? next_index.view.shape[0] : -1;
+    column_release(&next_index);
+    if (column_take(&next_index, args[0], 'q', rows, "next_index") < 0
+        || column_take(&arrival, args[1], 'd', rows, "arrival") < 0
+        || column_take(&ttft, args[2], 'd', rows, "ttft") < 0) {
+        goto done;
+    }
+    rows_over = PyList_New(0);
+    if (rows_over == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        if (as_int(&next_index, row) == 0
+            && now - as_double(&arrival, row) - as_double(&ttft, row) > limit) {
+            PyObject *item = PyLong_FromSsize_t(row);
+            if (item == NULL || PyList_Append(rows_over, item) < 0) {
+                Py_XDECREF(item);
+                Py_CLEAR(rows_over);
+                goto done;
+            }
+            Py_DECREF(item);
+        }
+    }
+
+done:
+    column_release(&next_index);
+    column_release(&arrival);
+    column_release(&ttft);
+    return rows_over;
+}
+
+enum {
+    FIT_PENDING, FIT_CONTEXT, FIT_SLACK, FIT_ROWS, FIT_KNEE, FIT_B, FIT_C, FIT_E, FIT_BASE,
+    FIT_STEPS_PER_SECOND, FIT_BUDGET, FIT_ARGS
+};
+
+PyDoc_STRVAR(prefills_late_doc,
+"prefills_late(pending, context, slack, rows, knee_tokens, b, c, e, base_tokens,\n"
+"              steps_per_second, time_budget_s)\n"
+"--\n\n"
+"Whether a prefill of `rows`, served in that order at the pace of the smooth step,\n"
+"ends past its slack (row_groups.RowGroups.smooth_step's last check): each prefill's\n"
+"cost by the step model (the knee model, or the linear one where knee_tokens is None),\n"
+"summed left to right.");
+
+static PyObject *prefills_late(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != FIT_ARGS) {
+        PyErr_Format(PyExc_TypeError, "prefills_late takes %d arguments (%zd given)",
+                     FIT_ARGS, nargs);
+        return NULL;
+    }
+    int failed = 0;
+    int knee = args[FIT_KNEE] != Py_None;
+    double knee_tokens = knee ? number(args[FIT_KNEE], &failed) : 0.0;
+    double b = number(args[FIT_B], &failed);
+    double c = number(args[FIT_C], &failed);
+    double e = knee ? number(args[FIT_E], &failed) : 0.0;
+    int64_t base = PyLong_AsLongLong(args[FIT_BASE]);
+    double steps_per_second = number(args[FIT_STEPS_PER_SECOND], &failed);
+    double budget = number(args[FIT_BUDGET], &failed);
+    if (failed || PyErr_Occurred()) {
+        return NULL;
+    }
+    Column pending = {0}, context = {0}, slack = {0}, rows = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(args[FIT_PENDING], &pending.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    pending.taken = 1;
+    Py_ssize_t count = pending.view.ndim == 1 ? pending.view.shape[0] : -1;
+    column_release(&pending);
+    if (PyObject_GetBuffer(args[FIT_ROWS], &rows.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    rows.taken = 1;
+    Py_ssize_t selected = rows.view.ndim == 1 ? rows.view.shape[0] : -1;
+    column_release(&rows);
+    if (column_take(&pending, args[FIT_PENDING], 'q', count, "pending") < 0
+        || column_take(&context, args[FIT_CONTEXT], 'q', count, "context") < 0
+        || column_take(&slack, args[FIT_SLACK], 'd', count, "slack") < 0
+        || column_take(&rows, args[FIT_ROWS], 'q', selected, "rows") < 0) {
+        goto done;
+    }
+    double before = (double)base > knee_tokens ? (double)base : knee_tokens;
+    double queued = 0.0;
+    int late = 0;
+    for (Py_ssize_t i = 0; i < selected && !late; i++) {
+        int64_t row = as_int(&rows, i);
+        if (row < 0 || row >= count) {
+            PyErr_SetString(PyExc_IndexError, "a row out of the table");
+            goto done;
+        }
+        int64_t chunk = as_int(&pending, row);
+        int64_t prefix = as_int(&context, row);
+        double cost;
+        if (knee) { /* KneeStepModel.prefill_cost_s, elementwise as row_groups.prefill_costs_s */
+            double after = (double)(base + chunk);
+            if (after < knee_tokens || isnan(knee_tokens)) {
+                after = knee_tokens;
+            }
+            cost = b * (after - before) + c * (double)prefix
+                   + e * (double)chunk * ((double)prefix + (double)(chunk + 1) / 2.0);
+        } else {
+            cost = b * (double)chunk + c * (double)prefix;
+        }
+        queued = i ? queued + cost : cost;
+        late = queued * steps_per_second + budget > as_double(&slack, row);
+    }
+    result = PyBool_FromLong(late);
+
+done:
+    column_release(&pending);
+    column_release(&context);
+    column_release(&slack);
+    column_release(&rows);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"queue_forecast", (PyCFunction)(void (*)(void))queue_forecast, METH_FASTCALL,
      queue_forecast_doc},
     {"triage", (PyCFunction)(void (*)(void))triage, METH_FASTCALL, triage_doc},
     {"kv_outlook", (PyCFunction)(void (*)(void))kv_outlook, METH_FASTCALL, kv_outlook_doc},
+    {"overdue", (PyCFunction)(void (*)(void))overdue, METH_FASTCALL, overdue_doc},
+    {"prefills_late", (PyCFunction)(void (*)(void))prefills_late, METH_FASTCALL,
+     prefills_late_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -32,8 +32,13 @@ triage: Callable | None = None if _built is None else _built.triage
 kv_outlook: Callable | None = None if _built is None else _built.kv_outlook
 
 
+#: the rows past their give-up time (policies._overdue_rows), or None
+overdue: Callable | None = None if _built is None else _built.overdue
+#: whether the smooth step leaves a prefill late (RowGroups.smooth_step), or None
+prefills_late: Callable | None = None if _built is None else _built.prefills_late
+
 #: what the compiled module provides, each None where the reference runs
-FUNCTIONS = ("queue_forecast", "triage", "kv_outlook")
+FUNCTIONS = ("queue_forecast", "triage", "kv_outlook", "overdue", "prefills_late")
 
 
 def built() -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sglang_ext.policy import compiled
 from sglang_ext.policy.admission import (
     AdmissionError,
     AdmissionMode,
@@ -306,8 +307,8 @@ class _LatenessGuarded(BatchPolicy):
             return ()
         limit = self.admission.max_defer_s
         if type(requests) is RequestTable:
-            overdue = _overdue(requests, now, limit)
-            return tuple(requests.ids_at(overdue.nonzero()[0])) if np.count_nonzero(overdue) else ()
+            rows = _overdue_rows(requests, now, limit)
+            return tuple(requests.ids_at(rows)) if len(rows) else ()
         return tuple([
             r.req_id for r in requests
             if r.next_output_index == 0 and now - r.arrival - r.slo.ttft_s > limit
@@ -318,7 +319,9 @@ class _LatenessGuarded(BatchPolicy):
         if not expired:
             return self._form_batch(requests, now)
         if type(requests) is RequestTable:
-            kept = requests.rows(~_overdue(requests, now, self.admission.max_defer_s))
+            kept_rows = np.ones(len(requests), dtype=bool)
+            kept_rows[_overdue_rows(requests, now, self.admission.max_defer_s)] = False
+            kept = requests.rows(kept_rows)
         else:
             gone = set(expired)
             kept = [r for r in requests if r.req_id not in gone]
@@ -349,11 +352,15 @@ class _LatenessGuarded(BatchPolicy):
         raise NotImplementedError
 
 
-def _overdue(table: RequestTable, now: float, limit: float) -> np.ndarray:
-    """Which of the table's requests are still without a first token ``limit`` seconds
-    after their TTFT deadline (``_LatenessGuarded._expired``'s test, per row)."""
+def _overdue_rows(table: RequestTable, now: float, limit: float) -> np.ndarray:
+    """The rows of the table's requests still without a first token ``limit`` seconds
+    after their TTFT deadline (``_LatenessGuarded._expired``'s test, per row), in order."""
     columns = table.columns
-    return (columns.next_index == 0) & (now - columns.arrival - columns.ttft > limit)
+    overdue = compiled.overdue
+    if overdue is not None:
+        return np.array(overdue(columns.next_index, columns.arrival, columns.ttft, now, limit),
+                        dtype=np.intp)
+    return ((columns.next_index == 0) & (now - columns.arrival - columns.ttft > limit)).nonzero()[0]
 
 
 def _any_prefill_queued(requests: Sequence[RequestState]) -> bool:

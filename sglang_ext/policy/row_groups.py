@@ -31,7 +31,7 @@ from sglang_ext.policy.batch_former import (
     initial_time_budget,
 )
 from sglang_ext.policy.knee_step_model import KneeStepModel
-from sglang_ext.policy.request_table import RequestTable
+from sglang_ext.policy.request_table import RequestColumns, RequestTable
 from sglang_ext.policy.step_model import StepCoefficients, StepPredictor
 from sglang_ext.policy.view import BatchDecision, RequestState
 
@@ -100,10 +100,8 @@ class RowGroups:
             if spare <= 0.0:
                 return None
             steps_per_second = time_budget_s / spare
-            queued = _running_sum(prefill_costs_s(
-                coefficients, columns.pending[prefill_rows], columns.context[prefill_rows],
-                decode_tokens))
-            if np.count_nonzero(queued * steps_per_second + time_budget_s > self.slack[prefill_rows]):
+            if _prefills_late(coefficients, columns, self.slack, prefill_rows, decode_tokens,
+                              steps_per_second, time_budget_s):
                 return None
         return self.steady(time_budget_s)
 
@@ -216,6 +214,30 @@ def _compiled_triage(
     return RowGroups(table, slack, init_time_budget, min_tpot, rows[:urgent],
                      rows[decodes:prefills], rows[urgent:decodes],
                      rows[prefills:late_decodes], rows[late_decodes:], late_tpot)
+
+
+def _prefills_late(
+    coefficients: StepPredictor, columns: RequestColumns, slack: np.ndarray, rows: np.ndarray,
+    base_tokens: int, steps_per_second: float, time_budget_s: float,
+) -> bool:
+    """Whether a prefill of ``rows``, served in that order at ``steps_per_second`` with its
+    costs summed left to right, ends past its slack (compiled where it is built, for the
+    two step models)."""
+    prefills_late = compiled.prefills_late
+    if prefills_late is not None:
+        if type(coefficients) is KneeStepModel:
+            return prefills_late(
+                columns.pending, columns.context, slack, rows, coefficients.knee_tokens,
+                coefficients.b_s_per_token, coefficients.c_s_per_prefill_context_token,
+                coefficients.e_s_per_pair, base_tokens, steps_per_second, time_budget_s)
+        if type(coefficients) is StepCoefficients:
+            return prefills_late(
+                columns.pending, columns.context, slack, rows, None, coefficients.b_s_per_token,
+                coefficients.c_s_per_context_token, 0.0, base_tokens, steps_per_second,
+                time_budget_s)
+    queued = _running_sum(prefill_costs_s(
+        coefficients, columns.pending[rows], columns.context[rows], base_tokens))
+    return bool(np.count_nonzero(queued * steps_per_second + time_budget_s > slack[rows]))
 
 
 def prefill_costs_s(coefficients: StepPredictor, chunks: np.ndarray, prefixes: np.ndarray,

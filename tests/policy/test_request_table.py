@@ -197,3 +197,29 @@ def test_the_forecast_rate_and_queue_are_the_lists(scenario, form):
             assert list(zip(*[field.tolist() for field in fields])) == listed
             rates.append(rate)
     assert sum(rate > 0 for rate in rates) >= 4  # the decode share is summed, not dropped
+
+
+@pytest.mark.parametrize("form", ["knee", "linear"])
+def test_the_smooth_steps_prefill_check_is_bit_for_bit_at_its_boundary(scenario, form):
+    """Each prefill's slack set to the very float at which the reference finds it on time,
+    then one ulp lower: both paths must tell the two apart the same way."""
+    from sglang_ext.policy.knee_step_model import KneeStepModel
+    from sglang_ext.policy.row_groups import _prefills_late, prefill_costs_s
+    from sglang_ext.policy.step_model import StepCoefficients
+
+    model = (KneeStepModel(0.005, 5e-5, 1e-8, 3.3e-9, 1e-12, 256.0, 64.0) if form == "knee"
+             else StepCoefficients(0.004, 6e-5, 3.1e-8))
+    rng = random.Random(form)
+    for _ in range(40):
+        table = RequestTable.of(random_state(rng, rng.choice((0, 30, 200)), rng.choice((1, 9, 40))))
+        rows = table.queued_rows
+        base, pace, budget = rng.choice((0, 40, 300)), rng.uniform(1.0, 3.0), rng.uniform(0.02, 0.1)
+        ends = (np.add.accumulate(prefill_costs_s(
+            model, table.columns.pending[rows], table.columns.context[rows], base))
+            * pace + budget)
+        slack = np.full(len(table), np.inf)
+        last = rng.randrange(len(rows))
+        slack[rows[:last + 1]] = ends[:last + 1]
+        assert not _prefills_late(model, table.columns, slack, rows, base, pace, budget)
+        slack[rows[last]] = np.nextafter(ends[last], -np.inf)
+        assert _prefills_late(model, table.columns, slack, rows, base, pace, budget)
