@@ -77,7 +77,8 @@ import pstats
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,6 +89,7 @@ from benchmarks.support.machine import cpu_times, cpu_usage, machine_info, machi
 from benchmarks.support.outputs import write_outputs
 from benchmarks.support.paths import DOCS_BENCH, REPO, SHARED_AZURE_TRACE
 from sglang_ext.adapter.extension_config import ExtensionConfig
+from sglang_ext.policy import compiled
 from sglang_ext.policy.admission import AdmissionMode
 from sglang_ext.policy.batch_former import form_batch, pack, triage
 from sglang_ext.policy.policies import POLICIES, BatchPolicy
@@ -117,6 +119,8 @@ FORM_LIMITS = {"p50": 1.05, "p99": 1.10}  # the limits against the linear model
 #: label suffix: the same policy deciding over the state as a RequestTable (its columns
 #: built once, as an engine that keeps them does), not as a list of requests
 TABLE_TWIN = " [table]"
+#: label suffix of a table twin timed on the pure-Python reference (compiled.FUNCTIONS off)
+PURE_TWIN = " [pure Python]"
 
 
 # ------------------------------------------------------------------ machine
@@ -374,6 +378,28 @@ def time_interleaved(
     return {key: np.asarray(values, dtype=float) / 1e3 for key, values in samples.items()}
 
 
+_COMPILED = {name: getattr(compiled, name) for name in compiled.FUNCTIONS}
+
+
+def switch_to_pure_python() -> None:
+    for name in compiled.FUNCTIONS:
+        setattr(compiled, name, None)
+
+
+def switch_to_compiled() -> None:
+    for name, function in _COMPILED.items():
+        setattr(compiled, name, function)
+
+
+@contextmanager
+def pure_python() -> Iterator[None]:
+    switch_to_pure_python()
+    try:
+        yield
+    finally:
+        switch_to_compiled()
+
+
 def stats(samples_us: np.ndarray) -> dict:
     p50, p99 = np.percentile(samples_us, [50, 99])
     return {"p50_us": round(float(p50), 2), "p99_us": round(float(p99), 2),
@@ -454,6 +480,29 @@ def table_section(doc: dict) -> list[str]:
     return lines
 
 
+def compiled_section(doc: dict) -> list[str]:
+    compared = doc.get("compiled_comparison")
+    if not compared:
+        return ["", f"Decision path: {doc.get('decision_path', 'not recorded')}; no compiled "
+                "twin was timed."]
+    states = list(next(iter(compared.values())))
+    lines = [
+        "", "## Compiled against the pure-Python reference", "",
+        f"Decision path: {doc['decision_path']}. Every table twin was also timed as "
+        f"`LABEL{PURE_TWIN}`: the same policy on the same table with the compiled functions "
+        "switched off for its blocks (the fallback a machine without a C compiler runs); the "
+        "decisions are the same, bit for bit (checked on every state before timing). Cells: "
+        "compiled / pure Python - 1 at p50 (median of paired block ratios) and p99 (all runs "
+        "pooled); negative is faster.", "",
+        "| policy | " + " | ".join(f"{state} p50 / p99" for state in states) + " |",
+        "|" + "---|" * (len(states) + 1),
+    ]
+    for label, row in compared.items():
+        cells = [f"{row[s]['p50_ratio'] - 1:+.0%} / {row[s]['p99_ratio'] - 1:+.0%}" for s in states]
+        lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(doc: dict) -> str:
     sizes = doc["sizes"]
     goal_col = f"{GOAL_SIZE}+{WAITING}"
@@ -497,6 +546,7 @@ def markdown(doc: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += form_table(doc)
     lines += table_section(doc)
+    lines += compiled_section(doc)
     ref = doc["results"][REFERENCE]
     lines += ["", f"Machine jitter: a fixed {REFERENCE_ITERATIONS}-iteration pure-Python loop "
               "timed in "
@@ -624,12 +674,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies.update(linear_twins(scenario, policies, steps))
     policies.update({f"{label}{TABLE_TWIN}": policy for label, policy in list(policies.items())
                      if policy.takes_admission and not label.endswith(LINEAR_TWIN)})
+    if compiled.built():
+        policies.update({f"{label}{PURE_TWIN}": policy for label, policy in list(policies.items())
+                         if label.endswith(TABLE_TWIN)})
     tables = {name: RequestTable.of(state) for name, (state, _) in states.items()}
     for label, policy in policies.items():
         for name, (state, now) in states.items():
             decision = policy.form_batch(state, now)  # sanity: decides something valid
             assert decision.new_tokens >= 0, (label, name)
             assert policy.form_batch(tables[name], now) == decision, (label, name)
+            with pure_python():
+                assert policy.form_batch(tables[name], now) == decision, (label, name)
 
     runs: dict[str, dict[str, list[dict]]] = {
         label: {name: [] for name in states} for label in [*policies, REFERENCE]}
@@ -638,17 +693,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n in SIZES}
     pairs: dict[str, dict[str, dict[str, list]]] = {}
     table_pairs: dict[str, dict[str, dict[str, list]]] = {}
+    compiled_pairs: dict[str, dict[str, dict[str, list]]] = {}
+    pure_labels = [label for label in policies if label.endswith(PURE_TWIN)]
+    pure_on = {label: switch_to_pure_python for label in pure_labels}
+    pure_off = {label: switch_to_compiled for label in pure_labels}
     cpu_before, wall_start = cpu_times(), time.monotonic()
     for repeat in range(args.repeats):
         for name, (state, now) in states.items():
             calls = {label: (lambda p=policy, t=now,
-                             s=tables[name] if label.endswith(TABLE_TWIN) else state:
+                             s=tables[name] if label.endswith((TABLE_TWIN, PURE_TWIN)) else state:
                              p.form_batch(s, t))
                      for label, policy in policies.items()}
             calls[REFERENCE] = reference_work
-            timed = time_interleaved(calls, args.calls, args.block)
+            timed = time_interleaved(calls, args.calls, args.block, pure_on, pure_off)
             paired_samples(timed, args.block, pairs, name)
             paired_samples(tables_first(timed), args.block, table_pairs, name, TABLE_TWIN)
+            paired_samples(timed, args.block, compiled_pairs, name, PURE_TWIN)
             for label, samples in timed.items():
                 runs[label][name].append(stats(samples))
                 print(f"run {repeat + 1}/{args.repeats} {name:<18} {label:<18} "
@@ -726,6 +786,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "form_comparison": form_comparison(pairs),
         "form_limits": FORM_LIMITS,
         "table_comparison": form_comparison(table_pairs),
+        "decision_path": compiled.decision_path(),
+        "compiled_comparison": form_comparison(compiled_pairs),
         "runs": runs,
     }
     if "fb" in policies:
