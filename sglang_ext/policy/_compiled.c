@@ -63,6 +63,13 @@ static inline int64_t as_int(const Column *column, Py_ssize_t row) {
     return *(const int64_t *)(column->data + row * column->stride);
 }
 
+/* RequestTable.due of one row: arrival + ttft + tpot * next_index, as numpy computes it. */
+static inline double due_of(const Column *arrival, const Column *ttft, const Column *tpot,
+                            const Column *next_index, Py_ssize_t row) {
+    return as_double(arrival, row) + as_double(ttft, row)
+           + as_double(tpot, row) * (double)as_int(next_index, row);
+}
+
 /* One queued prefill: _queue's entry (deadline, arrival number, work, KV need, started)
    and its row in the table. */
 typedef struct {
@@ -330,14 +337,16 @@ static double number(PyObject *value, int *failed) {
 }
 
 enum {
-    ARG_REQUESTS, ARG_DUE, ARG_SEQ, ARG_PENDING, ARG_CONTEXT, ARG_PROMPT, ARG_TPOT,
+    ARG_REQUESTS, ARG_ARRIVAL, ARG_TTFT, ARG_NEXT_INDEX, ARG_SEQ, ARG_PENDING, ARG_CONTEXT,
+    ARG_PROMPT, ARG_TPOT,
     ARG_NOW, ARG_DEFAULT_TPOT, ARG_A, ARG_B, ARG_HEADROOM, ARG_FIXED, ARG_PER_KV, ARG_SCALE,
     ARG_KNEE, ARG_WORK_B, ARG_WORK_C, ARG_WORK_E, ARG_LENGTH_WEIGHT, ARG_KV, ARG_WITH_TABLES,
     ARGS
 };
 
 PyDoc_STRVAR(queue_forecast_doc,
-"queue_forecast(requests, due, seq, pending, context, prompt, tpot, now, default_tpot_s,\n"
+"queue_forecast(requests, arrival, ttft, next_index, seq, pending, context, prompt, tpot,\n"
+"               now, default_tpot_s,\n"
 "               a_s, b_s_per_token, headroom, fixed, per_kv_token, scale, knee_tokens,\n"
 "               work_b, work_c, work_e, length_weight, kv, with_tables)\n"
 "--\n\n"
@@ -383,13 +392,16 @@ static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssiz
     double new_reserve = 0.0;
     Outlook kv = {0.0, 0, NULL, NULL};
 
-    Column due = {0}, seq = {0}, pending = {0}, context = {0}, prompt = {0}, tpot = {0};
+    Column arrival = {0}, ttft = {0}, next_index = {0}, seq = {0}, pending = {0}, context = {0},
+           prompt = {0}, tpot = {0};
     Entry *entries = NULL;
     double *capacities = NULL, *kept_table = NULL;
     char *dropped = NULL;
     PyObject *hopeless = NULL, *result = NULL;
 
-    if (column_take(&due, args[ARG_DUE], 'd', rows, "due") < 0
+    if (column_take(&arrival, args[ARG_ARRIVAL], 'd', rows, "arrival") < 0
+        || column_take(&ttft, args[ARG_TTFT], 'd', rows, "ttft") < 0
+        || column_take(&next_index, args[ARG_NEXT_INDEX], 'q', rows, "next_index") < 0
         || column_take(&seq, args[ARG_SEQ], 'q', rows, "seq") < 0
         || column_take(&pending, args[ARG_PENDING], 'q', rows, "pending") < 0
         || column_take(&context, args[ARG_CONTEXT], 'q', rows, "context") < 0
@@ -397,7 +409,11 @@ static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssiz
         || column_take(&tpot, args[ARG_TPOT], 'd', rows, "tpot") < 0) {
         goto done;
     }
-    if (with_kv) {
+    Py_ssize_t queued = 0;
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        queued += as_int(&pending, row) != 0;
+    }
+    if (with_kv && queued) {
         PyObject *times, *through;
         double free_tokens;
         if (!PyArg_ParseTuple(kv_args, "dOOOd;kv must be (free_tokens, release_times, "
@@ -425,7 +441,6 @@ static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssiz
     /* the rate: prefill_rate's sum over every request, in the table's order */
     double period = default_tpot;
     double decode_share = 0.0;
-    Py_ssize_t queued = 0;
     for (Py_ssize_t row = 0; row < rows; row++) {
         double request_tpot = as_double(&tpot, row);
         if (request_tpot < period) {
@@ -434,7 +449,6 @@ static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssiz
         int64_t request_pending = as_int(&pending, row);
         decode_share += (fixed + per_kv * (double)(as_int(&context, row) + request_pending) * scale)
                         / request_tpot;
-        queued += request_pending != 0;
     }
     double free_share = 1.0 - a_s / period - decode_share;
     double rate = (free_share > 0.0 ? free_share : 0.0) / b * (1.0 - headroom);
@@ -461,7 +475,7 @@ static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssiz
         }
         Entry *entry = &entries[count++];
         int64_t request_context = as_int(&context, row);
-        entry->deadline = as_double(&due, row);
+        entry->deadline = due_of(&arrival, &ttft, &tpot, &next_index, row);
         entry->seq = as_int(&seq, row);
         entry->row = row;
         entry->started = request_pending < as_int(&prompt, row);
@@ -606,7 +620,9 @@ static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssiz
     Py_XDECREF(empty);
 
 done:
-    column_release(&due);
+    column_release(&arrival);
+    column_release(&ttft);
+    column_release(&next_index);
     column_release(&seq);
     column_release(&pending);
     column_release(&context);
@@ -729,13 +745,15 @@ static int writable_column(Column *column, PyObject *array, char kind, Py_ssize_
 }
 
 enum {
-    TRIAGE_REQUESTS, TRIAGE_DUE, TRIAGE_TPOT, TRIAGE_PENDING, TRIAGE_SEQ, TRIAGE_NEXT_INDEX,
+    TRIAGE_REQUESTS, TRIAGE_ARRIVAL, TRIAGE_TTFT, TRIAGE_TPOT, TRIAGE_PENDING, TRIAGE_CONTEXT,
+    TRIAGE_SEQ, TRIAGE_NEXT_INDEX,
     TRIAGE_FIRST, TRIAGE_NOW, TRIAGE_ANCHORED, TRIAGE_FLOOR, TRIAGE_HOPELESS, TRIAGE_GUARD,
     TRIAGE_SLACK_OUT, TRIAGE_ROWS_OUT, TRIAGE_ARGS
 };
 
 PyDoc_STRVAR(triage_doc,
-"triage(requests, due, tpot, pending, seq, next_index, first, now, anchored, floor,\n"
+"triage(requests, arrival, ttft, tpot, pending, context, seq, next_index, first, now,\n"
+"       anchored, floor,\n"
 "       hopeless, deadline_guard_s, slack_out, rows_out)\n"
 "--\n\n"
 "FairBatching's triage of a table (sglang_ext.policy.row_groups._compiled_triage says\n"
@@ -743,7 +761,7 @@ PyDoc_STRVAR(triage_doc,
 "time) and rows_out with the in-time decodes, then the in-time prefills, by slack, then\n"
 "the late decodes and the late prefills in arrival order. Returns (init_time_budget_s,\n"
 "min_tpot_s, late_decode_tpot_s, urgent decodes, in-time decodes, in-time prefills,\n"
-"late decodes).");
+"late decodes, the decoding requests' context).");
 
 static PyObject *triage(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != TRIAGE_ARGS) {
@@ -779,14 +797,17 @@ static PyObject *triage(PyObject *module, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
 
-    Column due = {0}, tpot = {0}, pending = {0}, seq = {0}, next_index = {0}, first = {0};
+    Column arrival = {0}, ttft = {0}, tpot = {0}, pending = {0}, context = {0}, seq = {0},
+           next_index = {0}, first = {0};
     Column slack_out = {0}, rows_out = {0};
     Keyed *in_time = NULL;
     char *late = NULL;
     PyObject *result = NULL;
-    if (column_take(&due, args[TRIAGE_DUE], 'd', rows, "due") < 0
+    if (column_take(&arrival, args[TRIAGE_ARRIVAL], 'd', rows, "arrival") < 0
+        || column_take(&ttft, args[TRIAGE_TTFT], 'd', rows, "ttft") < 0
         || column_take(&tpot, args[TRIAGE_TPOT], 'd', rows, "tpot") < 0
         || column_take(&pending, args[TRIAGE_PENDING], 'q', rows, "pending") < 0
+        || column_take(&context, args[TRIAGE_CONTEXT], 'q', rows, "context") < 0
         || column_take(&seq, args[TRIAGE_SEQ], 'q', rows, "seq") < 0
         || column_take(&next_index, args[TRIAGE_NEXT_INDEX], 'q', rows, "next_index") < 0
         || column_take(&first, args[TRIAGE_FIRST], 'd', rows, "first") < 0
@@ -807,8 +828,12 @@ static PyObject *triage(PyObject *module, PyObject *const *args, Py_ssize_t narg
 
     /* slack, and who is late: past the deadline or under the serviceable TPOT (with a
        floor), or a queued prefill the forecast gave up */
+    long long decoding_context = 0;
     for (Py_ssize_t row = 0; row < rows; row++) {
-        double deadline = as_double(&due, row);
+        double deadline = due_of(&arrival, &ttft, &tpot, &next_index, row);
+        if (as_int(&pending, row) == 0) {
+            decoding_context += as_int(&context, row);
+        }
         if (anchored) { /* after a first token its deadline is first + tpot * j */
             int64_t index = as_int(&next_index, row);
             double first_time = as_double(&first, row);
@@ -927,13 +952,15 @@ static PyObject *triage(PyObject *module, PyObject *const *args, Py_ssize_t narg
             above = middle;
         }
     }
-    result = Py_BuildValue("(dddnnnn)", init_time_budget, min_tpot, late_tpot, urgent, decodes,
-                           prefills, late_decodes);
+    result = Py_BuildValue("(dddnnnnL)", init_time_budget, min_tpot, late_tpot, urgent, decodes,
+                           prefills, late_decodes, decoding_context);
 
 done:
-    column_release(&due);
+    column_release(&arrival);
+    column_release(&ttft);
     column_release(&tpot);
     column_release(&pending);
+    column_release(&context);
     column_release(&seq);
     column_release(&next_index);
     column_release(&first);

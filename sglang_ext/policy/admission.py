@@ -479,8 +479,8 @@ def _compiled_forecast(
     knee = type(usable) is KneeStepModel
     columns = requests.columns
     return queue_forecast(
-        requests, requests.due, columns.seq, columns.pending, columns.context, columns.prompt,
-        columns.tpot, now, default_tpot_s, usable.a_s, usable.b_s_per_token, headroom, *terms,
+        requests, columns.arrival, columns.ttft, columns.next_index, columns.seq,
+        columns.pending, columns.context, columns.prompt, columns.tpot, now, default_tpot_s, usable.a_s, usable.b_s_per_token, headroom, *terms,
         usable.knee_tokens if knee else None, usable.b_s_per_token,
         usable.c_s_per_prefill_context_token if knee else 0.0,
         usable.e_s_per_pair if knee else 0.0, length_weight,

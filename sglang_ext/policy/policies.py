@@ -269,7 +269,9 @@ class _LatenessGuarded(BatchPolicy):
             floor = self._service_floor()
         if hopeless is None:
             hopeless = frozenset()
-            if self.admission.mode is AdmissionMode.DEFER and _any_prefill_queued(requests):
+            if self.admission.mode is AdmissionMode.DEFER and (
+                    compiled.queue_forecast is not None and type(requests) is RequestTable
+                    or _any_prefill_queued(requests)):  # the compiled forecast checks itself
                 hopeless = hopeless_prefills(
                     requests, now, self.step_model.coefficients, self.context.global_slo.tpot_s,
                     self.admission.headroom, self.kv_outlook, self.admission.length_weight,

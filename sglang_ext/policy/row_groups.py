@@ -56,6 +56,7 @@ class RowGroups:
     late_decode_rows: np.ndarray
     late_prefill_rows: np.ndarray
     late_decode_tpot_s: float = math.inf
+    decoding_context: int | None = None  # of every decoding row; None: summed when needed
 
     @property
     def step_tpot_s(self) -> float:
@@ -95,7 +96,9 @@ class RowGroups:
                                      time_budget_s, decode_tokens):
                 return None
             columns = table.columns
-            context = int(_sum(columns.context[table.decoding]))
+            context = self.decoding_context
+            if context is None:
+                context = int(_sum(columns.context[table.decoding]))
             spare = time_budget_s - coefficients.step_s(decode_tokens, 0, decode_tokens, context, 0.0)
             if spare <= 0.0:
                 return None
@@ -204,16 +207,16 @@ def _compiled_triage(
     count = len(table)
     slack = np.empty(count, dtype=np.float64)
     rows = np.empty(count, dtype=np.intp)
-    init_time_budget, min_tpot, late_tpot, urgent, decodes, prefills, late_decodes = (
+    init_time_budget, min_tpot, late_tpot, urgent, decodes, prefills, late_decodes, context = (
         compiled.triage(
-            table, table.due, columns.tpot, columns.pending, columns.seq, columns.next_index,
-            columns.first, now, anchored,
+            table, columns.arrival, columns.ttft, columns.tpot, columns.pending, columns.context,
+            columns.seq, columns.next_index, columns.first, now, anchored,
             None if floor is None else (floor.min_serviceable_tpot_s, floor.fallback_budget_s,
                                         floor.min_budget_s),
             hopeless, deadline_guard_s, slack, rows))
     return RowGroups(table, slack, init_time_budget, min_tpot, rows[:urgent],
                      rows[decodes:prefills], rows[urgent:decodes],
-                     rows[prefills:late_decodes], rows[late_decodes:], late_tpot)
+                     rows[prefills:late_decodes], rows[late_decodes:], late_tpot, context)
 
 
 def _prefills_late(
