@@ -97,8 +97,9 @@ class Steps:
 
 def _source_tree(dest: Path) -> Path:
     """What a build needs, copied from the checkout (links kept as links), so the build's
-    build/ and *.egg-info land outside the checkout: pyproject.toml, the README, the
-    packages pyproject includes, and the top-level directories their links point into."""
+    build/ and *.egg-info land outside the checkout: pyproject.toml, setup.py (the compiled
+    module), the README, the packages pyproject includes (without a compiled module built in
+    place), and the top-level directories their links point into."""
     dest.mkdir()
     includes = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = [path for path in ROOT.iterdir() if path.is_dir()
@@ -107,8 +108,8 @@ def _source_tree(dest: Path) -> Path:
         (link.parent / os.readlink(link)).resolve().relative_to(ROOT).parts[0]
         for package in packages for link in package.rglob("*") if link.is_symlink()
     }
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in sorted({"pyproject.toml", PYPROJECT["project"]["readme"],
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "*.so")
+    for name in sorted({"pyproject.toml", "setup.py", PYPROJECT["project"]["readme"],
                         *(p.name for p in packages), *linked}):
         source = ROOT / name
         if source.is_dir():
@@ -222,6 +223,16 @@ def test_a_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path):
     assert document["rates"] == [4.0]
     assert document["scenario"]["profile"] == "llama3.1-8b-h100"
     assert document["policies"]["sarathi@1024"]["loads"][0]["requests"] > 0
+
+    # the compiled decision path is built where a C compiler is, else the reference runs
+    path = steps.ok("decision path", [python, "-c", "from sglang_ext.policy import compiled; "
+                                      "print(compiled.decision_path())"], env=env, cwd=elsewhere)
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    assert path.stdout.startswith("compiled" if compiler else "pure Python"), path.stdout
+    with zipfile.ZipFile(wheel) as archive:
+        built = [name for name in archive.namelist() if name.startswith("sglang_ext/policy/_compiled")
+                 and name.endswith(".so")]
+    assert bool(built) == bool(compiler), built
 
     cli = steps.ok("fairbatching-controlplane --help",
                    [venv / "bin" / "fairbatching-controlplane", "--help"], env=env, cwd=elsewhere)
