@@ -462,7 +462,6 @@ def table_section(doc: dict) -> list[str]:
     compared = doc.get("table_comparison")
     if not compared:
         return []
-    states = list(next(iter(compared.values())))
     lines = [
         "", "## The decision over a table", "",
         f"Every FairBatching-family policy was also timed as `LABEL{TABLE_TWIN}`: the same "
@@ -470,10 +469,16 @@ def table_section(doc: dict) -> list[str]:
         "as columns, built once, as the SGLang adapter's view loops collect them each step) "
         "instead of a list; the decisions are the same, bit for bit (checked on every state "
         "before timing). Cells: table / list - 1 at p50 (median of paired block ratios) and "
-        "p99 (all runs pooled); negative is faster.", "",
-        "| policy | " + " | ".join(f"{state} p50 / p99" for state in states) + " |",
-        "|" + "---|" * (len(states) + 1),
+        "p99 (all runs pooled); negative is faster.",
     ]
+    return lines + ratio_rows(compared)
+
+
+def ratio_rows(compared: dict[str, dict[str, dict]]) -> list[str]:
+    """A markdown table of ``form_comparison``'s ratios, one row per policy, as changes."""
+    states = list(next(iter(compared.values())))
+    lines = ["", "| policy | " + " | ".join(f"{state} p50 / p99" for state in states) + " |",
+             "|" + "---|" * (len(states) + 1)]
     for label, row in compared.items():
         cells = [f"{row[s]['p50_ratio'] - 1:+.0%} / {row[s]['p99_ratio'] - 1:+.0%}" for s in states]
         lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
@@ -485,7 +490,6 @@ def compiled_section(doc: dict) -> list[str]:
     if not compared:
         return ["", f"Decision path: {doc.get('decision_path', 'not recorded')}; no compiled "
                 "twin was timed."]
-    states = list(next(iter(compared.values())))
     lines = [
         "", "## Compiled against the pure-Python reference", "",
         f"Decision path: {doc['decision_path']}. Every table twin was also timed as "
@@ -493,14 +497,9 @@ def compiled_section(doc: dict) -> list[str]:
         "switched off for its blocks (the fallback a machine without a C compiler runs); the "
         "decisions are the same, bit for bit (checked on every state before timing). Cells: "
         "compiled / pure Python - 1 at p50 (median of paired block ratios) and p99 (all runs "
-        "pooled); negative is faster.", "",
-        "| policy | " + " | ".join(f"{state} p50 / p99" for state in states) + " |",
-        "|" + "---|" * (len(states) + 1),
+        "pooled); negative is faster.",
     ]
-    for label, row in compared.items():
-        cells = [f"{row[s]['p50_ratio'] - 1:+.0%} / {row[s]['p99_ratio'] - 1:+.0%}" for s in states]
-        lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
-    return lines
+    return lines + ratio_rows(compared)
 
 
 def markdown(doc: dict) -> str:
