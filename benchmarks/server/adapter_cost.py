@@ -11,7 +11,7 @@ SGLang's own prefill admission). ``stock`` is SGLang's default (prefill-first, c
 mixed batches as FairBatching does. FairBatching runs the shipped config's policy and
 admission (``configs/fairbatching.toml``) unless ``--policy`` names another (then
 admission off): ``fairbatching`` as shipped (deciding on the table its view loops
-collect, ``sglang_ext.adapter.scheduler.request_store``, from ``TABLE_MIN_REQUESTS``
+collect, ``sglang_ext.adapter.scheduler.request_store``, from ``table_min_requests()``
 requests, on the list of views below), ``fairbatching-tables`` and ``fairbatching-lists``
 always on one or the other (the same decisions), and ``fairbatching-publishing`` as
 shipped, publishing its class budgets at every decision (behind the control plane, or
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
                 "FairBatching: its hooks included, and SGLang's own prefill admission of the "
                 "planned chunks); decision_us: FairBatching's adapter and policy alone (request "
                 "views, the KV outlook, form_batch, parking), the 'adapter plus policy' of the "
-                "check; fairbatching: on a table from TABLE_MIN_REQUESTS requests (the shipped "
+                "check; fairbatching: on a table from table_min_requests() requests (the shipped "
                 "adapter); fairbatching-tables / -lists: always on a table / on the list of "
                 "views, request by request (the same decisions); fairbatching-publishing: the same rank publishing its class budgets "
                 "at every decision, as behind the control plane or DP's pab method.",

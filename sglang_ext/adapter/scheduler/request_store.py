@@ -18,14 +18,22 @@ from typing import Any
 
 import numpy as np
 
+from sglang_ext.policy import compiled
 from sglang_ext.policy.request_table import RequestColumns, RequestTable
 
 _NO_ROWS = np.zeros(0, dtype=np.intp)
 INITIAL_ROWS = 512
 SWEEP_EVERY = 256  # decisions between sweeps of the rows no decision has seen since the last
-#: the fewest requests a decision reads as a table: below, the per-request loops cost less
-#: than the array operations' fixed cost (measured: docs/results/decision-cost.md)
-TABLE_MIN_REQUESTS = 512
+#: the fewest requests a decision reads as a table, on the compiled decision path and on
+#: the pure-Python one: below, the per-request loops cost less than collecting the columns
+#: and the array operations' fixed cost (measured: docs/results/decision-cost.md)
+COMPILED_TABLE_MIN_REQUESTS = 128
+PURE_TABLE_MIN_REQUESTS = 512
+
+
+def table_min_requests() -> int:
+    """The fewest requests a decision reads as a table on this process's decision path."""
+    return COMPILED_TABLE_MIN_REQUESTS if compiled.built() else PURE_TABLE_MIN_REQUESTS
 
 
 class RequestStore:

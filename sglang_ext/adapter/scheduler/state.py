@@ -20,7 +20,7 @@ from controlplane.protocol import budget_tokens
 from controlplane.ratelimited_log import RateLimitedLog
 from sglang_ext.adapter.extension_config import ExtensionConfig
 from sglang_ext.adapter.scheduler.device_clock import DeviceClock
-from sglang_ext.adapter.scheduler.request_store import TABLE_MIN_REQUESTS
+from sglang_ext.adapter.scheduler.request_store import table_min_requests
 from sglang_ext.adapter.scheduler.requests import RequestRecords
 from sglang_ext.adapter.scheduler.step_trace import StepTrace, TracedDecision
 from sglang_ext.policy.admission import AdmissionMode, AdmissionRule, AdmissionSettings
@@ -135,7 +135,7 @@ class FairBatchingState:
         # decisions of at least this many requests read them as a RequestTable collected
         # by the view loops (request_store), smaller ones as the list of views; None:
         # always the list (the same decisions, bit for bit; adapter_cost times both)
-        self.table_min_requests: int | None = TABLE_MIN_REQUESTS
+        self.table_min_requests: int | None = table_min_requests()
         # the prefill plan SGLang's get_new_batch_prefill is realising, set only while it
         # runs; read by the adder-class and waiting-queue ordering hooks
         self.active_plan: PrefillPlan | None = None
