@@ -246,6 +246,15 @@ def test_pab_falls_as_prefills_queue(fb_server, fb_burst) -> None:
     assert min(queued) < idle - 16 * BURST_PROMPT_TOKENS // 2
 
 
+def test_the_start_up_line_names_the_decision_path(fb_server) -> None:
+    from sglang_ext.policy import compiled
+
+    (line,) = [line for line in fb_server.log_text().splitlines() if "FairBatching on:" in line]
+    expected = "compiled (_compiled." if compiled.built() else "pure Python"
+    assert f"decision path {expected}" in line, line
+    assert "request tables (columns) from " in line, line
+
+
 def test_plugin_off_reports_no_fairbatching_state(stock_server) -> None:
     assert pab_tokens(stock_server.url) == [None]
     assert "fairbatching:" not in requests.get(f"{stock_server.url}/metrics", timeout=30).text
