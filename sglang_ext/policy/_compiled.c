@@ -155,6 +155,35 @@ static Victim heap_pop(Victim *heap, Py_ssize_t *size) {
     return top;
 }
 
+/* The checks every call over a table starts with: its argument count, and its requests
+   (the RequestTable, a list); their number in *rows. NULL on a wrong call. */
+static PyObject *table_call(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
+                            const char *name, Py_ssize_t *rows) {
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected,
+                     nargs);
+        return NULL;
+    }
+    if (!PyList_Check(args[0])) {
+        PyErr_Format(PyExc_TypeError, "%s: requests must be a list (a RequestTable)", name);
+        return NULL;
+    }
+    *rows = PyList_GET_SIZE(args[0]);
+    return args[0];
+}
+
+/* The length of a 1-d buffer (a column), or -1 (then column_take refuses it). */
+static Py_ssize_t column_length(PyObject *array) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(array, &view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t length = view.ndim == 1 ? view.shape[0] : -1;
+    PyBuffer_Release(&view);
+    return length;
+}
+
 static const uint64_t FIBONACCI = 0x9E3779B97F4A7C15ULL;
 
 /* admission.eviction_key's key of one entry. */
@@ -355,17 +384,11 @@ PyDoc_STRVAR(queue_forecast_doc,
 "(deadlines, work_through, spare_after, need_through, kv_spare_after) after them.");
 
 static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != ARGS) {
-        PyErr_Format(PyExc_TypeError, "queue_forecast takes %d arguments (%zd given)", ARGS,
-                     nargs);
+    Py_ssize_t rows;
+    PyObject *requests = table_call(args, nargs, ARGS, "queue_forecast", &rows);
+    if (requests == NULL) {
         return NULL;
     }
-    PyObject *requests = args[ARG_REQUESTS];
-    if (!PyList_Check(requests)) {
-        PyErr_SetString(PyExc_TypeError, "requests must be a list (a RequestTable)");
-        return NULL;
-    }
-    Py_ssize_t rows = PyList_GET_SIZE(requests);
     int failed = 0;
     double now = number(args[ARG_NOW], &failed);
     double default_tpot = number(args[ARG_DEFAULT_TPOT], &failed);
@@ -764,17 +787,11 @@ PyDoc_STRVAR(triage_doc,
 "late decodes, the decoding requests' context).");
 
 static PyObject *triage(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != TRIAGE_ARGS) {
-        PyErr_Format(PyExc_TypeError, "triage takes %d arguments (%zd given)", TRIAGE_ARGS,
-                     nargs);
+    Py_ssize_t rows;
+    PyObject *requests = table_call(args, nargs, TRIAGE_ARGS, "triage", &rows);
+    if (requests == NULL) {
         return NULL;
     }
-    PyObject *requests = args[TRIAGE_REQUESTS];
-    if (!PyList_Check(requests)) {
-        PyErr_SetString(PyExc_TypeError, "requests must be a list (a RequestTable)");
-        return NULL;
-    }
-    Py_ssize_t rows = PyList_GET_SIZE(requests);
     int failed = 0;
     double now = number(args[TRIAGE_NOW], &failed);
     double guard = number(args[TRIAGE_GUARD], &failed);
@@ -1175,12 +1192,7 @@ static PyObject *overdue(PyObject *module, PyObject *const *args, Py_ssize_t nar
     }
     Column next_index = {0}, arrival = {0}, ttft = {0};
     PyObject *rows_over = NULL;
-    if (PyObject_GetBuffer(args[0], &next_index.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
-        return NULL;
-    }
-    next_index.taken = 1;
-    Py_ssize_t rows = next_index.view.ndim == 1 ? next_index.view.shape[0] : -1;
-    column_release(&next_index);
+    Py_ssize_t rows = column_length(args[0]);
     if (column_take(&next_index, args[0], 'q', rows, "next_index") < 0
         || column_take(&arrival, args[1], 'd', rows, "arrival") < 0
         || column_take(&ttft, args[2], 'd', rows, "ttft") < 0) {
@@ -1244,18 +1256,8 @@ static PyObject *prefills_late(PyObject *module, PyObject *const *args, Py_ssize
     }
     Column pending = {0}, context = {0}, slack = {0}, rows = {0};
     PyObject *result = NULL;
-    if (PyObject_GetBuffer(args[FIT_PENDING], &pending.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
-        return NULL;
-    }
-    pending.taken = 1;
-    Py_ssize_t count = pending.view.ndim == 1 ? pending.view.shape[0] : -1;
-    column_release(&pending);
-    if (PyObject_GetBuffer(args[FIT_ROWS], &rows.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
-        return NULL;
-    }
-    rows.taken = 1;
-    Py_ssize_t selected = rows.view.ndim == 1 ? rows.view.shape[0] : -1;
-    column_release(&rows);
+    Py_ssize_t count = column_length(args[FIT_PENDING]);
+    Py_ssize_t selected = column_length(args[FIT_ROWS]);
     if (column_take(&pending, args[FIT_PENDING], 'q', count, "pending") < 0
         || column_take(&context, args[FIT_CONTEXT], 'q', count, "context") < 0
         || column_take(&slack, args[FIT_SLACK], 'd', count, "slack") < 0
@@ -1311,6 +1313,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_compiled",
     "FairBatching's decision hot path, compiled (sglang_ext.policy.compiled).", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__compiled(void) {
