@@ -369,7 +369,7 @@ enum {
     ARG_REQUESTS, ARG_ARRIVAL, ARG_TTFT, ARG_NEXT_INDEX, ARG_SEQ, ARG_PENDING, ARG_CONTEXT,
     ARG_PROMPT, ARG_TPOT,
     ARG_NOW, ARG_DEFAULT_TPOT, ARG_A, ARG_B, ARG_HEADROOM, ARG_FIXED, ARG_PER_KV, ARG_SCALE,
-    ARG_KNEE, ARG_WORK_B, ARG_WORK_C, ARG_WORK_E, ARG_LENGTH_WEIGHT, ARG_KV, ARG_WITH_TABLES,
+    ARG_KNEE, ARG_WORK_C, ARG_WORK_E, ARG_LENGTH_WEIGHT, ARG_KV, ARG_WITH_TABLES,
     ARGS
 };
 
@@ -377,7 +377,7 @@ PyDoc_STRVAR(queue_forecast_doc,
 "queue_forecast(requests, arrival, ttft, next_index, seq, pending, context, prompt, tpot,\n"
 "               now, default_tpot_s,\n"
 "               a_s, b_s_per_token, headroom, fixed, per_kv_token, scale, knee_tokens,\n"
-"               work_b, work_c, work_e, length_weight, kv, with_tables)\n"
+"               work_c, work_e, length_weight, kv, with_tables)\n"
 "--\n\n"
 "The admission forecast of a table (sglang_ext.policy.admission._compiled_forecast\n"
 "says what each argument is). Returns (rate, hopeless request ids) and, with tables,\n"
@@ -400,7 +400,6 @@ static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssiz
     double scale = number(args[ARG_SCALE], &failed);
     int knee = args[ARG_KNEE] != Py_None;
     double knee_tokens = knee ? number(args[ARG_KNEE], &failed) : 0.0;
-    double work_b = knee ? number(args[ARG_WORK_B], &failed) : 0.0;
     double work_c = knee ? number(args[ARG_WORK_C], &failed) : 0.0;
     double work_e = knee ? number(args[ARG_WORK_E], &failed) : 0.0;
     int evicting = args[ARG_LENGTH_WEIGHT] != Py_None;
@@ -507,10 +506,10 @@ static PyObject *queue_forecast(PyObject *module, PyObject *const *args, Py_ssiz
             if (after < knee_tokens) {
                 after = knee_tokens;
             }
-            entry->work = (work_b * (after - knee_tokens) + work_c * (double)request_context
+            entry->work = (b * (after - knee_tokens) + work_c * (double)request_context
                            + work_e * (double)request_pending
                                  * ((double)request_context + (double)(request_pending + 1) / 2.0))
-                          / work_b;
+                          / b;
         } else {
             entry->work = (double)request_pending;
         }

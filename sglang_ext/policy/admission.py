@@ -480,8 +480,8 @@ def _compiled_forecast(
     columns = requests.columns
     return queue_forecast(
         requests, columns.arrival, columns.ttft, columns.next_index, columns.seq,
-        columns.pending, columns.context, columns.prompt, columns.tpot, now, default_tpot_s, usable.a_s, usable.b_s_per_token, headroom, *terms,
-        usable.knee_tokens if knee else None, usable.b_s_per_token,
+        columns.pending, columns.context, columns.prompt, columns.tpot, now, default_tpot_s,
+        usable.a_s, usable.b_s_per_token, headroom, *terms, usable.knee_tokens if knee else None,
         usable.c_s_per_prefill_context_token if knee else 0.0,
         usable.e_s_per_pair if knee else 0.0, length_weight,
         None if kv is None else (kv.free_tokens, kv.release_times, kv.released_through,

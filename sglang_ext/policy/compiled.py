@@ -2,8 +2,8 @@
 install where a C compiler exists) or the pure-Python reference it must match bit for bit.
 
 ``FAIRBATCHING_PURE_PYTHON=1`` in the environment runs the reference even where the
-compiled module is built. Callers read :data:`queue_forecast` at each call (None: the
-reference), so a test can switch paths by setting it.
+compiled module is built. Callers read the functions (:data:`FUNCTIONS`) at each call
+(None: the reference), so a test can switch paths by setting them.
 """
 
 from __future__ import annotations
@@ -24,22 +24,20 @@ else:
 _forced_pure = os.environ.get(PURE_PYTHON_ENV, "").strip() not in ("", "0")
 
 _built = None if _forced_pure else _compiled
-#: the admission forecast of a RequestTable (admission._compiled_forecast), or None
-queue_forecast: Callable | None = None if _built is None else _built.queue_forecast
-#: FairBatching's triage of a RequestTable (row_groups._compiled_triage), or None
-triage: Callable | None = None if _built is None else _built.triage
-#: the SGLang adapter's KV outlook of a decision's table (kv_outlook_of_table), or None
-kv_outlook: Callable | None = None if _built is None else _built.kv_outlook
-
-
-#: the rows past their give-up time (policies._overdue_rows), or None
-overdue: Callable | None = None if _built is None else _built.overdue
-#: whether the smooth step leaves a prefill late (RowGroups.smooth_step), or None
-prefills_late: Callable | None = None if _built is None else _built.prefills_late
 
 #: what the compiled module provides, each None where the reference runs
 FUNCTIONS = ("queue_forecast", "triage", "kv_outlook", "overdue", "prefills_late")
 
+#: the admission forecast of a RequestTable (admission._compiled_forecast)
+queue_forecast: Callable | None = getattr(_built, "queue_forecast", None)
+#: FairBatching's triage of a RequestTable (row_groups._compiled_triage)
+triage: Callable | None = getattr(_built, "triage", None)
+#: the SGLang adapter's KV outlook of a decision's table (kv_outlook_of_table)
+kv_outlook: Callable | None = getattr(_built, "kv_outlook", None)
+#: the rows past their give-up time (policies._overdue_rows)
+overdue: Callable | None = getattr(_built, "overdue", None)
+#: whether the smooth step leaves a prefill late (RowGroups.smooth_step)
+prefills_late: Callable | None = getattr(_built, "prefills_late", None)
 
 def built() -> bool:
     """Whether this process runs the compiled path (every function of it)."""

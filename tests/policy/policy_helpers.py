@@ -61,4 +61,3 @@ def measured_step(new_tokens: int, context: int, prefill_tokens: int = 0) -> Ste
         return StepShape(prefill_tokens, prefill_tokens * (prefill_tokens + 1) / 2, 0, decodes,
                          context, 1)
     return StepShape(0, 0.0, 0, decodes, context, 0)
-

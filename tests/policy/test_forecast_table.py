@@ -1,10 +1,10 @@
-"""The admission forecast over a ``RequestTable``, compiled or by the reference: the
-reference takes its rate from the columns and a
-long queue as columns too (running sums where every entry fits, Moore-Hodgson's heap over
-plain lists, the scan entry by entry only from the first that does not fit), a short one
-as the list's entries; it must stay bit for bit the forecast over the same requests as a
-list: the same hopeless prefills and the same tables, every float with the same bits.
-Each test runs both ways of taking the queue, whatever its length."""
+"""The admission forecast over a ``RequestTable``, compiled or by the reference. The
+reference takes its rate from the columns and a long queue as columns too (running sums
+where every entry fits, Moore-Hodgson's heap over plain lists, the scan entry by entry only
+from the first that does not fit), a short one as the list's entries. Either way it must
+stay bit for bit the forecast over the same requests as a list: the same hopeless
+prefills and the same tables, every float with the same bits. Each test runs on the
+compiled path and on both ways of taking the queue, whatever its length."""
 
 from __future__ import annotations
 
@@ -241,8 +241,6 @@ def test_running_sums_add_left_to_right_bit_for_bit():
         if values and float(np.sum(array)) != loop_sums(values)[-1]:
             pairwise_differs = True
     assert pairwise_differs  # a pairwise sum would not do
-
-
 
 
 @pytest.mark.usefixtures("compiled_path")

@@ -30,16 +30,17 @@ from sglang_ext.sim.profile import bundled_profile_path, load_profile
 from sglang_ext.sim.runner import Scenario, build_policy, replay
 from sglang_ext.sim.workloads import TraceRequest, Workload
 
+pytestmark = pytest.mark.usefixtures("decision_path")
+
 THREE_CLASSES = SloCatalog("standard", {
     "interactive": Slo.from_ms(500, 50), "standard": Slo.from_ms(2000, 50),
     "relaxed": Slo.from_ms(5000, 200),
 })
+
 SLOS = (Slo.from_ms(500, 50), Slo.from_ms(2000, 50), Slo.from_ms(5000, 200), Slo.from_ms(2000, 1))
 FAMILY = sorted(name for name in POLICIES.names() if POLICIES.get(name).takes_admission)
 ADMISSIONS = ("", "+defer", "+defer:fair", "+defer:latest", "+reject")
 #: each policy with each admission it accepts (a name that implies one takes only that)
-pytestmark = pytest.mark.usefixtures("decision_path")
-
 LABELS = [name + ("@1024" if POLICIES.get(name).takes_token_budget else "") + admission
           for name in FAMILY for admission in ADMISSIONS
           if not (admission and getattr(POLICIES.get(name), "implied_admission", None))]

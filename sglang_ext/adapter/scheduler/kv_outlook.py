@@ -104,11 +104,27 @@ def kv_outlook_of_table(
     ``len(req.output_ids)``. The same operations per request, the reserves taken from the
     free memory in order and the releases summed in time order, bit for bit (compiled,
     ``compiled.kv_outlook``, where it is built)."""
-    if compiled.kv_outlook is not None:
-        return _compiled_kv_outlook(free_and_evictable, new_token_ratio, table, store,
-                                    store_rows, outputs, decoding, chunked)
+    queued_from = decoding + (chunked is not None)
+    parts = _compiled_parts if compiled.kv_outlook is not None else _reference_parts
+    free, times, through, queued_reserves, new_reserve = parts(
+        free_and_evictable, new_token_ratio, table, store, store_rows, outputs, decoding,
+        queued_from)
+    reserves = dict(zip(table.ids[queued_from:].tolist(), queued_reserves))
+    if chunked is not None:
+        view = table[decoding]
+        free -= view.pending_prefill + output_reserve(chunked, new_token_ratio)
+        reserves[view.req_id] = -float(view.pending_prefill)
+    return KvOutlook(free, times, through, reserves, new_reserve)
+
+
+def _reference_parts(
+    free_and_evictable: int, new_token_ratio: float, table: RequestTable, store: RequestStore,
+    store_rows: np.ndarray, outputs: Sequence[int], decoding: int, queued_from: int,
+) -> tuple[float, tuple[float, ...], tuple[float, ...], list[float], float]:
+    """The outlook before the cut prompt: the free tokens, the release times and tokens
+    released through each, the queued requests' reserves, an arrival's reserve."""
     columns = table.columns
-    queued = slice(decoding + (chunked is not None), None)
+    queued = slice(queued_from, None)
     clip = CLIP_MAX_NEW_TOKENS
     max_new = store.max_new[store_rows]
     remaining = np.maximum(max_new - np.asarray(outputs, dtype=np.int64), 0)
@@ -124,33 +140,21 @@ def kv_outlook_of_table(
     times = anchor + np.maximum(max_new[:decoding] - 1, 0) * columns.tpot[:decoding]
     tokens = columns.context[:decoding] + reserve
     order = np.lexsort((tokens, times))
-    reserves = dict(zip(table.ids_at(np.arange(queued.start, len(table))),
-                        whole[queued].astype(np.float64).tolist()))
-    if chunked is not None:
-        view = table[decoding]
-        free -= view.pending_prefill + output_reserve(chunked, new_token_ratio)
-        reserves[view.req_id] = -float(view.pending_prefill)
-    return KvOutlook(free, tuple(times[order].tolist()), tuple(np.add.accumulate(tokens[order]).tolist()),
-                     reserves, new_reserve)
+    return (free, tuple(times[order].tolist()), tuple(np.add.accumulate(tokens[order]).tolist()),
+            whole[queued].astype(np.float64).tolist(), new_reserve)
 
 
-def _compiled_kv_outlook(
+def _compiled_parts(
     free_and_evictable: int, new_token_ratio: float, table: RequestTable, store: RequestStore,
-    store_rows: np.ndarray, outputs: Sequence[int], decoding: int, chunked: Any | None,
-) -> KvOutlook:
+    store_rows: np.ndarray, outputs: Sequence[int], decoding: int, queued_from: int,
+) -> tuple[float, tuple[float, ...], tuple[float, ...], list[float], float]:
+    """:func:`_reference_parts` by the compiled path, bit for bit."""
     columns = table.columns
-    queued_from = decoding + (chunked is not None)
-    free, times, through, queued_reserves, new_reserve = compiled.kv_outlook(
+    return compiled.kv_outlook(
         free_and_evictable, new_token_ratio, CLIP_MAX_NEW_TOKENS, decoding, queued_from,
         store_rows, store.max_new, store.ignore_eos,
         outputs if type(outputs) is list else list(outputs), columns.first, columns.arrival,
         columns.ttft, columns.tpot, columns.context)
-    reserves = dict(zip(table.ids[queued_from:].tolist(), queued_reserves))
-    if chunked is not None:
-        view = table[decoding]
-        free -= view.pending_prefill + output_reserve(chunked, new_token_ratio)
-        reserves[view.req_id] = -float(view.pending_prefill)
-    return KvOutlook(free, times, through, reserves, new_reserve)
 
 
 def _median(values: np.ndarray) -> float:
