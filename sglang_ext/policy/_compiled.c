@@ -1298,6 +1298,146 @@ done:
     return result;
 }
 
+enum {
+    COLS_DECODE_ROWS, COLS_DECODE_NEXT, COLS_DECODE_FIRST, COLS_PREFILL_ROWS,
+    COLS_PREFILL_NEXT, COLS_PREFILL_PENDING, COLS_PREFILL_CONTEXT, COLS_PREFILL_FIRST,
+    COLS_ARRIVAL, COLS_TTFT, COLS_TPOT, COLS_PROMPT, COLS_SEQ, COLS_INTS_OUT, COLS_FLOATS_OUT,
+    COLS_ARGS
+};
+
+PyDoc_STRVAR(decision_columns_doc,
+"decision_columns(decode_rows, decode_next, decode_first, prefill_rows, prefill_next,\n"
+"                 prefill_pending, prefill_context, prefill_first,\n"
+"                 arrival, ttft, tpot, prompt, seq, ints_out, floats_out)\n"
+"--\n\n"
+"The SGLang adapter's decision columns (DecisionColumns.table): the decodes' and the\n"
+"prefills' collected lists, and the request store's columns, into ints_out (a C-ordered\n"
+"int64 array of 6 x rows: store row, next index, pending, context, prompt, arrival\n"
+"number) and floats_out (float64, 4 x rows: arrival, ttft, tpot, first). A decode's\n"
+"context is its prompt plus its next index; a prefill's, the collected one.");
+
+/* The items of a list of ints (kind 'q') or floats ('d') into out[0..count). */
+static int list_into(PyObject *list, Py_ssize_t count, char kind, char *out, const char *name) {
+    if (!PyList_Check(list) || PyList_GET_SIZE(list) != count) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a list of %zd values", name, count);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (kind == 'd') {
+            double value = PyFloat_AsDouble(item);
+            if (value == -1.0 && PyErr_Occurred()) {
+                return -1;
+            }
+            ((double *)out)[i] = value;
+        } else {
+            int64_t value = PyLong_AsLongLong(item);
+            if (value == -1 && PyErr_Occurred()) {
+                return -1;
+            }
+            ((int64_t *)out)[i] = value;
+        }
+    }
+    return 0;
+}
+
+static int matrix_out(Py_buffer *view, PyObject *array, char kind, Py_ssize_t height,
+                      Py_ssize_t rows, const char *name) {
+    if (PyObject_GetBuffer(array, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    const char *format = view->format ? view->format : "B";
+    char last = format[strlen(format) - 1];
+    if (view->itemsize != 8 || view->ndim != 2 || view->shape[0] != height
+        || view->shape[1] != rows || (kind == 'd' ? last != 'd' : (last != 'l' && last != 'q'))) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a writable C-ordered %s array of %zd x %zd",
+                     name, kind == 'd' ? "float64" : "int64", height, rows);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *decision_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != COLS_ARGS) {
+        PyErr_Format(PyExc_TypeError, "decision_columns takes %d arguments (%zd given)",
+                     COLS_ARGS, nargs);
+        return NULL;
+    }
+    if (!PyList_Check(args[COLS_DECODE_ROWS]) || !PyList_Check(args[COLS_PREFILL_ROWS])) {
+        PyErr_SetString(PyExc_TypeError, "decision_columns: the rows must be lists");
+        return NULL;
+    }
+    Py_ssize_t decodes = PyList_GET_SIZE(args[COLS_DECODE_ROWS]);
+    Py_ssize_t prefills = PyList_GET_SIZE(args[COLS_PREFILL_ROWS]);
+    Py_ssize_t rows = decodes + prefills;
+    Py_buffer ints_view, floats_view;
+    Column arrival = {0}, ttft = {0}, tpot = {0}, prompt = {0}, seq = {0};
+    PyObject *result = NULL;
+    if (matrix_out(&ints_view, args[COLS_INTS_OUT], 'q', 6, rows, "ints_out") < 0) {
+        return NULL;
+    }
+    if (matrix_out(&floats_view, args[COLS_FLOATS_OUT], 'd', 4, rows, "floats_out") < 0) {
+        PyBuffer_Release(&ints_view);
+        return NULL;
+    }
+    int64_t *ints = (int64_t *)ints_view.buf;
+    double *floats = (double *)floats_view.buf;
+    int64_t *store_row = ints, *next = ints + rows, *pending = ints + 2 * rows,
+            *context = ints + 3 * rows, *prompts = ints + 4 * rows, *seqs = ints + 5 * rows;
+    double *arrivals = floats, *ttfts = floats + rows, *tpots = floats + 2 * rows,
+           *firsts = floats + 3 * rows;
+    if (list_into(args[COLS_DECODE_ROWS], decodes, 'q', (char *)store_row, "decode_rows") < 0
+        || list_into(args[COLS_DECODE_NEXT], decodes, 'q', (char *)next, "decode_next") < 0
+        || list_into(args[COLS_DECODE_FIRST], decodes, 'd', (char *)firsts, "decode_first") < 0
+        || list_into(args[COLS_PREFILL_ROWS], prefills, 'q', (char *)(store_row + decodes),
+                     "prefill_rows") < 0
+        || list_into(args[COLS_PREFILL_NEXT], prefills, 'q', (char *)(next + decodes),
+                     "prefill_next") < 0
+        || list_into(args[COLS_PREFILL_PENDING], prefills, 'q', (char *)(pending + decodes),
+                     "prefill_pending") < 0
+        || list_into(args[COLS_PREFILL_CONTEXT], prefills, 'q', (char *)(context + decodes),
+                     "prefill_context") < 0
+        || list_into(args[COLS_PREFILL_FIRST], prefills, 'd', (char *)(firsts + decodes),
+                     "prefill_first") < 0) {
+        goto done;
+    }
+    Py_ssize_t store_size = column_length(args[COLS_PROMPT]);
+    if (column_take(&arrival, args[COLS_ARRIVAL], 'd', store_size, "arrival") < 0
+        || column_take(&ttft, args[COLS_TTFT], 'd', store_size, "ttft") < 0
+        || column_take(&tpot, args[COLS_TPOT], 'd', store_size, "tpot") < 0
+        || column_take(&prompt, args[COLS_PROMPT], 'q', store_size, "prompt") < 0
+        || column_take(&seq, args[COLS_SEQ], 'q', store_size, "seq") < 0) {
+        goto done;
+    }
+    for (Py_ssize_t row = 0; row < rows; row++) {
+        int64_t at = store_row[row];
+        if (at < 0 || at >= store_size) {
+            PyErr_SetString(PyExc_IndexError, "a store row out of the store");
+            goto done;
+        }
+        arrivals[row] = as_double(&arrival, at);
+        ttfts[row] = as_double(&ttft, at);
+        tpots[row] = as_double(&tpot, at);
+        prompts[row] = as_int(&prompt, at);
+        seqs[row] = as_int(&seq, at);
+        if (row < decodes) {
+            pending[row] = 0;
+            context[row] = prompts[row] + next[row];
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    column_release(&arrival);
+    column_release(&ttft);
+    column_release(&tpot);
+    column_release(&prompt);
+    column_release(&seq);
+    PyBuffer_Release(&ints_view);
+    PyBuffer_Release(&floats_view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"queue_forecast", (PyCFunction)(void (*)(void))queue_forecast, METH_FASTCALL,
      queue_forecast_doc},
@@ -1306,6 +1446,8 @@ static PyMethodDef methods[] = {
     {"overdue", (PyCFunction)(void (*)(void))overdue, METH_FASTCALL, overdue_doc},
     {"prefills_late", (PyCFunction)(void (*)(void))prefills_late, METH_FASTCALL,
      prefills_late_doc},
+    {"decision_columns", (PyCFunction)(void (*)(void))decision_columns, METH_FASTCALL,
+     decision_columns_doc},
     {NULL, NULL, 0, NULL},
 };
 

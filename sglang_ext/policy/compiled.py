@@ -26,7 +26,8 @@ _forced_pure = os.environ.get(PURE_PYTHON_ENV, "").strip() not in ("", "0")
 _built = None if _forced_pure else _compiled
 
 #: what the compiled module provides, each None where the reference runs
-FUNCTIONS = ("queue_forecast", "triage", "kv_outlook", "overdue", "prefills_late")
+FUNCTIONS = ("queue_forecast", "triage", "kv_outlook", "overdue", "prefills_late",
+             "decision_columns")
 
 #: the admission forecast of a RequestTable (admission._compiled_forecast)
 queue_forecast: Callable | None = getattr(_built, "queue_forecast", None)
@@ -38,6 +39,8 @@ kv_outlook: Callable | None = getattr(_built, "kv_outlook", None)
 overdue: Callable | None = getattr(_built, "overdue", None)
 #: whether the smooth step leaves a prefill late (RowGroups.smooth_step)
 prefills_late: Callable | None = getattr(_built, "prefills_late", None)
+#: the SGLang adapter's columns of a decision (request_store.DecisionColumns.table)
+decision_columns: Callable | None = getattr(_built, "decision_columns", None)
 
 def built() -> bool:
     """Whether this process runs the compiled path (every function of it)."""

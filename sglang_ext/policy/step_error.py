@@ -4,6 +4,7 @@ the model has learned the device."""
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -44,8 +45,9 @@ class PredictionError:
 
 
 class StepErrorLog:
-    """Relative errors of the steps observed: an EWMA, a recent window, and a recent
-    window per :func:`step_kind`."""
+    """Relative errors of the steps observed: an EWMA, a recent window (kept sorted too,
+    so its p95, read after every step, costs no sort), and a recent window per
+    :func:`step_kind`."""
 
     def __init__(self, window: int = 256) -> None:
         self.samples = 0
@@ -53,6 +55,7 @@ class StepErrorLog:
         self._ewma = 0.0
         self._last = 0.0
         self._recent: deque[float] = deque(maxlen=window)
+        self._recent_sorted: list[float] = []
         self._seen = dict.fromkeys(STEP_KINDS, 0)
         self._by_kind: dict[str, deque[float]] = {kind: deque(maxlen=window) for kind in STEP_KINDS}
 
@@ -65,7 +68,11 @@ class StepErrorLog:
         relative = (measured_s - predicted_s) / measured_s
         self.samples += 1
         self._last = relative
-        self._recent.append(abs(relative))
+        recent, ordered = self._recent, self._recent_sorted
+        if len(recent) == recent.maxlen:
+            del ordered[bisect.bisect_left(ordered, recent[0])]
+        recent.append(abs(relative))
+        bisect.insort(ordered, abs(relative))
         kind = step_kind(shape)
         self._seen[kind] += 1
         self._by_kind[kind].append(abs(relative))
@@ -75,9 +82,15 @@ class StepErrorLog:
             self._outliers += 1
         return relative
 
+    @property
+    def p95_abs_relative(self) -> float:
+        """The recent window's p95 of |error| (0.0 before any step)."""
+        recent = self._recent_sorted
+        return recent[min(len(recent) - 1, int(0.95 * len(recent)))] if recent else 0.0
+
     def summary(self) -> PredictionError:
-        recent = sorted(self._recent)
-        p95 = recent[min(len(recent) - 1, int(0.95 * len(recent)))] if recent else 0.0
+        recent = self._recent_sorted
+        p95 = self.p95_abs_relative
         median = statistics.median(recent) if recent else 0.0
         by_kind = tuple((kind, self._seen[kind], statistics.median(values))
                         for kind, values in self._by_kind.items() if values)

@@ -138,9 +138,9 @@ class FairBatchingVariant(FairBatching):
         super().observe_step(shape, measured_s)
         if not self.variant.margin:
             return
-        error = self.step_model.error
-        if error.samples >= MARGIN_WARMUP_STEPS:
-            self._margin = min(error.p95_abs_relative, MAX_MARGIN)
+        errors = self.step_model.errors
+        if errors.samples >= MARGIN_WARMUP_STEPS:
+            self._margin = min(errors.p95_abs_relative, MAX_MARGIN)
             self._margin_total += self._margin
             self._margin_steps += 1
 

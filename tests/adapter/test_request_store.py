@@ -60,6 +60,7 @@ def assert_same_columns(got, expected):
         assert getattr(got, name).dtype == getattr(expected, name).dtype, name
 
 
+@pytest.mark.usefixtures("decision_path")
 def test_the_collected_table_is_the_views_over_many_steps():
     from sglang_ext.adapter.scheduler.requests import RequestRecords
     from sglang_ext.policy.request_table import RequestColumns
@@ -76,8 +77,13 @@ def test_the_collected_table_is_the_views_over_many_steps():
         assert list(table) == views
         assert_same_columns(table.columns, RequestColumns.of(views))
         assert collected.store_rows is not None
+        for req, view in zip(decoding, views, strict=False):
+            stamp = req.time_stats.prefill_finished_time
+            assert view.first_token_time == (stamp or (9.5 if req in in_flight else None))
         for req in decoding:
             req.output_ids.append(7)
+            if not req.time_stats.prefill_finished_time and rng.random() < 0.3:
+                req.time_stats.prefill_finished_time = 110.0 + step  # its first token lands
         if step % 5 == 4:  # one finishes, one arrives, a prompt starts decoding
             decoding.pop(rng.randrange(len(decoding)))
             decoding.append(waiting.pop(rng.randrange(len(waiting))))
@@ -146,3 +152,18 @@ def test_the_kv_outlook_of_the_table_is_the_one_request_by_request(with_chunked)
         assert got == expected
         assert all(type(t) is float for t in got.release_times + got.released_through)
         assert math.isfinite(got.free_tokens)
+
+
+@pytest.mark.usefixtures("compiled_path")
+def test_the_compiled_columns_refuse_a_row_outside_the_store_and_a_wrong_buffer():
+    from sglang_ext.adapter.scheduler.request_store import RequestStore
+    from sglang_ext.policy import compiled
+
+    store = RequestStore(rows=4)
+    lists = ([5], [3], [math.nan], [], [], [], [], [])
+    with pytest.raises(IndexError, match="store row"):
+        compiled.decision_columns(*lists, store.arrival, store.ttft, store.tpot, store.prompt,
+                                  store.seq, np.empty((6, 1), dtype=np.int64), np.empty((4, 1)))
+    with pytest.raises(TypeError, match="ints_out"):
+        compiled.decision_columns(*lists, store.arrival, store.ttft, store.tpot, store.prompt,
+                                  store.seq, np.empty((6, 2), dtype=np.int64), np.empty((4, 1)))

@@ -9,11 +9,13 @@ Noise is multiplicative lognormal with sigma 2%, whose mean |relative error| is
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from sglang_ext.policy.step_error import StepErrorLog
 from sglang_ext.policy.step_shape import StepShape
 from sglang_ext.policy.step_model import (
     OnlineStepModel,
@@ -406,3 +408,14 @@ def test_observe_returns_relative_error_and_records_it() -> None:
     assert model.error.last_relative == pytest.approx(0.2)
     assert model.recent_abs_relative_errors == pytest.approx((0.2,))
     assert model.error.mean_abs_relative == pytest.approx(0.2)  # first sample: alpha = 1
+
+
+def test_the_error_log_p95_follows_its_window_as_a_sort_would() -> None:
+    log = StepErrorLog(window=16)
+    shape = chunk(1, 400)
+    rng = np.random.default_rng(7)
+    for step in range(100):
+        log.record(shape, 1.0, float(rng.choice((0.5, 0.8, 1.0, 1.25, 2.0, rng.uniform(0.4, 3.0)))))
+        recent = sorted(log.recent)
+        assert log.p95_abs_relative == recent[min(len(recent) - 1, int(0.95 * len(recent)))], step
+        assert log.summary().median_abs_relative == statistics.median(recent)

@@ -138,11 +138,30 @@ class DecisionColumns:
         """``views`` (the decode views, then the prefill views, as collected) as a table;
         views collected otherwise (some left out after the loops) are read one by one."""
         decodes = len(self.decode_rows)
-        if len(views) != decodes + len(self.prefill_rows):
+        count = decodes + len(self.prefill_rows)
+        if len(views) != count:
             return RequestTable(views)
-        rows = np.array(self.decode_rows + self.prefill_rows, dtype=np.intp)
+        if compiled.decision_columns is not None:
+            ints = np.empty((6, count), dtype=np.int64)
+            floats = np.empty((4, count), dtype=np.float64)
+            compiled.decision_columns(
+                self.decode_rows, self.decode_next, self.decode_first, self.prefill_rows,
+                self.prefill_next, self.prefill_pending, self.prefill_context, self.prefill_first,
+                store.arrival, store.ttft, store.tpot, store.prompt, store.seq, ints, floats)
+            rows, next_index, pending, context, prompt, seq = ints
+            arrival, ttft, tpot, first = floats
+            columns = RequestColumns(arrival, ttft, tpot, next_index, pending, context, prompt,
+                                     seq, first)
+        else:
+            rows = np.array(self.decode_rows + self.prefill_rows, dtype=np.intp)
+            columns = self._reference_columns(rows, store)
         store.seen(rows)
         self.store_rows = rows
+        return RequestTable(views, columns)
+
+    def _reference_columns(self, rows: np.ndarray, store: RequestStore) -> RequestColumns:
+        """What ``compiled.decision_columns`` fills, in numpy."""
+        decodes = len(self.decode_rows)
         prompt = store.prompt[rows]
         next_index = np.array(self.decode_next + self.prefill_next, dtype=np.int64)
         pending = np.zeros(len(rows), dtype=np.int64)
@@ -150,12 +169,11 @@ class DecisionColumns:
         context = np.empty(len(rows), dtype=np.int64)
         context[:decodes] = prompt[:decodes] + next_index[:decodes]
         context[decodes:] = self.prefill_context
-        columns = RequestColumns(
+        return RequestColumns(
             store.arrival[rows], store.ttft[rows], store.tpot[rows], next_index, pending, context,
             prompt, store.seq[rows],
             np.array(self.decode_first + self.prefill_first, dtype=np.float64),
         )
-        return RequestTable(views, columns)
 
     @property
     def outputs(self) -> list[int]:

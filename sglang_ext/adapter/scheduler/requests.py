@@ -36,7 +36,7 @@ class LiveRequestView:
 
     __slots__ = ("req_id", "arrival", "slo", "arrival_seq", "dispatch_seq", "prompt_tokens",
                  "next_output_index", "pending_prefill", "context", "first_token_time",
-                 "late", "expired", "row")
+                 "late", "expired", "row", "stamped_first")
 
     def __init__(self, req_id: Any, arrival: float, slo: Slo, arrival_seq: int,
                  dispatch_seq: int | None, prompt_tokens: int) -> None:
@@ -53,6 +53,7 @@ class LiveRequestView:
         self.late = False  # counted once: past its TTFT deadline without a first token
         self.expired = False  # counted once: ended under admission mode defer
         self.row = -1  # its row in the RequestStore (request_store); -1: none
+        self.stamped_first = 0.0  # SGLang's first-token stamp once a decode view read it
 
 
 class RequestRecords:
@@ -192,7 +193,9 @@ class RequestRecords:
             except AttributeError:
                 view = attach(req)
             produced = len(req.output_ids)
-            first = req.time_stats.prefill_finished_time
+            first = view.stamped_first
+            if not first:
+                first = view.stamped_first = req.time_stats.prefill_finished_time
             if columns is not None:
                 outputs(produced)
             if in_flight and req in in_flight:
