@@ -3,10 +3,12 @@
 Drives one SGLang 0.5.23 ``Scheduler`` (emulated GPU, CPU) step by step through
 :mod:`benchmarks.server.scheduler_harness` with and without FairBatching, and reports
 ``get_next_batch_to_run`` wall time per step (p50/p99) at loads of N running requests
-(``--running``, default 64, 256 and 1024) and a queue of 64 long prompts, plus the
-adapter's own decision time per step (views of every request, the KV outlook, the
-policy's ``form_batch``, parking the deferred decodes: what FairBatching adds before
-SGLang's own prefill admission). ``stock`` is SGLang's default (prefill-first, chunk
+(``--running``, default 64, 256 and 1024, arriving :data:`ARRIVALS_PER_STEP` per step so
+that the shipped admission takes them in rather than ending them at once) and a queue of
+64 long prompts, plus the adapter's own decision time per step (views of every request,
+the KV outlook, the policy's ``form_batch``, parking the deferred decodes: what
+FairBatching adds before SGLang's own prefill admission) and, beside it, the step model's
+learning after each step. ``stock`` is SGLang's default (prefill-first, chunk
 8192); ``stock-mixed`` adds ``--enable-mixed-chunk`` with a 512-token chunk, which builds
 mixed batches as FairBatching does. FairBatching runs the shipped config's policy and
 admission (``configs/fairbatching.toml``) unless ``--policy`` names another (then
@@ -43,6 +45,9 @@ from benchmarks.support.paths import DOCS_BENCH, REPO
 
 RUNNING = (64, 256, 1024)
 WAITING = 64
+#: the running requests arrive this many per step: as many at once as a rank admits in
+#: time, so FairBatching's admission (``defer``) serves them all at every load
+ARRIVALS_PER_STEP = 4
 SHIPPED_CONFIG = REPO / "configs" / "fairbatching.toml"
 #: name: (FairBatching, --enable-mixed-chunk, publishing budgets, the decision's input)
 RUNS = {
@@ -63,8 +68,10 @@ def busy_steps(running: int) -> int:
 def scenario(config: Path | None, mixed: bool = False, publish: bool = False,
              running: int = 256, decision_path: str = "auto") -> dict:
     requests = [{"rid": f"run-{i}", "prompt_tokens": 128 + (i % 7) * 16, "max_new_tokens": 400,
+                 "at_step": i // ARRIVALS_PER_STEP,
                  "slo": {"class": ("interactive", "standard", "relaxed")[i % 3]}} for i in range(running)]
-    requests += [{"rid": f"wait-{i}", "prompt_tokens": 2048, "max_new_tokens": 8, "at_step": 40,
+    queue_at = max(40, running // ARRIVALS_PER_STEP + 8)
+    requests += [{"rid": f"wait-{i}", "prompt_tokens": 2048, "max_new_tokens": 8, "at_step": queue_at,
                   "slo": {"class": "standard"}} for i in range(WAITING)]
     result = {"requests": requests, "overlap": False,
               "max_total_tokens": max(400_000, running * 700 + WAITING * 2_100),
@@ -105,7 +112,8 @@ def run(name: str, config: Path | None, workdir: Path, mixed: bool = False,
     busy = [s for s in report["steps"]
             if s.get("decodes") and len(s["decodes"]) + len(s.get("parked", [])) >= busy_steps(running)]
     return {"get_next_batch_us": [s["get_next_batch_us"] for s in busy],
-            "decision_us": [s["decision_us"] for s in busy if "decision_us" in s]}
+            "decision_us": [s["decision_us"] for s in busy if "decision_us" in s],
+            "learning_us": [s["learning_us"] for s in busy if "learning_us" in s]}
 
 
 def shipped_policy() -> str:
@@ -164,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     loads = {}
     for running in args.running:
         samples: dict[str, dict[str, list[float]]] = {
-            name: {"get_next_batch_us": [], "decision_us": []} for name in args.configs}
+            name: {"get_next_batch_us": [], "decision_us": [], "learning_us": []}
+            for name in args.configs}
         per_round: dict[str, list[dict]] = {name: [] for name in args.configs}
         for round_ in range(args.rounds):
             for name in args.configs:
@@ -210,7 +219,9 @@ def main(argv: list[str] | None = None) -> None:
                 "FairBatching: its hooks included, and SGLang's own prefill admission of the "
                 "planned chunks); decision_us: FairBatching's adapter and policy alone (request "
                 "views, the KV outlook, form_batch, parking), the 'adapter plus policy' of the "
-                "check; fairbatching: on a table from table_min_requests() requests (the shipped "
+                "check; learning_us: the step model's learning from the step's measured time, "
+                "after the step (in process_batch_result, outside get_next_batch_to_run and "
+                "the check), per step; fairbatching: on a table from table_min_requests() requests (the shipped "
                 "adapter); fairbatching-tables / -lists: always on a table / on the list of "
                 "views, request by request (the same decisions); fairbatching-publishing: the same rank publishing its class budgets "
                 "at every decision, as behind the control plane or DP's pab method.",
@@ -233,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
             if cell.get("decision_us", {}).get("steps"):
                 line += (f"; adapter+policy p50/p90/p99 {cell['decision_us']['p50']:.0f}/"
                          f"{cell['decision_us']['p90']:.0f}/{cell['decision_us']['p99']:.0f} us")
+            if cell.get("learning_us", {}).get("steps"):
+                line += (f"; learning after the step p50/p99 {cell['learning_us']['p50']:.0f}/"
+                         f"{cell['learning_us']['p99']:.0f} us")
             print(line)
     print(f"wrote {args.out}")
 

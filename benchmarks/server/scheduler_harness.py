@@ -128,7 +128,10 @@ def main(scenario_path: str) -> None:
         if state is not None and state.parked is not None:
             for req in state.parked.reqs:
                 kv_rows[req.rid] = _kv_row(scheduler, req)
+        learned = state.counters.steps if state is not None else 0
         run_step(scheduler, batch, last_batch)
+        if state is not None and state.counters.steps > learned:
+            record["learning_us"] = round(state.learning_s[-1] * 1e6, 1)  # after this step
         last_batch = batch
         if batch is not None:
             steps.append(record)

@@ -149,6 +149,7 @@ class FairBatchingState:
         self.errors = HandledErrors(on_error=metrics.observe_error if metrics is not None else None)
         self.gc_pauses: deque[GcPause] = deque(maxlen=256)
         self.decision_s: deque[float] = deque(maxlen=4096)  # adapter + policy time per decision
+        self.learning_s: deque[float] = deque(maxlen=4096)  # the step model's learning per step
         self._last_gc: float | None = None
         self.device = DeviceClock()
         self._last_log = time.perf_counter()
@@ -282,7 +283,9 @@ class FairBatchingState:
                          budget * 1e3, launch.predicted_s * 1e3, features.new_tokens,
                          features.total_context)
         speed = self.policy.speed_factor
+        learning = time.perf_counter()
         self.policy.observe_step(features, measured)
+        self.learning_s.append(time.perf_counter() - learning)
         if self.policy.speed_factor != speed:
             logger.info("FairBatching: this device runs steps %.2fx as long as the step model "
                         "predicts (median of its first steps); learning again from the model "
@@ -421,6 +424,7 @@ class FairBatchingState:
             "errors": dict(self.errors.counts),
             "gc_pauses_ms": [round(p.pause_s * 1e3, 3) for p in self.gc_pauses],
             "decision_us": _percentiles_us(self.decision_s),
+            "learning_us": _percentiles_us(self.learning_s),
         }
 
 
