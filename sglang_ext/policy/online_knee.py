@@ -96,8 +96,8 @@ class OnlineKneeModel(LearnedModel):
             raise ValueError(f"measured step time must be > 0, got {measured_s!r}")
         predicted = self._coefficients.predict_step(shape)
         relative = self._errors.record(shape, predicted, measured_s)
-        base = self._coefficients.features(shape)
-        rows = np.tile(np.asarray(base, dtype=float), (self._knees.size, 1))
+        rows = np.empty((self._knees.size, self._prior.shape[1]))
+        rows[:] = self._coefficients.features(shape)
         rows[:, 1] = np.maximum(float(shape.new_tokens), self._knees)
         decodes = shape.decode_requests
         if decodes:
@@ -170,6 +170,6 @@ class OnlineKneeModel(LearnedModel):
         return self._current
 
     def _model(self, index: int) -> KneeStepModel:
-        weights = self._theta[index] * self._scale[index]
-        return KneeStepModel(*(float(w) for w in weights), float(self._knees[index]),
+        weights = (self._theta[index] * self._scale[index]).tolist()
+        return KneeStepModel(*weights, float(self._knees[index]),
                              float(self._saturations[index])).usable()

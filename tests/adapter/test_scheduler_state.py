@@ -175,3 +175,17 @@ def test_kv_outlook_matches_its_plain_reference():
         free = rng.randint(0, 400_000)
         assert kv_outlook(free, ratio, decoding, queued) == reference_kv_outlook(
             free, ratio, decoding, queued)
+
+
+def test_the_step_models_learning_is_timed_after_each_step(state):
+    from sglang_ext.adapter.scheduler.state import StepLaunch
+    from sglang_ext.policy.step_shape import StepShape
+
+    assert state.snapshot()["learning_us"] == {}
+    shape = StepShape(2048, 2048 * 1024.5, 0, 30, 30 * 900, 1)
+    for step in range(3):
+        state.launched(10.0 + step, 0.05)
+        assert state.observe_completion(StepLaunch(10.0 + step, shape, 0.05), 10.06 + step) > 0
+    assert len(state.learning_s) == state.counters.steps == 3
+    assert all(seconds > 0 for seconds in state.learning_s)
+    assert set(state.snapshot()["learning_us"]) == {"p50", "p99"}
