@@ -1438,6 +1438,209 @@ done:
     return result;
 }
 
+enum {
+    KNEE_FEATURES, KNEE_NEW_TOKENS, KNEE_DECODES, KNEE_DECODE_CONTEXT, KNEE_MEASURED,
+    KNEE_FORGETTING, KNEE_KNEES, KNEE_SATURATIONS, KNEE_SCALE, KNEE_GRAM, KNEE_MOMENT,
+    KNEE_ARGS
+};
+
+PyDoc_STRVAR(knee_update_doc,
+"knee_update(features, new_tokens, decode_requests, decode_context, measured_s,\n"
+"            forgetting, knees, saturations, scale, gram, moment)\n"
+"--\n\n"
+"One step's update of every candidate's normal equations in the online knee model\n"
+"(sglang_ext.policy.online_knee.OnlineKneeModel.observe): each candidate's regressors\n"
+"(features, with its knee's new-token term and its saturation's decode term), scaled\n"
+"by scale / measured_s; gram and moment forgotten by `forgetting` and the step added,\n"
+"in place.");
+
+static int contiguous(Py_buffer *view, PyObject *array, int writable, int ndim,
+                      const Py_ssize_t *shape, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(array, view, flags) < 0) {
+        return -1;
+    }
+    const char *format = view->format ? view->format : "B";
+    int matches = view->itemsize == 8 && format[strlen(format) - 1] == 'd' && view->ndim == ndim;
+    for (int axis = 0; matches && axis < ndim; axis++) {
+        matches = view->shape[axis] == shape[axis];
+    }
+    if (!matches) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a C-ordered float64 array of the "
+                     "candidates' shape", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *knee_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != KNEE_ARGS) {
+        PyErr_Format(PyExc_TypeError, "knee_update takes %d arguments (%zd given)", KNEE_ARGS,
+                     nargs);
+        return NULL;
+    }
+    enum { MAX_FEATURES = 8 };
+    double features[MAX_FEATURES];
+    PyObject *given = args[KNEE_FEATURES];
+    if (!PyTuple_Check(given) || PyTuple_GET_SIZE(given) < 4
+        || PyTuple_GET_SIZE(given) > MAX_FEATURES) {
+        PyErr_SetString(PyExc_TypeError, "features must be a tuple of 4 to 8 floats");
+        return NULL;
+    }
+    Py_ssize_t width = PyTuple_GET_SIZE(given);
+    for (Py_ssize_t j = 0; j < width; j++) {
+        features[j] = PyFloat_AsDouble(PyTuple_GET_ITEM(given, j));
+    }
+    double new_tokens = PyFloat_AsDouble(args[KNEE_NEW_TOKENS]);
+    long long decodes = PyLong_AsLongLong(args[KNEE_DECODES]);
+    double decode_context = PyFloat_AsDouble(args[KNEE_DECODE_CONTEXT]);
+    double measured = PyFloat_AsDouble(args[KNEE_MEASURED]);
+    double forgetting = PyFloat_AsDouble(args[KNEE_FORGETTING]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer knees_view, saturations_view, scale_view, gram_view, moment_view;
+    Py_ssize_t candidates = column_length(args[KNEE_KNEES]);
+    Py_ssize_t one[1] = {candidates}, two[2] = {candidates, width},
+               three[3] = {candidates, width, width};
+    if (contiguous(&knees_view, args[KNEE_KNEES], 0, 1, one, "knees") < 0) {
+        return NULL;
+    }
+    if (contiguous(&saturations_view, args[KNEE_SATURATIONS], 0, 1, one, "saturations") < 0) {
+        PyBuffer_Release(&knees_view);
+        return NULL;
+    }
+    if (contiguous(&scale_view, args[KNEE_SCALE], 0, 2, two, "scale") < 0) {
+        PyBuffer_Release(&knees_view);
+        PyBuffer_Release(&saturations_view);
+        return NULL;
+    }
+    if (contiguous(&gram_view, args[KNEE_GRAM], 1, 3, three, "gram") < 0) {
+        PyBuffer_Release(&knees_view);
+        PyBuffer_Release(&saturations_view);
+        PyBuffer_Release(&scale_view);
+        return NULL;
+    }
+    if (contiguous(&moment_view, args[KNEE_MOMENT], 1, 2, two, "moment") < 0) {
+        PyBuffer_Release(&knees_view);
+        PyBuffer_Release(&saturations_view);
+        PyBuffer_Release(&scale_view);
+        PyBuffer_Release(&gram_view);
+        return NULL;
+    }
+    const double *knees = knees_view.buf, *saturations = saturations_view.buf,
+                 *scale = scale_view.buf;
+    double *gram = gram_view.buf, *moment = moment_view.buf;
+    double row[MAX_FEATURES];
+    double decodes_f = (double)decodes;
+    for (Py_ssize_t k = 0; k < candidates; k++) {
+        /* the regressors as OnlineKneeModel.observe builds them in numpy, op for op */
+        memcpy(row, features, sizeof(double) * (size_t)width);
+        row[1] = new_tokens >= knees[k] ? new_tokens : knees[k];
+        if (decodes) {
+            double ratio = saturations[k] > decodes_f ? saturations[k] / decodes_f : 1.0;
+            row[3] = decode_context * ratio;
+        }
+        for (Py_ssize_t j = 0; j < width; j++) {
+            row[j] = row[j] * (scale[k * width + j] / measured);
+        }
+        double *g = gram + k * width * width;
+        for (Py_ssize_t i = 0; i < width * width; i++) {
+            g[i] = g[i] * forgetting;
+        }
+        for (Py_ssize_t i = 0; i < width; i++) {
+            for (Py_ssize_t j = 0; j < width; j++) {
+                g[i * width + j] = g[i * width + j] + row[i] * row[j];
+            }
+        }
+        double *m = moment + k * width;
+        for (Py_ssize_t j = 0; j < width; j++) {
+            m[j] = m[j] * forgetting;
+            m[j] = m[j] + row[j];
+        }
+    }
+    PyBuffer_Release(&knees_view);
+    PyBuffer_Release(&saturations_view);
+    PyBuffer_Release(&scale_view);
+    PyBuffer_Release(&gram_view);
+    PyBuffer_Release(&moment_view);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(knee_system_doc,
+"knee_system(index, anchor, gram, moment, prior, matrix_out, rhs_out)\n"
+"--\n\n"
+"The anchored normal equations of the online knee model's candidate `index`, as\n"
+"OnlineKneeModel._solve_current writes them in numpy: matrix_out = gram[index] +\n"
+"anchor * identity, rhs_out = moment[index] + anchor * prior[index].");
+
+static PyObject *knee_system(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "knee_system takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t index = PyLong_AsSsize_t(args[0]);
+    double anchor = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer moment_view, gram_view, prior_view, matrix_view, rhs_view;
+    if (PyObject_GetBuffer(args[3], &moment_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    Py_ssize_t candidates = moment_view.ndim == 2 ? moment_view.shape[0] : 0;
+    Py_ssize_t width = moment_view.ndim == 2 ? moment_view.shape[1] : 0;
+    PyBuffer_Release(&moment_view);
+    if (index < 0 || index >= candidates) {
+        PyErr_SetString(PyExc_IndexError, "knee_system: no such candidate");
+        return NULL;
+    }
+    Py_ssize_t two[2] = {candidates, width}, three[3] = {candidates, width, width},
+               square[2] = {width, width}, line[1] = {width};
+    if (contiguous(&gram_view, args[2], 0, 3, three, "gram") < 0) {
+        return NULL;
+    }
+    if (contiguous(&moment_view, args[3], 0, 2, two, "moment") < 0) {
+        PyBuffer_Release(&gram_view);
+        return NULL;
+    }
+    if (contiguous(&prior_view, args[4], 0, 2, two, "prior") < 0) {
+        PyBuffer_Release(&gram_view);
+        PyBuffer_Release(&moment_view);
+        return NULL;
+    }
+    if (contiguous(&matrix_view, args[5], 1, 2, square, "matrix_out") < 0) {
+        PyBuffer_Release(&gram_view);
+        PyBuffer_Release(&moment_view);
+        PyBuffer_Release(&prior_view);
+        return NULL;
+    }
+    if (contiguous(&rhs_view, args[6], 1, 1, line, "rhs_out") < 0) {
+        PyBuffer_Release(&gram_view);
+        PyBuffer_Release(&moment_view);
+        PyBuffer_Release(&prior_view);
+        PyBuffer_Release(&matrix_view);
+        return NULL;
+    }
+    const double *gram = (const double *)gram_view.buf + index * width * width;
+    const double *moment = (const double *)moment_view.buf + index * width;
+    const double *prior = (const double *)prior_view.buf + index * width;
+    double *matrix = matrix_view.buf, *rhs = rhs_view.buf;
+    for (Py_ssize_t i = 0; i < width; i++) {
+        for (Py_ssize_t j = 0; j < width; j++) {
+            matrix[i * width + j] = gram[i * width + j] + anchor * (i == j ? 1.0 : 0.0);
+        }
+        rhs[i] = moment[i] + anchor * prior[i];
+    }
+    PyBuffer_Release(&gram_view);
+    PyBuffer_Release(&moment_view);
+    PyBuffer_Release(&prior_view);
+    PyBuffer_Release(&matrix_view);
+    PyBuffer_Release(&rhs_view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"queue_forecast", (PyCFunction)(void (*)(void))queue_forecast, METH_FASTCALL,
      queue_forecast_doc},
@@ -1448,6 +1651,8 @@ static PyMethodDef methods[] = {
      prefills_late_doc},
     {"decision_columns", (PyCFunction)(void (*)(void))decision_columns, METH_FASTCALL,
      decision_columns_doc},
+    {"knee_update", (PyCFunction)(void (*)(void))knee_update, METH_FASTCALL, knee_update_doc},
+    {"knee_system", (PyCFunction)(void (*)(void))knee_system, METH_FASTCALL, knee_system_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,7 +27,7 @@ _built = None if _forced_pure else _compiled
 
 #: what the compiled module provides, each None where the reference runs
 FUNCTIONS = ("queue_forecast", "triage", "kv_outlook", "overdue", "prefills_late",
-             "decision_columns")
+             "decision_columns", "knee_update", "knee_system")
 
 #: the admission forecast of a RequestTable (admission._compiled_forecast)
 queue_forecast: Callable | None = getattr(_built, "queue_forecast", None)
@@ -41,6 +41,10 @@ overdue: Callable | None = getattr(_built, "overdue", None)
 prefills_late: Callable | None = getattr(_built, "prefills_late", None)
 #: the SGLang adapter's columns of a decision (request_store.DecisionColumns.table)
 decision_columns: Callable | None = getattr(_built, "decision_columns", None)
+#: one step's update of the online knee model's normal equations (OnlineKneeModel.observe)
+knee_update: Callable | None = getattr(_built, "knee_update", None)
+#: the online knee model's anchored system of the candidate in use (OnlineKneeModel._solve_current)
+knee_system: Callable | None = getattr(_built, "knee_system", None)
 
 def built() -> bool:
     """Whether this process runs the compiled path (every function of it)."""

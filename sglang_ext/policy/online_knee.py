@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from sglang_ext.policy import compiled
 from sglang_ext.policy.knee_step_model import KNEE_FLOORS, KneeStepModel
 from sglang_ext.policy.step_error import LearnedModel, StepErrorLog, check_learning_rates
 from sglang_ext.policy.step_shape import StepShape
@@ -75,6 +76,7 @@ class OnlineKneeModel(LearnedModel):
         self._prior = priors / self._scale
         dim = weights.size
         self._identity = np.eye(dim)
+        self._system = (np.empty((dim, dim)), np.empty(dim))  # the compiled path's matrix, rhs
         self._gram = np.zeros((len(grid), dim, dim))
         self._moment = np.zeros((len(grid), dim))
         self._count = 0.0
@@ -96,8 +98,28 @@ class OnlineKneeModel(LearnedModel):
             raise ValueError(f"measured step time must be > 0, got {measured_s!r}")
         predicted = self._coefficients.predict_step(shape)
         relative = self._errors.record(shape, predicted, measured_s)
-        rows = np.empty((self._knees.size, self._prior.shape[1]))
-        rows[:] = self._coefficients.features(shape)
+        lam = self._forgetting
+        features = self._coefficients.features(shape)
+        if compiled.knee_update is not None:
+            compiled.knee_update(features, float(shape.new_tokens), shape.decode_requests,
+                                 shape.decode_context, measured_s, lam, self._knees,
+                                 self._saturations, self._scale, self._gram, self._moment)
+        else:
+            self._update(features, shape, measured_s)
+        self._count = lam * self._count + 1.0
+        if self._errors.samples % SELECT_INTERVAL == 0:
+            self._solve_all()
+            self._current = self._choose()
+        else:
+            self._solve_current()
+        self._coefficients = self._model(self._current)
+        return relative
+
+    def _update(self, features: tuple[float, ...], shape: StepShape, measured_s: float) -> None:
+        """Every candidate's normal equations forgotten and the step added (the reference
+        of ``compiled.knee_update``)."""
+        rows = np.empty((self._knees.size, len(features)))
+        rows[:] = features
         rows[:, 1] = np.maximum(float(shape.new_tokens), self._knees)
         decodes = shape.decode_requests
         if decodes:
@@ -110,14 +132,6 @@ class OnlineKneeModel(LearnedModel):
         self._gram += rows[:, :, None] * rows[:, None, :]
         self._moment *= lam
         self._moment += rows
-        self._count = lam * self._count + 1.0
-        if self._errors.samples % SELECT_INTERVAL == 0:
-            self._solve_all()
-            self._current = self._choose()
-        else:
-            self._solve_current()
-        self._coefficients = self._model(self._current)
-        return relative
 
     def _solve_all(self) -> None:
         """Every candidate's solution; its anchor follows it (at the rate of
@@ -131,8 +145,13 @@ class OnlineKneeModel(LearnedModel):
 
     def _solve_current(self) -> None:
         index = self._current
-        matrix = self._gram[index] + self._anchor * self._identity
-        rhs = self._moment[index] + self._anchor * self._prior[index]
+        if compiled.knee_system is not None:
+            matrix, rhs = self._system
+            compiled.knee_system(index, self._anchor, self._gram, self._moment, self._prior,
+                                 matrix, rhs)
+        else:
+            matrix = self._gram[index] + self._anchor * self._identity
+            rhs = self._moment[index] + self._anchor * self._prior[index]
         self._theta[index] = np.linalg.solve(matrix, rhs)
 
     def _rescale(self) -> None:

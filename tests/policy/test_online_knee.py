@@ -120,3 +120,42 @@ def test_the_log_keeps_a_median_per_kind() -> None:
     assert summary.kind_median("prefill") == pytest.approx(0.5)
     assert summary.kind_median("mixed") is None
     assert {kind: seen for kind, seen, _ in summary.by_kind} == {"decode": 3, "prefill": 1}
+
+
+def learned_trajectory(steps: int = 400) -> tuple[list[dict], np.ndarray, np.ndarray]:
+    model = OnlineKneeModel(KneeStepModel(0.0013, 2.29e-5, 1e-9, 4.7e-8, 7.5e-10, 226.8, 16.0))
+    rng = np.random.default_rng(3)
+    fields = []
+    for step, shape in enumerate(synthetic_serving_stream(4, steps)):
+        if step % 3 == 0:  # few decodes: below every saturation on the grid
+            shape = StepShape.from_requests([(1, 900)] * (1 + step % 7) + [(1 + step % 300, 40)])
+        model.observe(shape, SLOW.predict_step(shape) * math.exp(0.05 * rng.standard_normal()))
+        fields.append(model.coefficients.fields())
+    return fields, model._gram.copy(), model._moment.copy()
+
+
+@pytest.mark.usefixtures("compiled_path")
+def test_the_compiled_learner_learns_what_numpy_learns_bit_for_bit(monkeypatch) -> None:
+    from sglang_ext.policy import compiled
+
+    fields, gram, moment = learned_trajectory()
+    monkeypatch.setattr(compiled, "knee_update", None)
+    monkeypatch.setattr(compiled, "knee_system", None)
+    reference_fields, reference_gram, reference_moment = learned_trajectory()
+    assert fields == reference_fields
+    assert gram.tobytes() == reference_gram.tobytes()
+    assert moment.tobytes() == reference_moment.tobytes()
+
+
+@pytest.mark.usefixtures("compiled_path")
+def test_the_compiled_learner_refuses_arrays_of_another_shape() -> None:
+    from sglang_ext.policy import compiled
+
+    model = OnlineKneeModel(FAST)
+    features = FAST.features(StepShape.from_requests([(1, 900)]))
+    with pytest.raises(TypeError, match="gram"):
+        compiled.knee_update(features, 1.0, 1, 900, 0.01, 0.995, model._knees, model._saturations,
+                             model._scale, model._gram[:, :4, :4].copy(), model._moment)
+    with pytest.raises(IndexError, match="candidate"):
+        compiled.knee_system(len(model._knees), 2.0, model._gram, model._moment, model._prior,
+                             *model._system)
