@@ -1,5 +1,7 @@
 """Which decision path this process runs: the compiled one (``_compiled.c``, built on
 install where a C compiler exists) or the pure-Python reference it must match bit for bit.
+The path covers each decision's passes over its table and the step model's learning
+after each step.
 
 ``FAIRBATCHING_PURE_PYTHON=1`` in the environment runs the reference even where the
 compiled module is built. Callers read the functions (:data:`FUNCTIONS`) at each call

@@ -14,9 +14,10 @@ Each candidate's anchor starts at the file's model moved to its knee with the sa
 floor and slope (``a' = a + b * (knee - knee')``), so before any evidence every candidate
 predicts what the file predicts for steps past both knees. The decode saturation (below which a
 step's decode attention is not yet parallel) is learned the same way, over a small grid.
-Each step updates every candidate's normal equations (batched NumPy) and solves the one
-in use; every :data:`SELECT_INTERVAL` steps all are solved and the best is chosen, so a
-step costs tens of microseconds, once per forward step.
+Each step updates every candidate's normal equations (in one compiled call where
+``sglang_ext.policy.compiled`` is built, batched NumPy otherwise, the same floats) and
+solves the one in use; every :data:`SELECT_INTERVAL` steps all are solved and the best is
+chosen, so a step costs tens of microseconds, once per forward step.
 """
 
 from __future__ import annotations
