@@ -155,13 +155,20 @@ static Victim heap_pop(Victim *heap, Py_ssize_t *size) {
     return top;
 }
 
+/* 0 when a call got `expected` arguments, else -1 with a TypeError that names `name`. */
+static int argument_count(Py_ssize_t nargs, Py_ssize_t expected, const char *name) {
+    if (nargs == expected) {
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected, nargs);
+    return -1;
+}
+
 /* The checks every call over a table starts with: its argument count, and its requests
    (the RequestTable, a list); their number in *rows. NULL on a wrong call. */
 static PyObject *table_call(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
                             const char *name, Py_ssize_t *rows) {
-    if (nargs != expected) {
-        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, expected,
-                     nargs);
+    if (argument_count(nargs, expected, name) < 0) {
         return NULL;
     }
     if (!PyList_Check(args[0])) {
@@ -1017,9 +1024,7 @@ PyDoc_STRVAR(kv_outlook_doc,
 "released through, the queued requests' output reserves, new_reserve).");
 
 static PyObject *kv_outlook(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != KV_ARGS) {
-        PyErr_Format(PyExc_TypeError, "kv_outlook takes %d arguments (%zd given)", KV_ARGS,
-                     nargs);
+    if (argument_count(nargs, KV_ARGS, "kv_outlook") < 0) {
         return NULL;
     }
     int failed = 0;
@@ -1179,8 +1184,7 @@ PyDoc_STRVAR(overdue_doc,
 "(policies._overdue), as a list.");
 
 static PyObject *overdue(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "overdue takes 5 arguments (%zd given)", nargs);
+    if (argument_count(nargs, 5, "overdue") < 0) {
         return NULL;
     }
     int failed = 0;
@@ -1236,9 +1240,7 @@ PyDoc_STRVAR(prefills_late_doc,
 "summed left to right.");
 
 static PyObject *prefills_late(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != FIT_ARGS) {
-        PyErr_Format(PyExc_TypeError, "prefills_late takes %d arguments (%zd given)",
-                     FIT_ARGS, nargs);
+    if (argument_count(nargs, FIT_ARGS, "prefills_late") < 0) {
         return NULL;
     }
     int failed = 0;
@@ -1341,17 +1343,25 @@ static int list_into(PyObject *list, Py_ssize_t count, char kind, char *out, con
     return 0;
 }
 
-static int matrix_out(Py_buffer *view, PyObject *array, char kind, Py_ssize_t height,
-                      Py_ssize_t rows, const char *name) {
-    if (PyObject_GetBuffer(array, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+/* A C-ordered buffer of `ndim` dimensions of `shape`, float64 (kind 'd') or int64 ('q'),
+   writable where asked; -1 (released) with a TypeError naming `name` otherwise. */
+static int contiguous(Py_buffer *view, PyObject *array, int writable, char kind, int ndim,
+                      const Py_ssize_t *shape, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(array, view, flags) < 0) {
         return -1;
     }
     const char *format = view->format ? view->format : "B";
     char last = format[strlen(format) - 1];
-    if (view->itemsize != 8 || view->ndim != 2 || view->shape[0] != height
-        || view->shape[1] != rows || (kind == 'd' ? last != 'd' : (last != 'l' && last != 'q'))) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a writable C-ordered %s array of %zd x %zd",
-                     name, kind == 'd' ? "float64" : "int64", height, rows);
+    int matches = view->itemsize == 8 && view->ndim == ndim
+                  && (kind == 'd' ? last == 'd' : (last == 'l' || last == 'q'));
+    for (int axis = 0; matches && axis < ndim; axis++) {
+        matches = view->shape[axis] == shape[axis];
+    }
+    if (!matches) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a%s C-ordered %d-d %s array of %zd rows",
+                     name, writable ? " writable" : "", ndim,
+                     kind == 'd' ? "float64" : "int64", shape[0]);
         PyBuffer_Release(view);
         return -1;
     }
@@ -1359,9 +1369,7 @@ static int matrix_out(Py_buffer *view, PyObject *array, char kind, Py_ssize_t he
 }
 
 static PyObject *decision_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != COLS_ARGS) {
-        PyErr_Format(PyExc_TypeError, "decision_columns takes %d arguments (%zd given)",
-                     COLS_ARGS, nargs);
+    if (argument_count(nargs, COLS_ARGS, "decision_columns") < 0) {
         return NULL;
     }
     if (!PyList_Check(args[COLS_DECODE_ROWS]) || !PyList_Check(args[COLS_PREFILL_ROWS])) {
@@ -1374,10 +1382,12 @@ static PyObject *decision_columns(PyObject *module, PyObject *const *args, Py_ss
     Py_buffer ints_view, floats_view;
     Column arrival = {0}, ttft = {0}, tpot = {0}, prompt = {0}, seq = {0};
     PyObject *result = NULL;
-    if (matrix_out(&ints_view, args[COLS_INTS_OUT], 'q', 6, rows, "ints_out") < 0) {
+    Py_ssize_t ints_shape[2] = {6, rows}, floats_shape[2] = {4, rows};
+    if (contiguous(&ints_view, args[COLS_INTS_OUT], 1, 'q', 2, ints_shape, "ints_out") < 0) {
         return NULL;
     }
-    if (matrix_out(&floats_view, args[COLS_FLOATS_OUT], 'd', 4, rows, "floats_out") < 0) {
+    if (contiguous(&floats_view, args[COLS_FLOATS_OUT], 1, 'd', 2, floats_shape,
+                   "floats_out") < 0) {
         PyBuffer_Release(&ints_view);
         return NULL;
     }
@@ -1454,30 +1464,8 @@ PyDoc_STRVAR(knee_update_doc,
 "by scale / measured_s; gram and moment forgotten by `forgetting` and the step added,\n"
 "in place.");
 
-static int contiguous(Py_buffer *view, PyObject *array, int writable, int ndim,
-                      const Py_ssize_t *shape, const char *name) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(array, view, flags) < 0) {
-        return -1;
-    }
-    const char *format = view->format ? view->format : "B";
-    int matches = view->itemsize == 8 && format[strlen(format) - 1] == 'd' && view->ndim == ndim;
-    for (int axis = 0; matches && axis < ndim; axis++) {
-        matches = view->shape[axis] == shape[axis];
-    }
-    if (!matches) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a C-ordered float64 array of the "
-                     "candidates' shape", name);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
 static PyObject *knee_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != KNEE_ARGS) {
-        PyErr_Format(PyExc_TypeError, "knee_update takes %d arguments (%zd given)", KNEE_ARGS,
-                     nargs);
+    if (argument_count(nargs, KNEE_ARGS, "knee_update") < 0) {
         return NULL;
     }
     enum { MAX_FEATURES = 8 };
@@ -1504,25 +1492,25 @@ static PyObject *knee_update(PyObject *module, PyObject *const *args, Py_ssize_t
     Py_ssize_t candidates = column_length(args[KNEE_KNEES]);
     Py_ssize_t one[1] = {candidates}, two[2] = {candidates, width},
                three[3] = {candidates, width, width};
-    if (contiguous(&knees_view, args[KNEE_KNEES], 0, 1, one, "knees") < 0) {
+    if (contiguous(&knees_view, args[KNEE_KNEES], 0, 'd', 1, one, "knees") < 0) {
         return NULL;
     }
-    if (contiguous(&saturations_view, args[KNEE_SATURATIONS], 0, 1, one, "saturations") < 0) {
+    if (contiguous(&saturations_view, args[KNEE_SATURATIONS], 0, 'd', 1, one, "saturations") < 0) {
         PyBuffer_Release(&knees_view);
         return NULL;
     }
-    if (contiguous(&scale_view, args[KNEE_SCALE], 0, 2, two, "scale") < 0) {
+    if (contiguous(&scale_view, args[KNEE_SCALE], 0, 'd', 2, two, "scale") < 0) {
         PyBuffer_Release(&knees_view);
         PyBuffer_Release(&saturations_view);
         return NULL;
     }
-    if (contiguous(&gram_view, args[KNEE_GRAM], 1, 3, three, "gram") < 0) {
+    if (contiguous(&gram_view, args[KNEE_GRAM], 1, 'd', 3, three, "gram") < 0) {
         PyBuffer_Release(&knees_view);
         PyBuffer_Release(&saturations_view);
         PyBuffer_Release(&scale_view);
         return NULL;
     }
-    if (contiguous(&moment_view, args[KNEE_MOMENT], 1, 2, two, "moment") < 0) {
+    if (contiguous(&moment_view, args[KNEE_MOMENT], 1, 'd', 2, two, "moment") < 0) {
         PyBuffer_Release(&knees_view);
         PyBuffer_Release(&saturations_view);
         PyBuffer_Release(&scale_view);
@@ -1576,8 +1564,7 @@ PyDoc_STRVAR(knee_system_doc,
 "anchor * identity, rhs_out = moment[index] + anchor * prior[index].");
 
 static PyObject *knee_system(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "knee_system takes 7 arguments (%zd given)", nargs);
+    if (argument_count(nargs, 7, "knee_system") < 0) {
         return NULL;
     }
     Py_ssize_t index = PyLong_AsSsize_t(args[0]);
@@ -1598,25 +1585,25 @@ static PyObject *knee_system(PyObject *module, PyObject *const *args, Py_ssize_t
     }
     Py_ssize_t two[2] = {candidates, width}, three[3] = {candidates, width, width},
                square[2] = {width, width}, line[1] = {width};
-    if (contiguous(&gram_view, args[2], 0, 3, three, "gram") < 0) {
+    if (contiguous(&gram_view, args[2], 0, 'd', 3, three, "gram") < 0) {
         return NULL;
     }
-    if (contiguous(&moment_view, args[3], 0, 2, two, "moment") < 0) {
+    if (contiguous(&moment_view, args[3], 0, 'd', 2, two, "moment") < 0) {
         PyBuffer_Release(&gram_view);
         return NULL;
     }
-    if (contiguous(&prior_view, args[4], 0, 2, two, "prior") < 0) {
+    if (contiguous(&prior_view, args[4], 0, 'd', 2, two, "prior") < 0) {
         PyBuffer_Release(&gram_view);
         PyBuffer_Release(&moment_view);
         return NULL;
     }
-    if (contiguous(&matrix_view, args[5], 1, 2, square, "matrix_out") < 0) {
+    if (contiguous(&matrix_view, args[5], 1, 'd', 2, square, "matrix_out") < 0) {
         PyBuffer_Release(&gram_view);
         PyBuffer_Release(&moment_view);
         PyBuffer_Release(&prior_view);
         return NULL;
     }
-    if (contiguous(&rhs_view, args[6], 1, 1, line, "rhs_out") < 0) {
+    if (contiguous(&rhs_view, args[6], 1, 'd', 1, line, "rhs_out") < 0) {
         PyBuffer_Release(&gram_view);
         PyBuffer_Release(&moment_view);
         PyBuffer_Release(&prior_view);

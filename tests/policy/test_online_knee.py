@@ -156,6 +156,8 @@ def test_the_compiled_learner_refuses_arrays_of_another_shape() -> None:
     with pytest.raises(TypeError, match="gram"):
         compiled.knee_update(features, 1.0, 1, 900, 0.01, 0.995, model._knees, model._saturations,
                              model._scale, model._gram[:, :4, :4].copy(), model._moment)
+    with pytest.raises(TypeError, match="knee_system takes 7 arguments"):
+        compiled.knee_system(0, 2.0)
     with pytest.raises(IndexError, match="candidate"):
         compiled.knee_system(len(model._knees), 2.0, model._gram, model._moment, model._prior,
                              *model._system)
