@@ -48,6 +48,7 @@ knee_update: Callable | None = getattr(_built, "knee_update", None)
 #: the online knee model's anchored system of the candidate in use (OnlineKneeModel._solve_current)
 knee_system: Callable | None = getattr(_built, "knee_system", None)
 
+
 def built() -> bool:
     """Whether this process runs the compiled path (every function of it)."""
     return all(globals()[name] is not None for name in FUNCTIONS)
