@@ -41,6 +41,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _number(text, int, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def positive_int(text: str, maximum: int | None = None) -> int:
     """An integer >= 1 (and <= ``maximum``, if given)."""
     value = _number(text, int, "an integer")

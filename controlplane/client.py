@@ -62,6 +62,7 @@ from controlplane.protocol import (
     client_request_channel, encode, retryable,
 )
 from controlplane.ratelimited_log import RateLimitedLog
+from controlplane.retry import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_BACKOFF_S, retry_delay
 from controlplane.socket_pump import SocketPump
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5560"
@@ -246,10 +247,10 @@ class AsyncClient:
         self,
         address: str | Sequence[str] = DEFAULT_ADDRESS,
         *,
-        max_retries: int = 3,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         connect_timeout_s: float = 5.0,
         daemon_timeout_s: float = 10.0,
-        retry_backoff_s: float = 0.05,
+        retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
         stream_buffer: int = 4096,
         hwm: int = 10_000,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -543,8 +544,7 @@ class AsyncClient:
                     retry_after, recovering = message.retry_after_s, reason is RejectReason.DUPLICATE
                 if attempts > self.max_retries:
                     raise error
-                delay = max(retry_after or 0.0, self.retry_backoff_s * 2 ** (attempts - 1))
-                delay *= 1.0 + 0.25 * random.random()
+                delay = retry_delay(attempts, retry_after, self.retry_backoff_s, random.random())
                 if deadline_at is not None and loop.time() + delay >= deadline_at:
                     raise error
                 await asyncio.sleep(delay)

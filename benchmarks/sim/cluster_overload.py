@@ -13,7 +13,9 @@ late) at its overload rates, 1.5x and 2x the best baseline's capacity as its com
   load routers (``request_count``, ``cache_aware``).
 - **PAB dispatch**: FairBatching ranks behind ``pab_least_loaded`` and (shared prefixes)
   ``pab_cache_aware``, a request no budget covers queued (the daemon's
-  ``on_no_budget = "queue"``) or spilled (``"spill"``).
+  ``on_no_budget = "queue"``), spilled (``"spill"``) or refused (``"reject"``, the
+  daemon's default) and resubmitted as the gateway's SDK resubmits it, at most
+  ``DEFAULT_MAX_RETRIES`` times after the daemon's ``retry_after_s``.
 - FairBatching ranks run ``fb-smooth+defer`` at each of ``RANK_SETTINGS``: ``give_up``
   (the ``[admission]`` length weight of the prefill ``defer`` gives up first; None is 1,
   the longest) and ``max_defer_s`` (how long past its TTFT deadline a late prefill is
@@ -27,7 +29,10 @@ best PAB configuration over the best of all the others by that mean, with the ra
 seed and each side's on-time share per prompt-length bucket and per SLO class (who pays).
 ``--only REGEX`` runs the configurations whose label matches; with ``--keep JSON`` (a
 committed run of this benchmark) the others are that run's figures, which stand because the
-simulations are deterministic: rerun what a change touches, keep what it does not. Uses
+simulations are deterministic: rerun what a change touches, keep what it does not.
+``--step-model FILE`` starts every rank's step model from that file (another GPU's)
+instead of the offline fit on the simulated H100; kept from a run that started elsewhere,
+only the configurations that never read the step model (the Sarathi baselines) stand. Uses
 ``--jobs`` processes (about 15 minutes per seed at 2)::
 
     source scripts/_env.sh
@@ -54,6 +59,9 @@ from benchmarks.sim.cluster_sim import PROMPT_ROUTERS, RANKS, WORKLOADS, Case, b
 from benchmarks.support.machine import machine_info, machine_line
 from benchmarks.support.outputs import write_outputs
 from benchmarks.support.paths import DOCS_BENCH, SHARED_AZURE_TRACE
+from controlplane.retry import DEFAULT_MAX_RETRIES
+from sglang_ext.policy.policies import POLICIES
+from sglang_ext.policy.step_model import StepModelError, StepModelFile
 from sglang_ext.sim.cluster import ClusterConfig, simulate_cluster
 from sglang_ext.sim.runner import parse_policy
 
@@ -67,7 +75,7 @@ RANK_SETTINGS: tuple[tuple[float | None, float], ...] = ((None, 0.5), (None, 2.0
 LOAD_ROUTERS = ("round_robin", "request_count", "cache_aware")
 FB_LOAD_ROUTERS = ("request_count", "cache_aware")
 PAB_ROUTERS = ("pab_least_loaded", "pab_cache_aware")
-ON_NO_BUDGET = ("queue", "spill")
+ON_NO_BUDGET = ("queue", "spill", "reject")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +89,17 @@ class Configuration:
         return self.router.startswith("pab")
 
     @property
+    def client_retries(self) -> int:
+        """The gateway SDK's resubmissions of a refused request: only ``reject`` refuses
+        a request that is still in time."""
+        return DEFAULT_MAX_RETRIES if self.pab and self.on_no_budget == "reject" else 0
+
+    @property
     def label(self) -> str:
-        router = f"{self.router} ({self.on_no_budget})" if self.pab else self.router
-        return f"{self.policy} + {router}"
+        if not self.pab:
+            return f"{self.policy} + {self.router}"
+        retries = f", {self.client_retries} retries" if self.client_retries else ""
+        return f"{self.policy} + {self.router} ({self.on_no_budget}{retries})"
 
 
 def fb_policy(max_defer_s: float, give_up: float | None = None) -> str:
@@ -128,7 +144,8 @@ def _job(job: tuple[str, str, float, Configuration, int]
     began = time.perf_counter()
     load = simulate_cluster(
         dataclasses.replace(case.scenario, seed=seed), parse_policy(configuration.policy), rate,
-        ClusterConfig(RANKS, configuration.router, on_no_budget=configuration.on_no_budget),
+        ClusterConfig(RANKS, configuration.router, on_no_budget=configuration.on_no_budget,
+                      client_retries=configuration.client_retries),
         prefixes=case.prefixes).load
     point = {
         "policy": configuration.policy, "router": configuration.router,
@@ -137,7 +154,8 @@ def _job(job: tuple[str, str, float, Configuration, int]
         "by_prompt_bucket": _group_attainment(load["by_prompt_tokens"]),
         "by_slo_class": _group_attainment(load["by_slo_class"]),
         "rejected": load["rejected"], "queue_timeout": load["queue_timeout"],
-        "spilled": load["spilled"], "dispatch_imbalance": round(load["dispatch_imbalance"], 3),
+        "spilled": load["spilled"], "retries": load["retries"],
+        "dispatch_imbalance": round(load["dispatch_imbalance"], 3),
     }
     return name, key, configuration, seed, point, time.perf_counter() - began
 
@@ -151,8 +169,8 @@ def mean_point(by_seed: dict[int, dict]) -> dict:
     for field in ("by_prompt_bucket", "by_slo_class"):
         mean[field] = {group: round(statistics.fmean(p[field][group] for p in points), 4)
                        for group in points[0][field]}
-    for field in ("rejected", "queue_timeout", "spilled"):
-        mean[field] = statistics.fmean(p[field] for p in points)
+    for field in ("rejected", "queue_timeout", "spilled", "retries"):
+        mean[field] = statistics.fmean(p.get(field, 0) for p in points)
     mean["seeds"] = {str(seed): round(p["effective_rps"], 2) for seed, p in sorted(by_seed.items())}
     return mean
 
@@ -233,11 +251,21 @@ def verdicts(results: dict) -> dict:
     return out
 
 
-def keep_results(results: dict, kept: dict, seeds: Sequence[int], requests: int
-                 ) -> dict[str, list[str]]:
+def reads_step_model(point: dict) -> bool:
+    """Whether a configuration's dispatch or batches depend on the ranks' step model: the
+    FairBatching family's batches, and every rank's budget under a pab router."""
+    return point["router"].startswith("pab") or POLICIES.get(
+        parse_policy(point["policy"]).base).takes_admission
+
+
+def keep_results(results: dict, kept: dict, seeds: Sequence[int], requests: int,
+                 step_model: str | None = None) -> dict[str, list[str]]:
     """Fill ``results`` with ``kept``'s (a previous run's) points for the workloads, rates
-    and configurations this run lacks; returns the labels kept per workload. Refuses a run
-    at other seeds or request counts (``main`` refuses other rates)."""
+    and configurations this run lacks; returns the labels kept per workload. From a run
+    whose ranks started from another step model than ``step_model`` only the points that
+    do not read it are kept. Refuses a run at other seeds or request counts (``main``
+    refuses other rates)."""
+    same_start = kept.get("step_model") == step_model
     if sorted(kept["seeds"]) != list(seeds):
         raise ValueError(f"kept run has seeds {kept['seeds']}, this run {list(seeds)}")
     if kept.get("requests") != requests:
@@ -249,7 +277,7 @@ def keep_results(results: dict, kept: dict, seeds: Sequence[int], requests: int
         for key, points in by_rate.items():
             mine = ours.setdefault(key, {})
             for label, point in points.items():
-                if label not in mine:
+                if label not in mine and (same_start or not reads_step_model(point)):
                     mine[label] = point
                     if label not in labels.setdefault(name, []):
                         labels[name].append(label)
@@ -270,8 +298,14 @@ def markdown(doc: dict, command: str) -> str:
         "",
         (f"{RANKS} ranks of profile {cluster_sim.PROFILE}, {doc['requests']} requests per "
          "workload, the workloads and overload rates of `cluster_sim` (1.5x and 2x the best "
-         "baseline's capacity). On time: effective req/s. `(queue)` / `(spill)`: the pab "
-         "routers' `on_no_budget`. `max_defer=S`: the FairBatching ranks' `[admission]` "
+         "baseline's capacity). On time: effective req/s. `(queue)` / `(spill)` / `(reject, "
+         "3 retries)`: the pab routers' `on_no_budget` (`reject`, the daemon's default: a "
+         "refused request is resubmitted as the gateway's SDK does). "
+         + ("Every rank's step model starts from the offline fit on the simulated device. "
+            if doc.get("step_model") is None else
+            f"Every rank's step model starts from `{doc['step_model']}`, another device's "
+            "file, and learns online. ")
+         + "`max_defer=S`: the FairBatching ranks' `[admission]` "
          "`max_defer_s` (default 2); `:W` before it: their `give_up` length weight (default "
          f"1, the longest prompt first). SJF timeouts swept per point: {SJF_TIMEOUTS} widened "
          f"while the best is at an edge. Each cell is the mean over arrival seeds "
@@ -340,6 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", help="run only the configurations whose label matches this regex")
     parser.add_argument("--keep", type=Path,
                         help="a previous run's JSON: its figures for what --only does not run")
+    parser.add_argument("--step-model", type=Path,
+                        help="a step-model TOML every rank starts from (default: the offline fit "
+                        "on the simulated device)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--out", type=Path, default=DOCS_BENCH)
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -380,8 +417,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         changed = [n for n in names if n in kept_rates and kept_rates[n] != rates[n]]
         if changed:
             parser.error(f"--keep {args.keep}: other rates for {', '.join(changed)}")
-    cases = {name: case for name, case in build_cases(args.trace, args.requests).items()
-             if name in names}
+    start_from = None
+    if args.step_model is not None:
+        try:
+            start_from = StepModelFile.load(args.step_model)
+        except (OSError, StepModelError) as exc:
+            parser.error(f"--step-model {args.step_model}: {exc}")
+    step_model = None if args.step_model is None else args.step_model.as_posix()
+    cases = {name: dataclasses.replace(case, scenario=dataclasses.replace(
+                 case.scenario, step_model=start_from))
+             for name, case in build_cases(args.trace, args.requests).items() if name in names}
     start = time.perf_counter()
     results, cpu_s = run_all(cases, {n: rates[n] for n in names}, seeds, args.jobs, only)
     if not any(points for by_rate in results.values() for points in by_rate.values()):
@@ -392,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept = None
     if kept_run is not None:
         try:
-            labels = keep_results(results, kept_run, seeds, args.requests)
+            labels = keep_results(results, kept_run, seeds, args.requests, step_model)
         except ValueError as exc:
             parser.error(f"--keep {args.keep}: {exc}")
         descriptions = {**kept_run["cases"], **descriptions}
@@ -405,7 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {"machine": machine_info(), "wall_s": wall_s,
            "simulation_cpu_s": round(cpu_s, 1), "jobs": args.jobs, "requests": args.requests,
            "ranks": RANKS, "profile": cluster_sim.PROFILE, "cases": descriptions,
-           "rates": run_rates, "seeds": seeds, "only": args.only, "results": results,
+           "rates": run_rates, "seeds": seeds, "only": args.only, "step_model": step_model,
+           "results": results,
            "verdicts": verdicts(results), "kept": kept}
     command = "python -m benchmarks.sim.cluster_overload --jobs 2"
     if args.seeds != "0,1,2":
@@ -414,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += f" --only {shlex.quote(args.only)}"
     if args.keep is not None:
         command += f" --keep {args.keep}"
+    if step_model is not None:
+        command += f" --step-model {step_model}"
     if args.requests != cluster_sim.DEFAULT_REQUESTS:
         command += f" --requests {args.requests}"
     if names != list(WORKLOADS):

@@ -32,6 +32,13 @@ sequence it accounts for reconciles the debits.
   original arrival, so time spent queued is part of it. (Every simulated request has an
   SLO, its class's or the default class's; the daemon holds a request that names none
   for ``queue_ttl_s``.)
+- **Client retries** (``client_retries``, default 0: each request is submitted once): a
+  request refused ``no_budget``, ``overloaded`` or ``queue_timeout`` is resubmitted, as the
+  SDK inside the gateway resubmits it (:func:`controlplane.retry.retry_delay`: the daemon's
+  ``retry_after_s`` or the SDK's backoff, with jitter drawn from the run's seed), at most
+  ``client_retries`` times; only its last refusal counts. A resubmission is never queued
+  past its TTFT target from its first arrival (the daemon keeps the first arrival of a
+  request it timed out).
 - **Shared prefixes** (``prefixes``: one :class:`SharedPrefix` or None per request of
   the workload): each rank gets a :class:`RankPrefixCache` (its assumptions are that
   module's) and a request is prefilled only past its longest prefix cached on its rank;
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +69,7 @@ from controlplane.balancer import (
 )
 from controlplane.config import ON_NO_BUDGET, DaemonConfig
 from controlplane.ledger import DispatchLedger
+from controlplane.retry import DEFAULT_RETRY_BACKOFF_S, retry_delay
 from sglang_ext.policy.slo import Slo
 from sglang_ext.sim.engine import SimEngine
 from sglang_ext.sim.metrics import LatencySamples, RequestRecord, latency_samples, summarize
@@ -89,6 +98,9 @@ class ClusterConfig:
     max_queued: int = DEFAULT_MAX_QUEUED
     rank_cache_tokens: int | None = None  # a rank's prefix cache bound (None: its free KV)
     on_no_budget: str = "queue"  # the daemon's: reject, queue or spill
+    client_retries: int = 0  # resubmissions of a refused request (the SDK's max_retries)
+    retry_after_s: float = _DAEMON_DEFAULTS.retry_after_s
+    retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -106,6 +118,12 @@ class ClusterConfig:
         if self.on_no_budget not in ON_NO_BUDGET:
             raise ClusterConfigError(f"unknown on_no_budget {self.on_no_budget!r}; expected one "
                                      f"of {', '.join(ON_NO_BUDGET)}")
+        if self.client_retries < 0:
+            raise ClusterConfigError(f"client retries must be >= 0, got {self.client_retries}")
+        if not all(math.isfinite(v) and v >= 0 for v in (self.retry_after_s, self.retry_backoff_s)):
+            raise ClusterConfigError(
+                f"retry_after_s and retry_backoff_s must be >= 0 s, got {self.retry_after_s} "
+                f"and {self.retry_backoff_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +153,7 @@ class _Queued:
     slo: Slo
     slo_class: str  # the request's class, else the catalog's default class
     prompt: tuple[int, ...] | None = None  # its units, with shared prefixes only
+    attempts: int = 1  # submissions so far, the first included
 
 
 class _Rank:
@@ -226,7 +245,7 @@ class ClusterSimulation:
         self.rejected_by_dispatcher: dict[int, RequestRecord] = {}
         self.counters = {
             "queued": 0, "queue_timeout": 0, "overloaded": 0, "dispatched_from_queue": 0,
-            "no_budget": 0, "spilled": 0,
+            "no_budget": 0, "spilled": 0, "retries": 0,
             "max_queue_depth": 0, "reports": 0, "prompt_tokens_dispatched": 0,
             "prompt_tokens_cached": 0,
         }
@@ -235,6 +254,7 @@ class ClusterSimulation:
         self._event_count = 0
         self._deadline = math.inf
         self.last_arrival_s = 0.0
+        self._retry_jitter = random.Random(scenario.seed)
 
     # ---------------------------------------------------------------- events
     def _push(self, time_s: float, kind: int, payload: object) -> None:
@@ -274,6 +294,8 @@ class ClusterSimulation:
             elif kind == _REPORT:
                 self._apply_report(payload)
                 self._drain_queue(time_s)
+            elif payload is not None:  # a client's resubmission
+                self._arrive(time_s, payload)
             else:
                 request = requests[next_arrival]
                 slo, slo_class = request_slo(scenario.catalog, request.slo_class)
@@ -284,7 +306,7 @@ class ClusterSimulation:
                 if next_arrival < len(requests):
                     self._push(requests[next_arrival].arrival_s, _ARRIVAL, None)
         for queued in self.queue:
-            self._reject(queued, "queue_timeout")
+            self._reject(queued, "queue_timeout", None)
         self.queue.clear()
         for rank in self.ranks:
             for index, record in rank.engine.records.items():
@@ -321,10 +343,10 @@ class ClusterSimulation:
         if chosen is None:
             on_no_budget = self.cluster.on_no_budget
             if on_no_budget == "queue":
-                self._enqueue(queued)
+                self._enqueue(now, queued)
                 return
             if on_no_budget == "reject":
-                self._reject(queued, "no_budget")
+                self._reject(queued, "no_budget", now)
                 return
             chosen = self._spill(views, queued)
             self.counters["spilled"] += 1
@@ -349,9 +371,12 @@ class ClusterSimulation:
         ``queue_ttl_s`` (the daemon's ``DispatcherCore._queue_ttl``)."""
         return min(self.cluster.queue_ttl_s, queued.slo.ttft_s)
 
-    def _enqueue(self, queued: _Queued) -> None:
+    def _enqueue(self, now: float, queued: _Queued) -> None:
+        if now - queued.request.arrival_s > self._queue_ttl(queued):  # a late resubmission
+            self._reject(queued, "queue_timeout", now)
+            return
         if len(self.queue) >= self.cluster.max_queued:
-            self._reject(queued, "overloaded")
+            self._reject(queued, "overloaded", now)
             return
         self.queue.append(queued)
         self.counters["queued"] += 1
@@ -369,7 +394,7 @@ class ClusterSimulation:
         for queued in waiting:
             request = queued.request
             if now - request.arrival_s > self._queue_ttl(queued):
-                self._reject(queued, "queue_timeout")
+                self._reject(queued, "queue_timeout", now)
                 continue
             if views is None:
                 views = self._views()
@@ -416,7 +441,17 @@ class ClusterSimulation:
         else:
             self._send_report(rank)
 
-    def _reject(self, queued: _Queued, reason: str) -> None:
+    def _reject(self, queued: _Queued, reason: str, now: float | None) -> None:
+        """Refuse ``queued``: the client resubmits it while it has retries left and the
+        run has not ended (``now`` None), else it is over, refused for ``reason``."""
+        cluster = self.cluster
+        if now is not None and queued.attempts <= cluster.client_retries:
+            delay = retry_delay(queued.attempts, cluster.retry_after_s, cluster.retry_backoff_s,
+                                self._retry_jitter.random())
+            queued.attempts += 1
+            self.counters["retries"] += 1
+            self._push(now + delay, _ARRIVAL, queued)
+            return
         request = queued.request
         record = RequestRecord(
             queued.index, request.arrival_s, queued.slo, request.prompt_tokens,

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from controlplane.balancer import BALANCERS
-from controlplane.cli_args import non_negative_float, positive_float, positive_int, refuse_repeats
+from controlplane.cli_args import (
+    non_negative_float, non_negative_int, positive_float, positive_int, refuse_repeats,
+)
 from sglang_ext.policy.admission import AdmissionSettings
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog, SloError
@@ -427,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "queue (the daemon's queue_ttl_s)")
     cluster.add_argument("--max-queued", type=positive_int, default=DEFAULT_MAX_QUEUED,
                          help="admission queue bound; a fuller queue rejects (max_queued)")
+    cluster.add_argument("--client-retries", type=non_negative_int, default=0,
+                         help="resubmissions of a request refused no_budget, overloaded or "
+                         "queue_timeout, after the daemon's retry_after_s as the SDK does (the "
+                         "gateway's SDK: 3; default: %(default)s, each request submitted once)")
     _common(cluster)
     calibrate = commands.add_parser(
         "calibrate", help="offline-fit a step model (knee or linear) on a profile"
@@ -812,6 +818,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         queue_ttl_s=args.queue_ttl,
         max_queued=args.max_queued,
         on_no_budget=args.on_no_budget,
+        client_retries=args.client_retries,
     )
     scenario = _scenario(args)
     rate = args.rate or scenario.workload.mean_rate * config.ranks
@@ -827,6 +834,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         "on_no_budget": config.on_no_budget,
         "queue_ttl_s": config.queue_ttl_s,
         "max_queued": config.max_queued,
+        "client_retries": config.client_retries,
     }
     print(summary_table(document, plan.requested))
     load = result.load
