@@ -8,20 +8,31 @@ from pathlib import Path
 import pytest
 
 from benchmarks.sim import cluster_overload, cluster_sim
+from controlplane.retry import DEFAULT_MAX_RETRIES
 
 
-def test_every_router_runs_over_every_rank_setting_and_pab_in_both_modes() -> None:
+def test_every_router_runs_over_every_rank_setting_and_pab_in_every_mode() -> None:
     cases = cluster_sim.build_cases(Path("/nonexistent.csv"), 50)
     labels = {c.label for c in cluster_overload.fixed_configurations(cases["bursty"])}
     for give_up, max_defer in cluster_overload.RANK_SETTINGS:
         policy = cluster_overload.fb_policy(max_defer, give_up)
         for router in ("pab_least_loaded", "pab_cache_aware"):
-            assert {f"{policy} + {router} (queue)", f"{policy} + {router} (spill)"} <= labels
+            assert {f"{policy} + {router} (queue)", f"{policy} + {router} (spill)",
+                    f"{policy} + {router} (reject, 3 retries)"} <= labels
         assert f"{policy} + cache_aware" in labels
     azure = {c.router for c in cluster_overload.fixed_configurations(cases["azure"])}
     assert "cache_aware" not in azure and "pab_cache_aware" not in azure  # no shared prefixes
     assert cluster_overload.fb_policy(2.0) == cluster_sim.FAIRBATCHING  # the default
     assert cluster_overload.fb_policy(3.0, 0.9) == f"{cluster_sim.FAIRBATCHING}:0.9:max_defer=3"
+
+
+def test_only_the_daemons_reject_mode_is_resubmitted_as_the_gateway_does() -> None:
+    configuration = cluster_overload.Configuration
+    assert configuration("fb", "pab_cache_aware", "reject").client_retries == DEFAULT_MAX_RETRIES
+    assert configuration("fb", "pab_cache_aware", "spill").client_retries == 0
+    assert configuration("fb", "pab_cache_aware", "queue").client_retries == 0
+    assert configuration("fb", "request_count", "reject").client_retries == 0  # refuses nothing
+    assert configuration("fb", "request_count", "reject").label == "fb + request_count"
 
 
 def point(policy: str, router: str, rps: float) -> dict:
@@ -102,12 +113,29 @@ def test_keeping_a_run_at_other_seeds_or_sizes_is_refused() -> None:
         cluster_overload.keep_results({}, kept, [0, 1, 2], 40)
 
 
+def test_a_run_from_another_step_model_keeps_only_what_never_reads_one() -> None:
+    sjf = f"{cluster_overload.SJF},timeout=2"
+    points = {"sjf": point(sjf, "round_robin", 200.0),
+              "fb": point(cluster_sim.FAIRBATCHING, "request_count", 230.0),
+              "pab": point(cluster_sim.FAIRBATCHING, "pab_cache_aware", 240.0),
+              "sarathi-pab": point("sarathi@1024", "pab_least_loaded", 100.0)}
+    kept = {"seeds": [0], "requests": 40, "results": {"w": {"2x": points}}}
+    other_start: dict = {}
+    assert cluster_overload.keep_results(other_start, kept, [0], 40, "h20.toml") == {"w": ["sjf"]}
+    assert list(other_start["w"]["2x"]) == ["sjf"]
+    same_start: dict = {}
+    labels = cluster_overload.keep_results(same_start, kept | {"step_model": "h20.toml"}, [0], 40,
+                                           "h20.toml")
+    assert labels == {"w": list(points)}
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--seeds", "a,b"], "--seeds 'a,b': expected integers"),
     (["--only", "("], "--only '('"),
     (["--workloads", "nope"], "--workloads: expected names"),
     (["--keep", "/nonexistent.json"], "--keep needs --only"),
     (["--only", "pab", "--keep", "/nonexistent.json"], "--keep /nonexistent.json: not a"),
+    (["--step-model", "/nonexistent.toml"], "--step-model /nonexistent.toml:"),
 ])
 def test_bad_options_are_refused_before_anything_runs(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -147,6 +147,51 @@ def test_no_covering_budget_rejects_or_spills_instead_of_queueing(on_no_budget: 
         assert sorted(rank.dispatched for rank in simulation.ranks)[0] >= 12  # still spread
 
 
+def resubmitting(workload: Workload, **config) -> tuple[ClusterSimulation, dict[int, tuple[float, int]]]:
+    """A run whose dispatches are recorded: request -> (when, on which submission)."""
+    simulation = ClusterSimulation(scenario(workload, TIGHT), parse_policy("fb-anchor-margin"),
+                                   ClusterConfig(3, "pab_least_loaded", client_retries=3, **config))
+    dispatched: dict[int, tuple[float, int]] = {}
+    dispatch = simulation._dispatch
+
+    def recording(now, queued, rank) -> None:
+        dispatched[queued.index] = (now, queued.attempts)
+        dispatch(now, queued, rank)
+
+    simulation._dispatch = recording
+    simulation.run(workload.mean_rate)
+    check_conservation(simulation, len(workload))
+    return simulation, dispatched
+
+
+def test_a_refused_request_is_resubmitted_as_the_gateway_sdk_does() -> None:
+    workload = burst(40, prompt=3000, output=30)
+    once = run(workload, 3, "pab_least_loaded", catalog=TIGHT, on_no_budget="reject")
+    retried, dispatched = resubmitting(workload, on_no_budget="reject")
+    counters = retried.counters
+    assert len(retried.placement) > len(once.placement)
+    assert counters["no_budget"] < once.counters["no_budget"]
+    # a request refused for good was submitted 1 + 3 times; a placed one at most that often
+    assert 3 * counters["no_budget"] <= counters["retries"] <= 3 * len(workload)
+    late = {index: at for index, at in dispatched.items() if at[1] > 1}
+    assert late
+    for index, (now, attempts) in late.items():
+        assert attempts <= 4
+        waited = now - workload.requests[index].arrival_s
+        assert waited >= (attempts - 1) * retried.cluster.retry_after_s
+    again, _ = resubmitting(workload, on_no_budget="reject")
+    assert again.placement == retried.placement  # the jitter is the run's seed's
+
+
+def test_a_resubmitted_request_is_never_queued_past_its_ttft_target() -> None:
+    workload = burst(40, prompt=3000, output=30)
+    simulation, _ = resubmitting(workload, on_no_budget="queue", queue_ttl_s=5.0)
+    counters = simulation.counters
+    assert counters["retries"] > 0 and counters["queue_timeout"] > 0
+    assert counters["queued"] <= len(workload)  # a timed-out request is refused at once
+    assert max(simulation.queue_waits_s) <= TIGHT.default.ttft_s
+
+
 def test_pab_spreads_a_burst_across_ranks_between_reports() -> None:
     # 16 arrivals within 1.6 ms: no report reaches the dispatcher before the last one,
     # so only the ledger's debits can spread them.
@@ -196,6 +241,8 @@ def test_report_delay_only_changes_when_the_dispatcher_learns() -> None:
         ({"ranks": 2, "balancer": "pab", "max_queued": 0}, "max queued"),
         ({"ranks": 2, "balancer": "pab", "on_no_budget": "drop"},
          "unknown on_no_budget 'drop'; expected one of reject, queue, spill"),
+        ({"ranks": 2, "balancer": "pab", "client_retries": -1}, "client retries must be >= 0"),
+        ({"ranks": 2, "balancer": "pab", "retry_after_s": float("nan")}, "retry_after_s"),
     ],
 )
 def test_config_errors_say_what_is_wrong(fields: dict, message: str) -> None:
@@ -230,6 +277,7 @@ def test_cluster_command_writes_a_results_document(tmp_path: Path, capsys) -> No
         (["--balancer", "least"], "invalid choice: 'least'"),
         (["--report-delay-ms", "-5"], "--report-delay-ms: expected a number >= 0"),
         (["--queue-ttl", "0"], "--queue-ttl: expected a number > 0"),
+        (["--client-retries", "-1"], "--client-retries: expected an integer >= 0"),
     ],
 )
 def test_cluster_command_rejects_bad_flags(argv: list[str], message: str, capsys) -> None:
@@ -291,10 +339,12 @@ def test_cluster_command_routes_a_class_mix(tmp_path: Path) -> None:
     code = main([
         "cluster", "--ranks", "2", "--balancer", "pab_least_loaded", "--policy", "fb-anchor-margin",
         "--rate", "30", "--head-seconds", "20", "--out", str(tmp_path),
-        "--class-mix", "interactive:0.2,standard:0.5,relaxed:0.3",
+        "--class-mix", "interactive:0.2,standard:0.5,relaxed:0.3", "--on-no-budget", "reject",
+        "--client-retries", "3",
     ])
     assert code == 0
     document = json.loads((tmp_path / "results.json").read_text())
+    assert document["cluster"]["client_retries"] == 3
     (load,) = document["policies"]["fb-anchor-margin + pab_least_loaded"]["loads"]
     assert min(load["dispatched_per_rank"]) > 0
     assert sum(load["dispatched_per_rank"]) + load["rejected_by_dispatcher"] == load["requests"]
