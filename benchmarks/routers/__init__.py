@@ -23,7 +23,9 @@ at one rate before the next rate, so the machine's drift touches all alike):
   ``cache_aware``'s defaults) behind its OpenAI gateway (``fairbatching-controlplane gateway``);
 * ``cp-pab``       -- the daemon with ``policy = "pab"``;
 * ``cp-least``     -- the daemon with ``policy = "pab_least_loaded"`` (PAB admits, the least
-  loaded rank is chosen).
+  loaded rank is chosen);
+* ``cp-spill``     -- the daemon's default policy with ``on_no_budget = "spill"`` (a request
+  no budget covers goes to the rank the policy would pick, whose own admission decides).
 
 The daemon (with its gateway) restarts for every run, as smg does: a prefix-tree balancer's
 tree starts empty like the servers' flushed caches.

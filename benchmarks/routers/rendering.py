@@ -29,8 +29,9 @@ from benchmarks.routers.analysis import (
 from benchmarks.routers.load_generator import PROBE_OUTPUT_TOKENS, PROBE_PROMPT_TOKENS, REQUEST_TIMEOUT_S
 from benchmarks.routers.records import SLO, SLO_CLASSES
 from benchmarks.routers.stack import (
+    DAEMON_DEFAULT_ON_NO_BUDGET,
     DAEMON_DEFAULT_POLICY,
-    DAEMON_POLICY,
+    DAEMON_ROUTERS,
     EMBEDDED_ROUTERS,
     PRIORITY_SMG,
     ROUTERS,
@@ -87,11 +88,13 @@ def router_commands(points: Sequence[dict], commands: Sequence[str]) -> list[str
 
 
 def daemon_routers_text(chars_per_token: object) -> str:
-    """The header's line on the daemon's routers, from :data:`DAEMON_POLICY`."""
-    names = " / ".join(f"`{n}`" for n in DAEMON_POLICY)
-    policies = " / ".join(f"`{p}`" if p else f"its default, `{DAEMON_DEFAULT_POLICY}`"
-                          for p in DAEMON_POLICY.values())
-    return (f"{names} = the daemon ({policies}, other keys default but `chars_per_token = "
+    """The header's line on the daemon's routers, from :data:`DAEMON_ROUTERS`."""
+    names = " / ".join(f"`{n}`" for n in DAEMON_ROUTERS)
+    defaults = (f"its defaults, `policy = {DAEMON_DEFAULT_POLICY}` and `on_no_budget = "
+                f"{DAEMON_DEFAULT_ON_NO_BUDGET}`")
+    settings = " / ".join(", ".join(f"`{key} = {value}`" for key, value in s.keys()) or defaults
+                          for s in DAEMON_ROUTERS.values())
+    return (f"{names} = the daemon ({settings}, other keys default but `chars_per_token = "
             f"{chars_per_token}`, this text's; the cache-aware policies' prefix tree has smg "
             "`cache_aware`'s default knobs) behind its gateway, a second process (" +
             " / ".join(f"`{n}`" for n in sorted(EMBEDDED_ROUTERS)) + ": the gateway in the daemon's "

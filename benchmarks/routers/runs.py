@@ -17,7 +17,7 @@ from benchmarks.routers.load_generator import probe, run_requests, smg_priority_
 from benchmarks.routers.records import cpu_per_1000, prefill_summary, summarize
 from benchmarks.routers.process_probes import crash_summary
 from benchmarks.routers.stack import (
-    DAEMON_POLICY,
+    DAEMON_ROUTERS,
     EMBEDDED_ROUTERS,
     PRIORITY_SMG,
     ROUTERS,
@@ -108,7 +108,7 @@ class Bench:
         if name in TUNED_SMG:
             return self.stack.start_smg(name, TUNED_SMG[name], limits, tag)
         self.stack.stop_smg()
-        return self.stack.start_daemon(DAEMON_POLICY[name], embedded=name in EMBEDDED_ROUTERS)
+        return self.stack.start_daemon(DAEMON_ROUTERS[name], embedded=name in EMBEDDED_ROUTERS)
 
     def run(self, workload: str, rate: float, name: str, limits: dict | None = None, phase: str = "main",
             tuned: dict | None = None, seed: int = SEED) -> dict:

@@ -45,7 +45,8 @@ SERVER_ARGS = ("--max-total-tokens", str(KV_TOKENS), "--max-prefill-tokens", str
 SMG_CA_EXTRA = ("--disable-worker-overload-protection", "--worker-warmup-secs", "0")
 SMG_QUEUE_TIMEOUT_S = 2  # = the TTFT target (whole seconds: smg's flag is an integer)
 
-ROUTERS = ("smg-rr", "smg-ca", "smg-ll", "smg-prio", "cp-default", "cp-one", "cp-pab", "cp-least")
+ROUTERS = ("smg-rr", "smg-ca", "smg-ll", "smg-prio", "cp-default", "cp-one", "cp-pab", "cp-least",
+           "cp-spill")
 #: the smg routers whose admission limits (``--max-concurrent-requests``, ``--queue-size``)
 #: are swept per workload and rate, and the smg policy each runs
 TUNED_SMG = {"smg-ca": "cache_aware", "smg-ll": "least_load", "smg-prio": "cache_aware"}
@@ -82,25 +83,63 @@ def priority_scheduler_yaml(limits: dict, ttft_s: dict[str, float]) -> str:
             f"queue_size: {limits['queue_size']}, queue_timeout_secs: {seconds}, "
             f"starvation_threshold_secs: {seconds}, can_preempt: {str(interactive).lower()}}}")
     return "\n".join(lines) + "\n"
-#: The daemon's routers: name -> its ``policy`` key (None: not set, the daemon's default).
-DAEMON_POLICY = {"cp-default": None, "cp-one": None, "cp-pab": "pab", "cp-least": "pab_least_loaded"}
+_DAEMON_DEFAULTS = DaemonConfig()
+#: What ``cp-default`` runs: the daemon's own default (``pab_cache_aware``).
+DAEMON_DEFAULT_POLICY: str = _DAEMON_DEFAULTS.policy
+DAEMON_DEFAULT_ON_NO_BUDGET: str = _DAEMON_DEFAULTS.on_no_budget
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """The keys a daemon router sets in the daemon's config; None (or the daemon's default)
+    leaves a key unset."""
+
+    policy: str | None = None
+    on_no_budget: str | None = None
+
+    def normalised(self) -> DaemonSettings:
+        return DaemonSettings(
+            None if self.policy == _DAEMON_DEFAULTS.policy else self.policy,
+            None if self.on_no_budget == _DAEMON_DEFAULTS.on_no_budget else self.on_no_budget)
+
+    def keys(self) -> list[tuple[str, str]]:
+        """The keys it sets, in the config's order."""
+        return [(key, value) for key, value in
+                (("policy", self.policy), ("on_no_budget", self.on_no_budget)) if value is not None]
+
+    def toml_lines(self) -> list[str]:
+        return [f'{key} = "{value}"' for key, value in self.keys()]
+
+    @property
+    def described(self) -> str:
+        text = f"policy = {self.policy or f'default ({DAEMON_DEFAULT_POLICY})'}"
+        return text + (f", on_no_budget = {self.on_no_budget}" if self.on_no_budget else "")
+
+    @property
+    def tag(self) -> str:
+        return (self.policy or f"default-{DAEMON_DEFAULT_POLICY}") + (
+            f"-{self.on_no_budget}" if self.on_no_budget else "")
+
+
+#: The daemon's routers: name -> the daemon keys it sets (none: the daemon's defaults).
+DAEMON_ROUTERS: dict[str, DaemonSettings] = {
+    "cp-default": DaemonSettings(), "cp-one": DaemonSettings(), "cp-pab": DaemonSettings("pab"),
+    "cp-least": DaemonSettings("pab_least_loaded"), "cp-spill": DaemonSettings(on_no_budget="spill"),
+}
 #: The daemon's routers whose gateway runs in the daemon's process (``serve --http``);
 #: the others run ``gateway`` as a second process.
 EMBEDDED_ROUTERS = frozenset({"cp-one"})
-#: What ``cp-default`` runs: the daemon's own default (``pab_cache_aware``).
-DAEMON_DEFAULT_POLICY: str = DaemonConfig().policy
 
 
-def daemon_router_name(policy: str | None, embedded: bool = False) -> str:
-    """The router name of the daemon with ``policy`` (:data:`DAEMON_POLICY` inverted; the
-    default's own name is ``cp-default`` too), its gateway ``embedded`` or not."""
-    if policy == DAEMON_DEFAULT_POLICY:
-        policy = None
-    for name, value in DAEMON_POLICY.items():
-        if value == policy and (name in EMBEDDED_ROUTERS) == embedded:
+def daemon_router_name(settings: DaemonSettings, embedded: bool = False) -> str:
+    """The router name of the daemon run with ``settings`` (:data:`DAEMON_ROUTERS`
+    inverted; the defaults' own name is ``cp-default`` too), its gateway ``embedded`` or not."""
+    settings = settings.normalised()
+    for name, value in DAEMON_ROUTERS.items():
+        if value == settings and (name in EMBEDDED_ROUTERS) == embedded:
             return name
-    raise KeyError(f"no router runs the daemon with policy {policy!r} (embedded gateway: {embedded}); "
-                   f"known: {DAEMON_POLICY}, embedded: {sorted(EMBEDDED_ROUTERS)}")
+    raise KeyError(f"no router runs the daemon with {settings.described} (embedded gateway: "
+                   f"{embedded}); known: {DAEMON_ROUTERS}, embedded: {sorted(EMBEDDED_ROUTERS)}")
 
 
 def class_ttfts() -> dict[str, float]:
@@ -164,7 +203,7 @@ class Stack:
         self.servers: list = []
         self.daemon: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
-        self.daemon_policy: str | None = "unset"
+        self.daemon_settings: DaemonSettings | None = None  # None: never started
         self.daemon_embedded = False
         self.smg_process: subprocess.Popen | None = None
         client, rank, report, self.gateway_port = free_ports(4)
@@ -225,29 +264,28 @@ class Stack:
             flush_cache(url)
 
     # ---- daemon + gateway
-    def daemon_config_text(self, policy: str | None) -> str:
+    def daemon_config_text(self, settings: DaemonSettings) -> str:
         lines = ["[daemon]"] + [f'{k}_address = "{v}"' for k, v in self.addresses.items()]
-        if policy is not None:
-            lines.append(f'policy = "{policy}"')
+        lines += settings.toml_lines()
         lines.append(f"chars_per_token = {self.chars_per_token}  # the benchmark's text (one word = one token)")
         lines.append('log_level = "warning"')
         return "\n".join(lines) + "\n"
 
-    def start_daemon(self, policy: str | None, embedded: bool = False) -> Router:
-        """The daemon with ``policy`` (None: its default) and its gateway (``embedded``: in
-        the daemon's process), the two servers joined as ranks: started afresh for every
-        run, as smg is (a prefix-tree balancer's tree, like its ledger, must start empty
-        like the servers' flushed caches)."""
-        self.spawn_daemon(policy, embedded)
+    def start_daemon(self, settings: DaemonSettings, embedded: bool = False) -> Router:
+        """The daemon with ``settings`` and its gateway (``embedded``: in the daemon's
+        process), the two servers joined as ranks: started afresh for every run, as smg is
+        (a prefix-tree balancer's tree, like its ledger, must start empty like the servers'
+        flushed caches)."""
+        self.spawn_daemon(settings, embedded)
         self.wait_daemon()
-        return self._daemon_router(policy)
+        return self._daemon_router(settings)
 
-    def spawn_daemon(self, policy: str | None, embedded: bool = False) -> None:
+    def spawn_daemon(self, settings: DaemonSettings, embedded: bool = False) -> None:
         self.stop_daemon()
         # the raw logs name what ran
-        tag = (policy or f"default-{DAEMON_DEFAULT_POLICY}") + ("-embedded" if embedded else "")
+        tag = settings.tag + ("-embedded" if embedded else "")
         config = self.raw / f"daemon-{tag}.toml"
-        text = self.daemon_config_text(policy)
+        text = self.daemon_config_text(settings)
         check_daemon_config(text, config)
         config.write_text(text)
         http = ("--http", f"127.0.0.1:{self.gateway_port}", "--model", self.served_model) if embedded else ()
@@ -256,7 +294,7 @@ class Stack:
         self.gateway = None if embedded else start_gateway(
             self.addresses["client"], self.gateway_port, self.raw / f"gateway-{tag}.log",
             ("--model", self.served_model))
-        self.daemon_policy, self.daemon_embedded = policy, embedded
+        self.daemon_settings, self.daemon_embedded = settings, embedded
 
     def wait_daemon(self) -> None:
         asyncio.run(self._wait_ranks(90.0))
@@ -266,9 +304,9 @@ class Stack:
                 raise RuntimeError(f"the gateway did not become healthy; see {self.raw}")
             time.sleep(0.5)
 
-    def _daemon_router(self, policy: str | None) -> Router:
+    def _daemon_router(self, settings: DaemonSettings) -> Router:
         assert self.daemon is not None and (self.daemon_embedded or self.gateway is not None)
-        described = f"policy = {policy or f'default ({DAEMON_DEFAULT_POLICY})'}"
+        described = settings.described
         if self.daemon_embedded:
             pids, command = (self.daemon.pid,), (f"fairbatching-controlplane serve --config daemon.toml "
                                                  f"--http 127.0.0.1:PORT  # {described}")
@@ -276,7 +314,7 @@ class Stack:
             pids, command = (self.daemon.pid, self.gateway.pid), (
                 f"fairbatching-controlplane serve --config daemon.toml  # {described}; "
                 "+ gateway --listen 127.0.0.1:PORT")
-        return Router(daemon_router_name(policy, self.daemon_embedded), f"http://127.0.0.1:{self.gateway_port}",
+        return Router(daemon_router_name(settings, self.daemon_embedded), f"http://127.0.0.1:{self.gateway_port}",
                       self.served_model, pids, command)
 
     async def _wait_ranks(self, timeout: float) -> None:
@@ -345,7 +383,7 @@ class Stack:
         self.smg_process = None
 
     def restart(self) -> None:
-        policy = None if self.daemon_policy == "unset" else self.daemon_policy
+        settings = self.daemon_settings or DaemonSettings()
         embedded = self.daemon_embedded
         self.stop_smg()
         self.stop_daemon()
@@ -356,7 +394,7 @@ class Stack:
         for i, path in enumerate(self.step_logs):
             self.step_logs[i] = path.with_name(f"{path.stem.split('.')[0]}.{self.restarts}.jsonl")
         self.tails = [StepLogTail(p) for p in self.step_logs]
-        self.spawn_daemon(policy, embedded)
+        self.spawn_daemon(settings, embedded)
         self.start_servers(suffix=f".{self.restarts}")
         self.wait_daemon()
 

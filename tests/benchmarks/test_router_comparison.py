@@ -41,11 +41,12 @@ from benchmarks.routers.rendering import render_json, render_markdown
 from benchmarks.routers.runs import QUICK_SECONDS, Bench, Plan, run_key
 from benchmarks.routers.stack import (
     DAEMON_DEFAULT_POLICY,
-    DAEMON_POLICY,
+    DAEMON_ROUTERS,
     EMBEDDED_ROUTERS,
     ROUTERS,
     Stack,
     check_daemon_config,
+    DaemonSettings,
     daemon_router_name,
 )
 from benchmarks.routers.limit_sweep import (
@@ -453,8 +454,10 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
     assert "router CPU s / 1000 req | router CPU s / 1000 tokens |" in text
     assert "| 16 | cp-least | 13.00 | 0.810 | 0 | 100 / 200 / 300 | 20.0 / 30.0 / 40.0 | 50% | 33.0 | 0.165 |" \
         in text
-    assert "`cp-default` / `cp-one` / `cp-pab` / `cp-least` = the daemon (its default, `pab_cache_aware` / " \
-           "its default, `pab_cache_aware` / `pab` / `pab_least_loaded`" in text
+    defaults = "its defaults, `policy = pab_cache_aware` and `on_no_budget = reject`"
+    assert (f"`cp-default` / `cp-one` / `cp-pab` / `cp-least` / `cp-spill` = the daemon ({defaults} / "
+            f"{defaults} / `policy = pab` / `policy = pab_least_loaded` / `on_no_budget = spill`, other "
+            "keys default") in text
     assert "(`cp-one`: the gateway in the daemon's process, `serve --http`)" in text
     assert "| cp-least | 6 |" in text and "CPU s / 1000 tokens (prefix): router, servers" in text
     assert "| 33.0, 100 | 0.165, 0.50 |" in text  # prefix: per request, then per token
@@ -499,31 +502,37 @@ def test_cpu_per_token_is_unknown_where_a_run_did_not_record_its_tokens() -> Non
 
 
 # ---------------------------------------------------------------- the daemon's routers
-def test_every_daemon_router_is_named_from_its_policy_and_its_config_parses(tmp_path: Path) -> None:
+def test_every_daemon_router_is_named_from_its_settings_and_its_config_parses(tmp_path: Path) -> None:
     from controlplane.config import ConfigError, DaemonConfig
 
-    assert DaemonConfig().policy == DAEMON_DEFAULT_POLICY == "pab_cache_aware"
-    assert set(DAEMON_POLICY) <= set(ROUTERS) and "cp-least" in ROUTERS and "cp-cache" not in ROUTERS
-    assert DAEMON_POLICY["cp-least"] == "pab_least_loaded" and DAEMON_POLICY["cp-default"] is None
-    # no two routers run the same policy the same way: the default's own name is cp-default
-    assert DAEMON_DEFAULT_POLICY not in DAEMON_POLICY.values()
-    assert daemon_router_name(DAEMON_DEFAULT_POLICY) == "cp-default"
-    assert daemon_router_name(DAEMON_DEFAULT_POLICY, embedded=True) == "cp-one"
-    assert EMBEDDED_ROUTERS <= set(DAEMON_POLICY)
+    defaults = DaemonConfig()
+    assert defaults.policy == DAEMON_DEFAULT_POLICY == "pab_cache_aware"
+    assert set(DAEMON_ROUTERS) <= set(ROUTERS) and "cp-least" in ROUTERS and "cp-cache" not in ROUTERS
+    assert DAEMON_ROUTERS["cp-least"] == DaemonSettings("pab_least_loaded")
+    assert DAEMON_ROUTERS["cp-default"] == DaemonSettings()
+    assert DAEMON_ROUTERS["cp-spill"] == DaemonSettings(on_no_budget="spill")
+    # no two routers run the daemon the same way: the defaults' own name is cp-default
+    assert all(settings == settings.normalised() for settings in DAEMON_ROUTERS.values())
+    assert daemon_router_name(DaemonSettings(DAEMON_DEFAULT_POLICY, defaults.on_no_budget)) == "cp-default"
+    assert daemon_router_name(DaemonSettings(DAEMON_DEFAULT_POLICY), embedded=True) == "cp-one"
+    assert EMBEDDED_ROUTERS <= set(DAEMON_ROUTERS)
     stack = Stack(tmp_path, "smg", WORDS)
-    for name, policy in DAEMON_POLICY.items():
-        assert daemon_router_name(policy, embedded=name in EMBEDDED_ROUTERS) == name
-        text = stack.daemon_config_text(policy)
+    for name, settings in DAEMON_ROUTERS.items():
+        assert daemon_router_name(settings, embedded=name in EMBEDDED_ROUTERS) == name
+        text = stack.daemon_config_text(settings)
         check_daemon_config(text)
         config = DaemonConfig.from_mapping(tomllib.loads(text)["daemon"])
-        assert config.policy == (policy or DAEMON_DEFAULT_POLICY)
+        assert config.policy == (settings.policy or DAEMON_DEFAULT_POLICY)
+        assert config.on_no_budget == (settings.on_no_budget or defaults.on_no_budget)
         assert config.chars_per_token == pytest.approx(stack.chars_per_token)
         assert config.client_address == stack.addresses["client"]
         assert config.log_level == "warning"
     with pytest.raises(KeyError):
-        daemon_router_name("power_of_two")
+        daemon_router_name(DaemonSettings("power_of_two"))
     with pytest.raises(ConfigError):
-        check_daemon_config(stack.daemon_config_text("no_such_policy"))
+        check_daemon_config(stack.daemon_config_text(DaemonSettings("no_such_policy")))
+    with pytest.raises(ConfigError):
+        check_daemon_config(stack.daemon_config_text(DaemonSettings(on_no_budget="drop")))
 
 
 def test_the_daemon_restarts_for_every_run_and_names_its_router(tmp_path: Path) -> None:
@@ -536,18 +545,22 @@ def test_the_daemon_restarts_for_every_run_and_names_its_router(tmp_path: Path) 
     stack = Stack(tmp_path, "smg", WORDS)
     spawned = []
 
-    def fake_spawn(policy, embedded=False):
-        spawned.append(policy)
-        stack.daemon, stack.daemon_policy, stack.daemon_embedded = Alive(), policy, embedded
+    def fake_spawn(settings, embedded=False):
+        spawned.append(settings.policy)
+        stack.daemon, stack.daemon_settings, stack.daemon_embedded = Alive(), settings, embedded
         stack.gateway = None if embedded else Alive()
 
     stack.spawn_daemon, stack.wait_daemon = fake_spawn, lambda: None
-    routers = [stack.start_daemon(p) for p in ("pab", "pab", "pab_least_loaded", "pab_least_loaded", None)]
-    routers.append(stack.start_daemon(None, embedded=True))
-    assert spawned == ["pab", "pab", "pab_least_loaded", "pab_least_loaded", None, None]  # its trees start empty
-    assert [r.name for r in routers] == ["cp-pab", "cp-pab", "cp-least", "cp-least", "cp-default", "cp-one"]
+    routers = [stack.start_daemon(DaemonSettings(p))
+               for p in ("pab", "pab", "pab_least_loaded", "pab_least_loaded", None)]
+    routers.append(stack.start_daemon(DaemonSettings(), embedded=True))
+    routers.append(stack.start_daemon(DaemonSettings(on_no_budget="spill")))
+    assert spawned == ["pab", "pab", "pab_least_loaded", "pab_least_loaded", None, None, None]  # its trees start empty
+    assert [r.name for r in routers] == ["cp-pab", "cp-pab", "cp-least", "cp-least", "cp-default", "cp-one",
+                                         "cp-spill"]
     assert "policy = pab_least_loaded;" in routers[2].command
     assert "policy = default (pab_cache_aware);" in routers[4].command
+    assert "policy = default (pab_cache_aware), on_no_budget = spill;" in routers[6].command
     assert "--http" in routers[5].command and "gateway --listen" not in routers[5].command
     assert len(routers[5].pids) == 1 and len(routers[4].pids) == 2  # its CPU: the one process
 
