@@ -92,7 +92,7 @@ def daemon_routers_text(chars_per_token: object) -> str:
     names = " / ".join(f"`{n}`" for n in DAEMON_ROUTERS)
     defaults = (f"its defaults, `policy = {DAEMON_DEFAULT_POLICY}` and `on_no_budget = "
                 f"{DAEMON_DEFAULT_ON_NO_BUDGET}`")
-    settings = " / ".join(", ".join(f"`{key} = {value}`" for key, value in s.keys()) or defaults
+    settings = " / ".join(", ".join(f"`{key} = {value}`" for key, value in s.set_keys()) or defaults
                           for s in DAEMON_ROUTERS.values())
     return (f"{names} = the daemon ({settings}, other keys default but `chars_per_token = "
             f"{chars_per_token}`, this text's; the cache-aware policies' prefix tree has smg "

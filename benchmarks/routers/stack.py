@@ -102,13 +102,13 @@ class DaemonSettings:
             None if self.policy == _DAEMON_DEFAULTS.policy else self.policy,
             None if self.on_no_budget == _DAEMON_DEFAULTS.on_no_budget else self.on_no_budget)
 
-    def keys(self) -> list[tuple[str, str]]:
+    def set_keys(self) -> list[tuple[str, str]]:
         """The keys it sets, in the config's order."""
         return [(key, value) for key, value in
                 (("policy", self.policy), ("on_no_budget", self.on_no_budget)) if value is not None]
 
     def toml_lines(self) -> list[str]:
-        return [f'{key} = "{value}"' for key, value in self.keys()]
+        return [f'{key} = "{value}"' for key, value in self.set_keys()]
 
     @property
     def described(self) -> str:
