@@ -18,7 +18,7 @@ from pathlib import Path
 from benchmarks import routers
 from benchmarks.routers.rendering import write_outputs
 from benchmarks.routers.runs import DEFAULT_SECONDS, QUICK_SECONDS, Bench, Plan
-from benchmarks.routers.stack import ROUTERS, SERVER_ARGS, SMG_CA_EXTRA, Stack
+from benchmarks.routers.stack import ROUTERS, SERVER_ARGS, SMG_CA_EXTRA, DaemonSettings, Stack
 from benchmarks.routers.limit_sweep import (
     MAX_EXTENSIONS,
     QUICK_SWEEP_CONCURRENCY,
@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         print(f"starting two servers (logs in {relative(raw)}) ...", file=sys.stderr, flush=True)
-        stack.spawn_daemon(None)  # first: the servers' ingress joins it at start-up
+        stack.spawn_daemon(DaemonSettings())  # first: the servers' ingress joins it at start-up
         stack.start_servers()
         stack.wait_daemon()
         bench = Bench(plan, stack, args.points, meta)

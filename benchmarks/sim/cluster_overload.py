@@ -466,6 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         command += f" --requests {args.requests}"
     if names != list(WORKLOADS):
         command += f" --workloads {','.join(names)}"
+    if args.out != DOCS_BENCH:
+        command += f" --out {args.out}"
     text = markdown(doc, command)
     print(text)
     if not args.no_write:
