@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for workload in plan.workloads:
             bench.workload(workload)
         if not any(c.startswith("# daemon config") for c in meta["commands"]):
-            meta["commands"].append(f"# daemon config: {stack.daemon_config_text('POLICY').strip()}".replace("\n", "; "))
+            meta["commands"].append(stack.daemon_config_comment())
     finally:
         stack.close()
         meta["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")

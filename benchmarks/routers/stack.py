@@ -271,6 +271,11 @@ class Stack:
         lines.append('log_level = "warning"')
         return "\n".join(lines) + "\n"
 
+    def daemon_config_comment(self) -> str:
+        """The daemon's config as the page's command lines show it: one line, the policy a
+        placeholder (each router's own keys are on its command line)."""
+        return "# daemon config: " + self.daemon_config_text(DaemonSettings("POLICY")).strip().replace("\n", "; ")
+
     def start_daemon(self, settings: DaemonSettings, embedded: bool = False) -> Router:
         """The daemon with ``settings`` and its gateway (``embedded``: in the daemon's
         process), the two servers joined as ranks: started afresh for every run, as smg is

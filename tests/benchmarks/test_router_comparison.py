@@ -527,6 +527,9 @@ def test_every_daemon_router_is_named_from_its_settings_and_its_config_parses(tm
         assert config.chars_per_token == pytest.approx(stack.chars_per_token)
         assert config.client_address == stack.addresses["client"]
         assert config.log_level == "warning"
+    comment = stack.daemon_config_comment()
+    assert comment.startswith("# daemon config: [daemon]; client_address = ") and "\n" not in comment
+    assert 'policy = "POLICY"' in comment
     with pytest.raises(KeyError):
         daemon_router_name(DaemonSettings("power_of_two"))
     with pytest.raises(ConfigError):
