@@ -90,8 +90,9 @@ class Configuration:
 
     @property
     def client_retries(self) -> int:
-        """The gateway SDK's resubmissions of a refused request: only ``reject`` refuses
-        a request that is still in time."""
+        """The gateway SDK's resubmissions of a refused request, for ``reject`` only: the
+        daemon's default, measured as users run it. The queue and spill rows resubmit
+        nothing."""
         return DEFAULT_MAX_RETRIES if self.pab and self.on_no_budget == "reject" else 0
 
     @property
