@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": git_state(REPO),
         "machine": machine_text(), "seconds": plan.seconds, "quick": plan.quick, **versions(smg),
-        "plan": asdict(plan), "raw": str(relative(raw)),
+        "plan": asdict(plan), "raw": str(relative(raw)), "points": str(relative(args.points)),
         "commands": [f"scripts/bench_routers.sh {argv_text}".strip(),
                      "# servers (x2): FAIRBATCHING_CONFIG=... FAIRBATCHING_EMULATED_GPU=llama3.1-8b-h100 "
                      "FAIRBATCHING_EMULATED_GPU_TIME_SCALE=2 FAIRBATCHING_CONTROLPLANE=tcp://127.0.0.1:R "

@@ -447,6 +447,9 @@ def test_render_markdown_and_json_hold_the_tables_the_sweep_and_the_caveats() ->
             "seconds": 30.0, "commands": ["scripts/bench_routers.sh"], "smg_version": "1.13.0",
             "notes": ["a note"]}
     text = render_markdown(synthetic_points(), meta)
+    assert "from `out/bench_routers/points.jsonl`; do not edit." in text  # a page from before it was recorded
+    assert "from `out/rt/points.jsonl`; do not edit." in render_markdown(
+        synthetic_points(), meta | {"points": "out/rt/points.jsonl"})
     assert "## Where smg wins" in text and "Machine caveats" in text and "emulated" in text
     assert "## Where the daemon wins" in text and "A FairBatching server crashed in 1 run(s)" in text
     assert "| 16 | smg-ca (C=32, Q=16) | **14.00** |" in text
