@@ -300,7 +300,7 @@ def markdown(doc: dict, command: str) -> str:
         (f"{RANKS} ranks of profile {cluster_sim.PROFILE}, {doc['requests']} requests per "
          "workload, the workloads and overload rates of `cluster_sim` (1.5x and 2x the best "
          "baseline's capacity). On time: effective req/s. `(queue)` / `(spill)` / `(reject, "
-         "3 retries)`: the pab routers' `on_no_budget` (`reject`, the daemon's default: a "
+         f"{DEFAULT_MAX_RETRIES} retries)`: the pab routers' `on_no_budget` (`reject`, the daemon's default: a "
          "refused request is resubmitted as the gateway's SDK does). "
          + ("Every rank's step model starts from the offline fit on the simulated device. "
             if doc.get("step_model") is None else

@@ -14,6 +14,7 @@ from controlplane.balancer import BALANCERS
 from controlplane.cli_args import (
     non_negative_float, non_negative_int, positive_float, positive_int, refuse_repeats,
 )
+from controlplane.retry import DEFAULT_MAX_RETRIES
 from sglang_ext.policy.admission import AdmissionSettings
 from sglang_ext.policy.policies import POLICIES
 from sglang_ext.policy.slo import SloCatalog, SloError
@@ -432,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--client-retries", type=non_negative_int, default=0,
                          help="resubmissions of a request refused no_budget, overloaded or "
                          "queue_timeout, after the daemon's retry_after_s as the SDK does (the "
-                         "gateway's SDK: 3; default: %(default)s, each request submitted once)")
+                         f"gateway's SDK: {DEFAULT_MAX_RETRIES}; default: %(default)s, each "
+                         "request submitted once)")
     _common(cluster)
     calibrate = commands.add_parser(
         "calibrate", help="offline-fit a step model (knee or linear) on a profile"
