@@ -378,9 +378,10 @@ class Daemon:
                 self.core.saturated = saturated
             if self.rank_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._pumps[1].poke()  # reading the events may have eaten the socket's edge
+                read_until: float | None = agents_read_at
             else:
-                agents_read_at = time.monotonic()
-            self._deliver(self._handled("tick", self._on_tick, agents_read_at))
+                agents_read_at, read_until = time.monotonic(), None  # None: read up to now
+            self._deliver(self._handled("tick", self._on_tick, read_until))
             ranks = {state.rank for state in self.core.registry.ranks()}
             for rank in sorted(ranks - known):
                 self.log.info("rank joined", rank=rank)
@@ -388,8 +389,8 @@ class Daemon:
                 self.log.warning("rank gone", rank=rank)
             known = ranks
 
-    def _on_tick(self, agents_read_at: float, now: float) -> list[Send]:
-        return self.core.on_tick(now, agents_read_until=agents_read_at)
+    def _on_tick(self, agents_read_until: float | None, now: float) -> list[Send]:
+        return self.core.on_tick(now, agents_read_until=agents_read_until)
 
     async def _drain_watcher(self, workers: list[asyncio.Task]) -> None:
         """Wait for a drain request, drain, then cancel ``workers`` (the supervisor ends)."""

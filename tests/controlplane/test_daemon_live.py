@@ -342,3 +342,21 @@ def test_peers_of_an_older_protocol_are_refused_with_a_clear_reason(daemon):
     finally:
         agent.close()
         client.close()
+
+
+def test_an_idle_daemon_never_counts_itself_behind_its_rank_socket():
+    with thread_daemon() as running:
+        core = running.daemon.core
+        ticks: list[float | None] = []
+        on_tick = core.on_tick
+
+        def counted(now, *, agents_read_until=None):
+            ticks.append(agents_read_until)
+            return on_tick(now, agents_read_until=agents_read_until)
+
+        running.loop.call_soon_threadsafe(setattr, core, "on_tick", counted)
+        deadline = time.monotonic() + 10.0
+        while len(ticks) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(ticks) >= 3, "the daemon never ticked"
+        assert ticks[-1] is None and running.counters().get("lost_check_behind", 0) == 0
