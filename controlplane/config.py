@@ -18,6 +18,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from controlplane.curve import CurveError, authorized_keys_dir, load_key_pair
+from controlplane.loop_router import serves as loop_serves
 
 PositiveFloat = Annotated[float, Meta(gt=0.0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
@@ -26,6 +27,7 @@ PolicyName = Literal[
     "total_tokens", "power_of_two",
 ]
 OnNoBudget = Literal["reject", "queue", "spill"]
+Transport = Literal["auto", "loop", "zmq"]
 ON_NO_BUDGET: tuple[str, ...] = get_args(OnNoBudget)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
@@ -65,6 +67,10 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     send_hwm: PositiveInt = 10_000
     recv_hwm: PositiveInt = 10_000
     outbox_size: PositiveInt = 10_000  # per socket; a full outbox counts as a failed send
+    # the client and rank sockets: "loop" served on the event loop's thread (the daemon speaks
+    # ZMTP to its peers' libzmq sockets itself: no thread wake-up per message), "zmq" through
+    # libzmq's I/O thread, "auto" the loop wherever it can (neither CURVE nor inproc://)
+    transport: Transport = "auto"
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     daemon_id: str = ""  # empty: a fresh random id per start
@@ -92,6 +98,21 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
                 raise ValueError(str(error)) from None
         if self.lost_after_s <= self.heartbeat_interval_s:
             raise ValueError("lost_after_s must exceed heartbeat_interval_s")
+        if self.transport == "loop" and not self._loop_can_serve():
+            addresses = f"client_address = {self.client_address!r}, rank_address = {self.rank_address!r}"
+            raise ValueError(
+                f"transport = \"loop\" serves tcp://IP:PORT and ipc:// addresses without CURVE; "
+                f"{addresses}{' with CURVE' if self.curve else ''} need \"zmq\" or \"auto\"")
+
+    def _loop_can_serve(self) -> bool:
+        return not self.curve and loop_serves(self.client_address) and loop_serves(self.rank_address)
+
+    @property
+    def routers_on_loop(self) -> bool:
+        """Whether the client and rank sockets are served on the event loop (``transport``)."""
+        if self.transport == "auto":
+            return self._loop_can_serve()
+        return self.transport == "loop"
 
     @property
     def curve(self) -> bool:

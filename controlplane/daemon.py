@@ -3,7 +3,11 @@
 Each socket (client ROUTER, rank ROUTER, report PULL) is a plain ZMQ socket whose file
 descriptor the loop watches (:class:`controlplane.socket_pump.SocketPump`): one wake-up
 reads every message waiting, without a future per message, and hands each to the core
-(``on_client``, ``on_agent``, ``on_report``). Two tasks, children of one
+(``on_client``, ``on_agent``, ``on_report``). The two ROUTER sockets, which carry a
+message per engine step (from every rank, and to every client streaming), are served on
+the loop's own thread where they can (:class:`controlplane.loop_router.LoopRouter`,
+``transport``): the daemon speaks ZMTP to its peers' libzmq sockets itself, with no
+thread wake-up between a message and the loop. Two tasks, children of one
 :class:`asyncio.TaskGroup` (the supervisor)::
 
     ticker          core.on_tick every TICK_S (staleness, lost ranks, deadlines, queue TTL);
@@ -50,6 +54,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from controlplane.config import DaemonConfig
 from controlplane.curve import KeyPair, load_key_pair, serve_curve
 from controlplane.core import DispatcherCore, Send, ToClient
+from controlplane.loop_router import LoopRouter
 from controlplane.protocol import (
     MAX_BATCH_ITEMS, Channel, Chunk, Dispatched, Finish, FrameError, Reject, Replies,
     agent_message_channel, client_request_channel, encode, report_channel,
@@ -64,6 +69,9 @@ LOG_INTERVAL_S = 10.0
 FINAL_SEND_LINGER_MS = 1000
 BATCHED_REPLY_TYPES = frozenset((Dispatched, Chunk, Finish, Reject))
 SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
+#: the loop-served rank socket bounds a rank connection's unsent bytes at ``send_hwm``
+#: messages of this size (libzmq's mark counts messages)
+HWM_MESSAGE_BYTES = 4096
 #: the identity of the client in this process (:meth:`Daemon.attach_local`); ZMQ reserves
 #: identities that start with a zero byte and makes its own 5 bytes long, so no peer has it
 LOCAL_CLIENT = b"\x00local"
@@ -129,19 +137,49 @@ class Daemon:
         self._in_pass = False  # a socket pump's pass is handing messages over: it flushes at its end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pumps: list[SocketPump] = []
+        self._rank_pump: SocketPump | None = None
         self._drain_requested = asyncio.Event()
         self._ready = asyncio.Event()
         self._sockets: list[zmq.Socket] = []
+        self._client_channel = client_request_channel(config.max_frame_bytes)
+        self._agent_channel = agent_message_channel(config.max_frame_bytes)
+        self.client_socket: zmq.Socket | None = None
+        self.client_router: LoopRouter | None = None
+        self.rank_socket: zmq.Socket | None = None
+        self.rank_router: LoopRouter | None = None
         try:
-            self.client_socket = self._socket(zmq.ROUTER, config.client_address)
-            self.rank_socket = self._socket(zmq.ROUTER, config.rank_address, handover=True)
+            if config.routers_on_loop:
+                self.client_router = self._loop_router(
+                    config.client_address, self._loop_receiver(self._client_channel, self.core.on_client, "client"),
+                    handover=False)
+                self.rank_router = self._loop_router(
+                    config.rank_address, self._loop_receiver(self._agent_channel, self.core.on_agent, "agent"),
+                    handover=True)
+            else:
+                self.client_socket = self._socket(zmq.ROUTER, config.client_address)
+                self.rank_socket = self._socket(zmq.ROUTER, config.rank_address, handover=True)
             self.report_socket = self._socket(zmq.PULL, config.report_address)
         except OSError:
             self._close()
             raise
 
+    def _loop_router(self, address: str, on_message: Callable[[bytes, list], None], *,
+                     handover: bool) -> LoopRouter:
+        try:
+            return LoopRouter(address, on_message, self._end_pass, handover=handover,
+                              max_frame_bytes=self.config.max_frame_bytes,
+                              send_high_water_bytes=self.config.send_hwm * HWM_MESSAGE_BYTES)
+        except OSError as error:
+            raise OSError(f"cannot bind {address}: {error.strerror or error}") from None
+
+    @property
+    def _routers(self) -> list[LoopRouter]:
+        return [router for router in (self.client_router, self.rank_router) if router is not None]
+
     def _close(self, linger_ms: int = 0) -> None:
         self._local_reply = None  # the local client's sends raise ConnectionError from now on
+        for router in self._routers:
+            router.close(flush=linger_ms > 0)
         for socket in self._sockets:
             socket.close(linger=linger_ms)
         if self._authenticator is not None:
@@ -178,18 +216,21 @@ class Daemon:
         """Run until drained (SIGTERM/SIGINT or :meth:`request_drain`)."""
         self.log.info("daemon started", client=self.config.client_address, rank=self.config.rank_address,
                       report=self.config.report_address, policy=self.config.policy, pid=os.getpid(),
-                      curve=self.config.curve)
+                      curve=self.config.curve, transport="loop" if self._routers else "zmq")
         self._loop = asyncio.get_running_loop()
-        config = self.config
-        self._pumps = [
-            SocketPump(self.client_socket, self._receiver(client_request_channel(config.max_frame_bytes),
-                                                          self.core.on_client, "client"), self._end_pass),
-            SocketPump(self.rank_socket, self._receiver(agent_message_channel(config.max_frame_bytes),
-                                                        self.core.on_agent, "agent"), self._end_pass),
-            SocketPump(self.report_socket, self._on_report_frames(report_channel()), self._end_pass),
-        ]
+        self._pumps = [SocketPump(self.report_socket, self._on_report_frames(report_channel()), self._end_pass)]
+        if self.client_socket is not None and self.rank_socket is not None:
+            self._rank_pump = SocketPump(
+                self.rank_socket, self._receiver(self._agent_channel, self.core.on_agent, "agent"), self._end_pass)
+            self._pumps += [
+                SocketPump(self.client_socket, self._receiver(self._client_channel, self.core.on_client, "client"),
+                           self._end_pass),
+                self._rank_pump,
+            ]
         try:
             async with asyncio.TaskGroup() as tasks:
+                for router in self._routers:
+                    await router.start()
                 for pump in self._pumps:
                     pump.start()
                 workers = [tasks.create_task(self._tick())]
@@ -245,9 +286,9 @@ class Daemon:
                             answers += self._flush_client(identity)
                         continue
                     answers += self._flush_client(identity)  # what was said before goes first
-                    if not self._send(self.client_socket, identity, send.message):
+                    if not self._send_to_client(identity, send.message):
                         answers += self._handled("send_failed", self.core.on_send_failed, send)
-                elif not self._send(self.rank_socket, send.identity, send.message):
+                elif not self._send_to_agent(send.identity, send.message):
                     answers += self._handled("send_failed", self.core.on_send_failed, send)
             sends = answers
         if (batches or self._sent_on) and not (self._flush_scheduled or self._in_pass) and self._loop is not None:
@@ -270,10 +311,11 @@ class Daemon:
                 failed += self._flush_client(identity)
             if failed:
                 self._deliver(failed)
-        for pump in self._pumps[:2]:
-            if pump.socket in self._sent_on:
-                pump.poke()
-        self._sent_on.clear()
+        if self._sent_on:
+            for pump in self._pumps:
+                if pump.socket in self._sent_on:
+                    pump.poke()
+            self._sent_on.clear()
 
     def _flush_client(self, identity: bytes) -> list[Send]:
         """Send ``identity``'s waiting replies; what the core answers to their failure."""
@@ -292,7 +334,7 @@ class Daemon:
                     reply(message)
             return []
         message = batch[0].message if len(batch) == 1 else Replies([send.message for send in batch])
-        if self._send(self.client_socket, identity, message):
+        if self._send_to_client(identity, message):
             return []
         answers: list[Send] = []
         for send in batch:
@@ -332,6 +374,51 @@ class Daemon:
             self.rare_log.error(f"unrecovered:{where}:{name}", "message handling failed; no answer sent",
                                 exc_info=True, socket=where, message=name)
             return []
+
+    def _send_to_client(self, identity: bytes, message: object) -> bool:
+        if self.client_router is None:
+            return self._send(self.client_socket, identity, message)
+        return self._send_on_loop(self.client_router, identity, message)
+
+    def _send_to_agent(self, identity: bytes, message: object) -> bool:
+        if self.rank_router is None:
+            return self._send(self.rank_socket, identity, message)
+        return self._send_on_loop(self.rank_router, identity, message)
+
+    def _send_on_loop(self, router: LoopRouter, identity: bytes, message: object) -> bool:
+        """As :meth:`_send`, on a loop-served socket."""
+        if router.send(identity, encode(message)):
+            return True
+        failure = "no connection" if identity not in router.peers else "high-water mark"
+        self.rare_log.info(f"send_failed:{failure}", "send failed", peer=identity.decode(errors="replace"),
+                           message=type(message).__name__, error=failure)
+        return False
+
+    def _loop_receiver(self, channel: Channel, handle: Callable[[bytes, object, float], list[Send]],
+                       where: str) -> Callable[[bytes, list], None]:
+        """:meth:`_receiver` for a loop-served socket, whose messages come as their sender's
+        routing id and their parts."""
+        def receive(peer: bytes, parts: list) -> None:
+            self._in_pass = True
+            if len(parts) != 1:
+                self._drop(where, peer, FrameError("bad_framing", f"{len(parts)} payload frames, expected 1"))
+                return
+            try:
+                message = channel.decode(parts[0])
+            except FrameError as error:
+                self._drop(where, peer, error)
+                return
+            self._deliver(self._handled(where, handle, peer, message))
+        return receive
+
+    def _rank_socket_unread(self) -> bool:
+        """Whether agents' messages wait unread (the loop is behind them)."""
+        if self.rank_router is not None:
+            return self.rank_router.unread()
+        if self.rank_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._rank_pump.poke()  # reading the events may have eaten the socket's edge
+            return True
+        return False
 
     def _send(self, socket: zmq.Socket, identity: bytes, message: object) -> bool:
         """Whether the message was queued; a peer gone or at its high-water mark is False."""
@@ -376,8 +463,7 @@ class Daemon:
                 self.rare_log.warning(f"saturated:{saturated}", "event loop saturation changed",
                                       saturated=saturated, busy=round(busy.share, 3))
                 self.core.saturated = saturated
-            if self.rank_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._pumps[1].poke()  # reading the events may have eaten the socket's edge
+            if self._rank_socket_unread():
                 read_until: float | None = agents_read_at
             else:
                 agents_read_at, read_until = time.monotonic(), None  # None: read up to now

@@ -47,3 +47,12 @@ def test_config_needs_both_curve_keys_readable_and_then_allows_non_loopback(keys
     path.write_text(f'[daemon]\ncurve_secret_key_file = "{tmp_path}/nope"\ncurve_authorized_keys_dir = "{authorized}"\n')
     with pytest.raises(ConfigError, match="bad.toml.*no such key file"):
         DaemonConfig.load(path)
+
+
+def test_curve_keeps_the_routers_on_libzmq_and_refuses_the_loop_transport(keys):
+    key_dir, authorized = keys
+    curve = {"curve_secret_key_file": str(key_dir / "daemon.key_secret"),
+             "curve_authorized_keys_dir": str(authorized)}
+    assert not DaemonConfig(**curve).routers_on_loop
+    with pytest.raises(ValueError, match="with CURVE need"):
+        DaemonConfig(transport="loop", **curve)

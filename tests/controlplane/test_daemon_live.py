@@ -56,9 +56,12 @@ def pusher(address: str) -> zmq.Socket:
     return socket
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    with thread_daemon(stale_after_s=30.0, lost_after_s=60.0, heartbeat_interval_s=0.5) as running:
+@pytest.fixture(scope="module", params=["loop", "zmq"])
+def daemon(request):
+    """The daemon with its client and rank sockets on each transport (``transport``)."""
+    with thread_daemon(stale_after_s=30.0, lost_after_s=60.0, heartbeat_interval_s=0.5,
+                       transport=request.param) as running:
+        assert (running.daemon.rank_router is not None) is (request.param == "loop")
         yield running
 
 
