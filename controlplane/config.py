@@ -66,7 +66,6 @@ class DaemonConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     max_frame_bytes: Annotated[int, Meta(ge=1024, le=256 * 1024 * 1024)] = 4 * 1024 * 1024
     send_hwm: PositiveInt = 10_000
     recv_hwm: PositiveInt = 10_000
-    outbox_size: PositiveInt = 10_000  # per socket; a full outbox counts as a failed send
     # the client and rank sockets: "loop" served on the event loop's thread (the daemon speaks
     # ZMTP to its peers' libzmq sockets itself: no thread wake-up per message), "zmq" through
     # libzmq's I/O thread, "auto" the loop wherever it can (neither CURVE nor inproc://)
