@@ -21,7 +21,9 @@ What it keeps of a libzmq ROUTER (as the daemon sets it):
 
 A frame over ``max_frame_bytes`` is skipped as it streams in, never held, and reported as
 an oversized message. A peer that breaks the protocol (not ZMTP 3 with NULL security, a
-socket type a ROUTER cannot talk to, bad framing) is disconnected. CURVE and ``inproc://``
+socket type a ROUTER cannot talk to, bad framing, a message of more than ``MAX_PARTS``
+parts) or has not finished its handshake ``HANDSHAKE_TIMEOUT_S`` after connecting (as
+libzmq's ``ZMQ_HANDSHAKE_IVL``) is disconnected. CURVE and ``inproc://``
 stay with libzmq (:func:`serves`).
 """
 
@@ -42,6 +44,9 @@ from controlplane import zmtp
 #: the DEALER-like peers a ROUTER talks to (ZMTP's socket compatibility table)
 PEER_TYPES = frozenset((b"DEALER", b"REQ", b"ROUTER"))
 LISTEN_BACKLOG = 128
+HANDSHAKE_TIMEOUT_S = 30.0
+#: the parts of one message held at most (the daemon's messages have one)
+MAX_PARTS = 16
 
 
 class OversizedMessage:
@@ -120,9 +125,11 @@ class LoopRouter:
         max_frame_bytes: int,
         send_high_water_bytes: int,
         handover: bool = False,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self.address = address
         self._handover = handover
+        self._handshake_timeout_s = handshake_timeout_s
         self._on_message = on_message
         self._on_pass_end = on_pass_end
         self._max_frame_bytes = max_frame_bytes
@@ -201,7 +208,7 @@ class LoopRouter:
 
 
 class _Connection(asyncio.Protocol):
-    __slots__ = ("_parts", "_reader", "_router", "_state", "fileno", "routing_id", "transport")
+    __slots__ = ("_deadline", "_parts", "_reader", "_router", "_state", "fileno", "routing_id", "transport")
 
     def __init__(self, router: LoopRouter) -> None:
         self._router = router
@@ -211,6 +218,7 @@ class _Connection(asyncio.Protocol):
         self.routing_id: bytes | None = None
         self.transport: asyncio.Transport | None = None
         self.fileno: int | None = None
+        self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -219,11 +227,18 @@ class _Connection(asyncio.Protocol):
         if sock is not None and sock.family in (socketlib.AF_INET, socketlib.AF_INET6):
             sock.setsockopt(socketlib.IPPROTO_TCP, socketlib.TCP_NODELAY, 1)
         self._router._connections.add(self)
+        self._deadline = asyncio.get_running_loop().call_later(self._router._handshake_timeout_s, self._late)
         transport.write(zmtp.greeting() + zmtp.ready(b"ROUTER"))  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._router._forget(self)
         self.fileno = None
+        if self._deadline is not None:
+            self._deadline.cancel()
+
+    def _late(self) -> None:
+        if self._state != "open":
+            self.abort()
 
     def abort(self) -> None:
         if self.transport is not None:
@@ -271,6 +286,8 @@ class _Connection(asyncio.Protocol):
             if self._state != "open":
                 raise zmtp.ProtocolError("a message before the handshake")
             self._parts.append(OversizedMessage(router._max_frame_bytes) if body is None else body)
+            if len(self._parts) > MAX_PARTS:
+                raise zmtp.ProtocolError(f"a message of more than {MAX_PARTS} parts")
             if not flags & zmtp.MORE:
                 parts, self._parts = self._parts, []
                 delivered = True
@@ -290,6 +307,9 @@ class _Connection(asyncio.Protocol):
                 raise zmtp.ProtocolError(f"socket type {metadata.get('socket-type')!r} cannot talk to a ROUTER")
             self.routing_id = self._router._identify(self, bytes(metadata.get("identity", b"")))
             self._state = "open"
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
         elif name == b"ERROR":
             raise zmtp.ProtocolError("the peer reported an error")
         # other commands (PONG, SUBSCRIBE, ...) mean nothing to a ROUTER
