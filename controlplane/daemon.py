@@ -69,8 +69,8 @@ LOG_INTERVAL_S = 10.0
 FINAL_SEND_LINGER_MS = 1000
 BATCHED_REPLY_TYPES = frozenset((Dispatched, Chunk, Finish, Reject))
 SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
-#: the loop-served rank socket bounds a rank connection's unsent bytes at ``send_hwm``
-#: messages of this size (libzmq's mark counts messages)
+#: a loop-served socket bounds a connection's unsent bytes at ``send_hwm`` messages of
+#: this size (libzmq's mark counts messages)
 HWM_MESSAGE_BYTES = 4096
 #: the identity of the client in this process (:meth:`Daemon.attach_local`); ZMQ reserves
 #: identities that start with a zero byte and makes its own 5 bytes long, so no peer has it
@@ -150,10 +150,10 @@ class Daemon:
         try:
             if config.routers_on_loop:
                 self.client_router = self._loop_router(
-                    config.client_address, self._loop_receiver(self._client_channel, self.core.on_client, "client"),
+                    config.client_address, self._parts_receiver(self._client_channel, self.core.on_client, "client"),
                     handover=False)
                 self.rank_router = self._loop_router(
-                    config.rank_address, self._loop_receiver(self._agent_channel, self.core.on_agent, "agent"),
+                    config.rank_address, self._parts_receiver(self._agent_channel, self.core.on_agent, "agent"),
                     handover=True)
             else:
                 self.client_socket = self._socket(zmq.ROUTER, config.client_address)
@@ -349,19 +349,12 @@ class Daemon:
 
     def _receiver(self, channel: Channel, handle: Callable[[bytes, object, float], list[Send]],
                   where: str) -> Callable[[list], None]:
-        def receive(frames: list) -> None:
-            self._in_pass = True
-            peer = frames[0].bytes
-            if len(frames) != 2:
-                self._drop(where, peer, FrameError("bad_framing", f"{len(frames) - 1} payload frames, expected 1"))
-                return
-            try:
-                message = channel.decode(frames[1].buffer)
-            except FrameError as error:
-                self._drop(where, peer, error)
-                return
-            self._deliver(self._handled(where, handle, peer, message))
-        return receive
+        """:meth:`_parts_receiver` for a libzmq ROUTER's frames: the routing id, then the parts."""
+        receive = self._parts_receiver(channel, handle, where)
+
+        def from_frames(frames: list) -> None:
+            receive(frames[0].bytes, [frame.buffer for frame in frames[1:]])
+        return from_frames
 
     def _handled(self, where: str, handle: Callable[..., list[Send]], *inputs: object) -> list[Send]:
         """What the core sends in answer to ``inputs``. The core recovers from a bug in a
@@ -394,10 +387,10 @@ class Daemon:
                            message=type(message).__name__, error=failure)
         return False
 
-    def _loop_receiver(self, channel: Channel, handle: Callable[[bytes, object, float], list[Send]],
-                       where: str) -> Callable[[bytes, list], None]:
-        """:meth:`_receiver` for a loop-served socket, whose messages come as their sender's
-        routing id and their parts."""
+    def _parts_receiver(self, channel: Channel, handle: Callable[[bytes, object, float], list[Send]],
+                        where: str) -> Callable[[bytes, list], None]:
+        """Hands a message, its sender's routing id and its parts, to the core's ``handle``;
+        anything but one part the channel accepts is dropped and counted."""
         def receive(peer: bytes, parts: list) -> None:
             self._in_pass = True
             if len(parts) != 1:

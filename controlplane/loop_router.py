@@ -160,7 +160,10 @@ class LoopRouter:
             self._server.close()
             self._server = None
         for connection in list(self._connections):
-            connection.close() if flush else connection.abort()
+            if flush:
+                connection.close()
+            else:
+                connection.abort()
         self._peers.clear()
         if self.address.startswith("ipc://"):
             Path(self.address.removeprefix("ipc://")).unlink(missing_ok=True)
