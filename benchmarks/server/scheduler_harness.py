@@ -75,7 +75,7 @@ def main(scenario_path: str) -> None:
     steps: list[dict[str, Any]] = []
     kv_rows: dict[str, list[int]] = {}
     checks = {"parked_kv_kept": 0, "parked_relay_token_ok": 0, "parked_kv_changed": 0,
-              "relay_token_wrong": 0}
+              "relay_token_wrong": 0, "sampling_rows_ok": 0, "sampling_rows_wrong": 0}
     state = getattr(scheduler, "fairbatching", None)
     if state is not None and scenario.get("publish_budgets"):
         state.publishes_budgets = True  # as behind the control plane or DP's pab method
@@ -102,6 +102,7 @@ def main(scenario_path: str) -> None:
 
         if state is not None and state.parked is not None:
             _check_parked(scheduler, state.parked, kv_rows, checks, expect_relay=True)
+            _check_sampling_rows(state.parked, checks)
         for rid in scenario.get("abort_when_parked", []):
             if rid not in aborted and state is not None and state.parked is not None and any(
                 r.rid == rid for r in state.parked.reqs
@@ -120,6 +121,8 @@ def main(scenario_path: str) -> None:
         scheduler.running_batch = plan.running_batch
         batch = plan.batch_to_run
         record = _step_record(scheduler, batch, state, step)
+        if batch is not None:
+            _check_sampling_rows(batch, checks)
         if triage and batch is not None:
             record["triage"] = triage[-1]
         record["get_next_batch_us"] = round(formed * 1e6, 1)
@@ -198,7 +201,7 @@ def submit(scheduler: Any, spec: Mapping[str, Any]) -> None:
 
     custom_params = {"slo": spec["slo"]} if "slo" in spec else None
     params = SamplingParams(max_new_tokens=spec["max_new_tokens"], ignore_eos=spec.get("ignore_eos", True),
-                            custom_params=custom_params)
+                            custom_params=custom_params, **spec.get("sampling", {}))
     params.normalize(None)
     recv = TokenizedGenerateReqInput(
         rid=spec["rid"], input_text=None,
@@ -360,6 +363,21 @@ def _check_parked(scheduler: Any, parked: Any, kv_rows: dict, checks: dict, expe
                 checks["parked_relay_token_ok"] += 1
             else:
                 checks["relay_token_wrong"] += 1
+
+
+def _check_sampling_rows(batch: Any, checks: dict) -> None:
+    """Whether ``batch``'s sampling rows are its requests' parameters, row by row."""
+    info = batch.sampling_info
+    if info is None:
+        return
+    expected = [(r.sampling_params.temperature, r.sampling_params.top_p, r.sampling_params.top_k)
+                for r in batch.reqs]
+    got = list(zip(info.temperatures.view(-1).tolist(), info.top_ps.tolist(), info.top_ks.tolist(),
+                   strict=False))
+    same = len(got) == len(expected) and all(
+        abs(t - et) < 1e-6 and abs(p - ep) < 1e-6 and k == ek
+        for (t, p, k), (et, ep, ek) in zip(got, expected, strict=True))
+    checks["sampling_rows_ok" if same else "sampling_rows_wrong"] += 1
 
 
 def _step_record(scheduler: Any, batch: Any, state: Any, step: int) -> dict[str, Any]:

@@ -17,7 +17,7 @@ if importlib.util.find_spec("sglang") is None:
 
 pytestmark = pytest.mark.sglang
 
-from test_scheduler_state import REPO, FakeReq
+from test_scheduler_state import PLAIN_SAMPLING, REPO, FakeReq
 
 
 def sglang_req(rid: str, rng: random.Random, *, decoding: bool) -> FakeReq:
@@ -29,7 +29,7 @@ def sglang_req(rid: str, rng: random.Random, *, decoding: bool) -> FakeReq:
         rid=rid, origin_input_ids=[1] * prompt, output_ids=[7] * produced,
         prefix_len=rng.randint(0, prompt), finished_reason=None, to_finish=None,
         sampling_params=SimpleNamespace(
-            max_new_tokens=rng.choice([None, 0, 1, 50, 400, 70000]), ignore_eos=rng.random() < 0.3,
+            **PLAIN_SAMPLING, max_new_tokens=rng.choice([None, 0, 1, 50, 400, 70000]), ignore_eos=rng.random() < 0.3,
             custom_params={"slo": {"class": rng.choice(["interactive", "standard", "relaxed"])}}),
         time_stats=SimpleNamespace(prefill_finished_time=first or 0.0, scheduler_recv_time=arrival,
                                    wait_queue_entry_time=arrival),

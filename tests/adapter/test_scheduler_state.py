@@ -18,6 +18,9 @@ if importlib.util.find_spec("sglang") is None:
 pytestmark = pytest.mark.sglang
 
 REPO = Path(__file__).resolve().parents[2]
+#: the sampling parameters of a request FairBatching may park (no penalties)
+PLAIN_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                  "min_new_tokens": 0}
 VIEW_FIELDS = ("req_id", "arrival", "slo", "arrival_seq", "prompt_tokens", "next_output_index",
                "pending_prefill", "context", "first_token_time")
 
@@ -33,6 +36,9 @@ def state():
 class FakeReq:
     """What the views read of an SGLang ``Req`` (hashable by identity, as a ``Req`` is)."""
 
+    return_logprob = False
+    grammar = None
+
     def __init__(self, **attributes) -> None:
         self.__dict__.update(attributes)
 
@@ -46,7 +52,7 @@ def fake_req(rid: str, rng: random.Random, *, decoding: bool) -> FakeReq:
     return FakeReq(
         rid=rid, origin_input_ids=[1] * prompt, output_ids=[7] * produced,
         prefix_len=rng.randint(0, prompt), finished_reason=None, to_finish=None,
-        sampling_params=SimpleNamespace(max_new_tokens=400, ignore_eos=False,
+        sampling_params=SimpleNamespace(max_new_tokens=400, ignore_eos=False, **PLAIN_SAMPLING,
                                         custom_params={"slo": {"class": slo_class}}),
         time_stats=SimpleNamespace(prefill_finished_time=first or 0.0, scheduler_recv_time=arrival,
                                    wait_queue_entry_time=arrival),

@@ -193,6 +193,7 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     collected = DecisionColumns() if least is not None and count >= least else None
     views: list[LiveRequestView] = records.decode_views(
         (*running_batch.reqs, *parked_reqs), in_flight, state.device_free_at, collected)
+    decoding = len(views)
     chunked_view = None
     if chunked is not None:
         chunked_view = records.prefill_views((chunked,), collected)[0]
@@ -220,7 +221,7 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     state.observe_prefills(views[len(views) - len(waiting) - (chunked is not None):],
                            now, decision.abort_ids)
     state.counters.decisions += 1
-    running_batch = _realise_decodes(self, state, running_batch, decision)
+    running_batch = _realise_decodes(self, state, running_batch, decision, views[:decoding])
 
     decided = time.perf_counter()
     state.decision_s.append(decided - started)
@@ -327,20 +328,26 @@ def _kv_outlook(scheduler: Scheduler, running_batch: Any, parked_reqs: Any, view
     )
 
 
-def _realise_decodes(scheduler: Scheduler, state: FairBatchingState, running: Any, decision: Any) -> Any:
+def _realise_decodes(scheduler: Scheduler, state: FairBatchingState, running: Any, decision: Any,
+                     views: list[LiveRequestView]) -> Any:
     """Make the running batch hold exactly the decodes the policy chose (plus those that
     must run), parking the rest. Requests that stay parked stay in place: a parked set
-    that only grows costs one split, not a merge and a split every step."""
+    that only grows costs one split, not a merge and a split every step. ``views``: the
+    running requests' views, then the parked ones', as the decision read them."""
     chosen = set(decision.decode_ids)
     parked = state.parked
-    if parked is not None and (
-        not chosen.isdisjoint([req.rid for req in parked.reqs])
-        or any(map(must_decode, parked.reqs))
-    ):
-        running = unpark(scheduler, running)
-        parked = None
     reqs = running.reqs
-    park = [i for i, req in enumerate(reqs) if req.rid not in chosen and not must_decode(req)]
+    if parked is not None:
+        parked_views = views[len(reqs):]
+        if not chosen.isdisjoint([view.req_id for view in parked_views]) or any(
+            must_decode(req, view) for req, view in zip(parked.reqs, parked_views, strict=True)
+        ):
+            running = unpark(scheduler, running)
+            parked = None
+            reqs = running.reqs  # less those that finished while parked
+            views = [state.records.of(req) for req in reqs]
+    park = [i for i, view in enumerate(views[:len(reqs)])
+            if view.req_id not in chosen and not must_decode(reqs[i], view)]
     if len(park) == len(reqs) and parked is None and not decision.prefill_chunks:
         park = []  # never leave the device idle with decodes waiting
     if park:

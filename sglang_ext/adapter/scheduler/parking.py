@@ -7,10 +7,12 @@ SGLang's pool-indexed ``FutureMap`` relay, which only that request's row writes.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.sampling.penaltylib import BatchedPenalizerOrchestrator
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -62,7 +64,46 @@ def _sub_batch(scheduler: Any, batch: ScheduleBatch, rows: list[int]) -> Schedul
     sub.forward_mode = batch.forward_mode
     if batch.multimodal_inputs is not None:
         sub.multimodal_inputs = [batch.multimodal_inputs[i] for i in rows]
-    sub.sampling_info = SamplingBatchInfo.from_schedule_batch(
-        sub, scheduler.model_config.vocab_size
-    )
+    sub.sampling_info = _sub_sampling_info(batch.sampling_info, sub, rows, index)
     return sub
+
+
+#: what SGLang's ``from_schedule_batch`` leaves unset and each step sets (grammar masks,
+#: request ids, penalties accumulated under overlap): a sub-batch starts without them too
+_PER_STEP_SAMPLING = ("grammars", "rids_int", "bootstrap_room_ids_int", "grammar_mask",
+                      "acc_additive_penalties", "acc_scaling_penalties")
+
+
+def _sub_sampling_info(info: SamplingBatchInfo, sub: ScheduleBatch, rows: list[int],
+                       index: Any) -> SamplingBatchInfo:
+    """The sampling state of ``rows`` of a batch, for ``sub``: SGLang's own
+    ``filter_batch`` on a copy of the batch's, so its tensors are sliced rather than
+    rebuilt from every request's parameters (its flags stay the whole batch's, as after
+    SGLang's own filtering). The copy gets penalizers of its own over ``sub``: the batch's
+    track the batch's rows (and parked requests never have penalties)."""
+    sliced = copy.copy(info)
+    for name in _PER_STEP_SAMPLING:
+        setattr(sliced, name, None)
+    sliced.penalizer_orchestrator = _unrequired_penalizers(info, sub)
+    sliced.filter_batch(rows, index)
+    return sliced
+
+
+class _NoRequests:
+    """An empty batch to build penalizers against (they check its requests)."""
+
+    reqs: tuple[Any, ...] = ()
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+
+def _unrequired_penalizers(info: SamplingBatchInfo, sub: ScheduleBatch) -> BatchedPenalizerOrchestrator:
+    """Penalizers for ``sub``, none of them required (no parked request has penalties),
+    without checking each request as SGLang's constructor does: built against an empty
+    batch, then pointed at ``sub``, whose requests they read if a merge needs them."""
+    orchestrator = BatchedPenalizerOrchestrator(
+        vocab_size=info.vocab_size, batch=_NoRequests(sub.device),
+        penalizers=set(info.penalizer_orchestrator.penalizers))
+    orchestrator.batch = sub
+    return orchestrator

@@ -36,7 +36,7 @@ class LiveRequestView:
 
     __slots__ = ("req_id", "arrival", "slo", "arrival_seq", "dispatch_seq", "prompt_tokens",
                  "next_output_index", "pending_prefill", "context", "first_token_time",
-                 "late", "expired", "row", "stamped_first")
+                 "late", "expired", "row", "stamped_first", "pinned")
 
     def __init__(self, req_id: Any, arrival: float, slo: Slo, arrival_seq: int,
                  dispatch_seq: int | None, prompt_tokens: int) -> None:
@@ -54,6 +54,7 @@ class LiveRequestView:
         self.expired = False  # counted once: ended under admission mode defer
         self.row = -1  # its row in the RequestStore (request_store); -1: none
         self.stamped_first = 0.0  # SGLang's first-token stamp once a decode view read it
+        self.pinned = False  # never parked: pinned_by_sampling, read on first sight
 
 
 class RequestRecords:
@@ -132,6 +133,7 @@ class RequestRecords:
             self._door(req.rid, slo)
         view = LiveRequestView(req.rid, arrival, slo,
                                next(self._sequence), dispatch_seq, len(req.origin_input_ids))
+        view.pinned = pinned_by_sampling(req)
         if self._calibrating and not is_calibration_rid(req.rid):
             self._held.append(view)
         setattr(req, RECORD_ATTR, view)
@@ -274,12 +276,21 @@ def paced_for_output(slo: Slo, sampling_params: Any) -> Slo:
     return slo.with_expected_output(max_new_tokens)
 
 
-def must_decode(req: Any) -> bool:
-    """Requests that are never parked: ones being finished or aborted, and ones whose
-    sampling state lives in the batch (penalties, grammars, logprobs, custom logit
-    processors), which a rebuilt batch would not carry over."""
+def must_decode(req: Any, view: LiveRequestView | None = None) -> bool:
+    """Requests that are never parked: ones being finished or aborted, and pinned ones
+    (:func:`pinned_by_sampling`, read from ``view``, else from ``req``'s own view)."""
     if req.finished() or req.to_finish is not None:
         return True
+    if view is None:
+        view = getattr(req, RECORD_ATTR, None)
+    return view.pinned if view is not None else pinned_by_sampling(req)
+
+
+def pinned_by_sampling(req: Any) -> bool:
+    """Whether ``req``'s sampling state lives in the batch (penalties, grammars, logprobs,
+    custom logit processors), which a rebuilt batch would not carry over. All are fixed
+    by the time a request is queued (a grammar is compiled before it joins the queue), so
+    its view reads this once, on first sight."""
     params = req.sampling_params
     return bool(
         req.return_logprob

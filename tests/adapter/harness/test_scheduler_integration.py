@@ -20,10 +20,15 @@ pytestmark = pytest.mark.sglang
 REPO = Path(__file__).resolve().parents[3]
 
 REQUESTS = [
-    {"rid": "relaxed-0", "prompt_tokens": 64, "max_new_tokens": 60, "slo": {"class": "relaxed"}},
-    {"rid": "relaxed-1", "prompt_tokens": 80, "max_new_tokens": 60, "slo": {"class": "relaxed"}},
+    {"rid": "relaxed-0", "prompt_tokens": 64, "max_new_tokens": 60, "slo": {"class": "relaxed"},
+     "sampling": {"temperature": 0.7, "top_p": 0.9, "top_k": 40}},
+    {"rid": "relaxed-1", "prompt_tokens": 80, "max_new_tokens": 60, "slo": {"class": "relaxed"},
+     "sampling": {"temperature": 0.5, "top_p": 0.8}},
     {"rid": "relaxed-abort", "prompt_tokens": 72, "max_new_tokens": 400, "slo": {"class": "relaxed"}},
-    {"rid": "tight", "prompt_tokens": 96, "max_new_tokens": 60, "slo": {"ttft_ms": 100, "tpot_ms": 15}},
+    {"rid": "tight", "prompt_tokens": 96, "max_new_tokens": 60, "slo": {"ttft_ms": 100, "tpot_ms": 15},
+     "sampling": {"frequency_penalty": 0.4}},
+    {"rid": "relaxed-penalised", "prompt_tokens": 70, "max_new_tokens": 60, "slo": {"class": "relaxed"},
+     "sampling": {"presence_penalty": 0.3}},
     {"rid": "long-prompt", "prompt_tokens": 7000, "max_new_tokens": 5, "slo": {"class": "interactive"},
      "at_step": 6},
     {"rid": "second-prompt", "prompt_tokens": 3000, "max_new_tokens": 5, "slo": {"class": "standard"},
@@ -92,6 +97,17 @@ def test_parked_decodes_keep_their_kv_and_next_input_token(fairbatching_run: dic
     checks = fairbatching_run["checks"]
     assert checks["parked_kv_changed"] == 0 and checks["relay_token_wrong"] == 0
     assert checks["parked_kv_kept"] > 0 and checks["parked_relay_token_ok"] > 0
+
+
+def test_sampling_rows_follow_their_requests_through_parking(fairbatching_run: dict) -> None:
+    """Every batch that ran and every parked batch held its requests' sampling parameters
+    row by row, through splits and merges; a request with penalties (its state lives in
+    the batch) is never parked."""
+    checks = fairbatching_run["checks"]
+    assert checks["sampling_rows_wrong"] == 0 and checks["sampling_rows_ok"] > 0
+    parked = {rid for step in fairbatching_run["steps"] for rid in step.get("parked", [])}
+    assert {"relaxed-0", "relaxed-1"} <= parked
+    assert not parked & {"tight", "relaxed-penalised"}
 
 
 def test_no_kv_leak_and_idle_at_the_end(fairbatching_run: dict) -> None:
