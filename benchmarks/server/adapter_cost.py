@@ -76,7 +76,7 @@ def scenario(config: Path | None, mixed: bool = False, publish: bool = False,
     result = {"requests": requests, "overlap": False,
               "max_total_tokens": max(400_000, running * 700 + WAITING * 2_100),
               "timeout_s": 900, "max_steps": 400, "enable_mixed_chunk": mixed,
-              "chunked_prefill_size": 512 if mixed else 8192, "record_triage": False,
+              "chunked_prefill_size": 512 if mixed else 8192, "record_triage": False, "check_rows": False,
               "publish_budgets": publish, "decision_path": decision_path}
     if config is not None:
         result["config"] = str(config)

@@ -75,7 +75,8 @@ def main(scenario_path: str) -> None:
     steps: list[dict[str, Any]] = []
     kv_rows: dict[str, list[int]] = {}
     checks = {"parked_kv_kept": 0, "parked_relay_token_ok": 0, "parked_kv_changed": 0,
-              "relay_token_wrong": 0, "sampling_rows_ok": 0, "sampling_rows_wrong": 0}
+              "relay_token_wrong": 0, "sampling_rows_ok": 0, "sampling_rows_wrong": 0,
+              "batch_rows_ok": 0, "batch_rows_wrong": 0}
     state = getattr(scheduler, "fairbatching", None)
     if state is not None and scenario.get("publish_budgets"):
         state.publishes_budgets = True  # as behind the control plane or DP's pab method
@@ -89,6 +90,9 @@ def main(scenario_path: str) -> None:
     # (recording runs the policy's triage a second time per step)
     recording = state is not None and scenario.get("record_triage", True)
     triage = _record_triage(state) if recording else None
+    # each batch's rows against its requests; a benchmark of the scheduler's cost does not
+    # check them (a pass over every request between steps warms what the next one reads)
+    check_rows = scenario.get("check_rows", True)
     observations = _record_observations(state) if state is not None else None
     last_batch = None
     aborted: dict[str, int] = {}
@@ -102,7 +106,9 @@ def main(scenario_path: str) -> None:
 
         if state is not None and state.parked is not None:
             _check_parked(scheduler, state.parked, kv_rows, checks, expect_relay=True)
-            _check_sampling_rows(state.parked, checks)
+            if check_rows:
+                _check_sampling_rows(state.parked, checks)
+                _check_batch_rows(state.parked, checks)
         for rid in scenario.get("abort_when_parked", []):
             if rid not in aborted and state is not None and state.parked is not None and any(
                 r.rid == rid for r in state.parked.reqs
@@ -121,8 +127,9 @@ def main(scenario_path: str) -> None:
         scheduler.running_batch = plan.running_batch
         batch = plan.batch_to_run
         record = _step_record(scheduler, batch, state, step)
-        if batch is not None:
+        if batch is not None and check_rows:
             _check_sampling_rows(batch, checks)
+            _check_batch_rows(batch, checks)
         if triage and batch is not None:
             record["triage"] = triage[-1]
         record["get_next_batch_us"] = round(formed * 1e6, 1)
@@ -339,8 +346,12 @@ def _capture_outputs(scheduler: Any) -> dict[str, dict[str, Any]]:
     return outputs
 
 
+def _pool_row(req: Any) -> int:
+    return req.req_pool_idx if hasattr(req, "req_pool_idx") else req.kv.req_pool_idx
+
+
 def _kv_row(scheduler: Any, req: Any) -> list[int]:
-    idx = req.req_pool_idx if hasattr(req, "req_pool_idx") else req.kv.req_pool_idx
+    idx = _pool_row(req)
     length = len(req.origin_input_ids) + max(0, len(req.output_ids) - 1)
     return scheduler.req_to_token_pool.req_to_token[idx, :length].tolist()
 
@@ -358,7 +369,7 @@ def _check_parked(scheduler: Any, parked: Any, kv_rows: dict, checks: dict, expe
             else:
                 checks["parked_kv_changed"] += 1
         if relay is not None and req.output_ids:
-            idx = req.req_pool_idx if hasattr(req, "req_pool_idx") else req.kv.req_pool_idx
+            idx = _pool_row(req)
             if int(relay[idx]) == int(req.output_ids[-1]):
                 checks["parked_relay_token_ok"] += 1
             else:
@@ -378,6 +389,25 @@ def _check_sampling_rows(batch: Any, checks: dict) -> None:
         abs(t - et) < 1e-6 and abs(p - ep) < 1e-6 and k == ek
         for (t, p, k), (et, ep, ek) in zip(got, expected, strict=True))
     checks["sampling_rows_ok" if same else "sampling_rows_wrong"] += 1
+
+
+def _check_batch_rows(batch: Any, checks: dict) -> None:
+    """Whether ``batch``'s per-row tensors follow its requests (their request-pool rows, one
+    sequence length each, the host copies equal to the device ones) and its flags are
+    what its requests ask for, as SGLang's own ``filter_batch`` would leave them."""
+    from sglang.srt.managers.schedule_batch import get_batch_return_hidden_states_mode
+
+    reqs = batch.reqs
+    if not reqs or batch.req_pool_indices is None:
+        return
+    rows = [_pool_row(req) for req in reqs]
+    same = (batch.req_pool_indices.tolist() == rows and batch.req_pool_indices_cpu.tolist() == rows
+            and len(batch.seq_lens) == len(batch.orig_seq_lens) == len(reqs)
+            and (batch.seq_lens_cpu is None or batch.seq_lens_cpu.tolist() == batch.seq_lens.tolist())
+            and batch.return_logprob == any(req.return_logprob for req in reqs)
+            and batch.has_grammar == any(req.grammar for req in reqs)
+            and batch.return_hidden_states_mode == get_batch_return_hidden_states_mode(reqs))
+    checks["batch_rows_ok" if same else "batch_rows_wrong"] += 1
 
 
 def _step_record(scheduler: Any, batch: Any, state: Any, step: int) -> dict[str, Any]:

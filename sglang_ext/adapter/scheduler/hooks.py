@@ -342,10 +342,13 @@ def _realise_decodes(scheduler: Scheduler, state: FairBatchingState, running: An
         if not chosen.isdisjoint([view.req_id for view in parked_views]) or any(
             must_decode(req, view) for req, view in zip(parked.reqs, parked_views, strict=True)
         ):
+            # the merged batch is the running requests, then the parked ones that did not
+            # finish while parked (SGLang's filter in merge_into drops those)
+            views = views[:len(reqs)] + [
+                view for req, view in zip(parked.reqs, parked_views, strict=True) if not req.finished()]
             running = unpark(scheduler, running)
             parked = None
-            reqs = running.reqs  # less those that finished while parked
-            views = [state.records.of(req) for req in reqs]
+            reqs = running.reqs
     park = [i for i, view in enumerate(views[:len(reqs)])
             if view.req_id not in chosen and not must_decode(reqs[i], view)]
     if len(park) == len(reqs) and parked is None and not decision.prefill_chunks:

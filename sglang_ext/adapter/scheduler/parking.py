@@ -11,9 +11,11 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from sglang.srt.managers.schedule_batch import ScheduleBatch
+import torch
+from sglang.srt.managers.schedule_batch import CaptureHiddenMode, ScheduleBatch
 from sglang.srt.sampling.penaltylib import BatchedPenalizerOrchestrator
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.utils.common import is_pin_memory_available
 
 
 def split_batch(scheduler: Any, batch: ScheduleBatch, park: Sequence[int]) -> ScheduleBatch:
@@ -22,7 +24,7 @@ def split_batch(scheduler: Any, batch: ScheduleBatch, park: Sequence[int]) -> Sc
     parked_set = set(parked_rows)
     keep = [i for i in range(len(batch.reqs)) if i not in parked_set]
     parked = _sub_batch(scheduler, batch, parked_rows)
-    batch.filter_batch(keep_indices=keep)
+    keep_rows(batch, keep)
     if not keep:
         batch.reqs = []
     return parked
@@ -42,10 +44,69 @@ def merge_into(running: ScheduleBatch, parked: ScheduleBatch) -> ScheduleBatch:
     return running
 
 
+#: what SGLang's ``filter_batch`` unsets on every filter, for its forward pass to rebuild
+_UNSET_ON_FILTER = (
+    "out_cache_loc", "seq_lens_sum", "mamba_track_indices", "mamba_track_buffer_indices",
+    "mamba_track_mask", "mamba_track_seqlens", "mamba_track_seqlens_cpu",
+    "mamba_prefill_track_mask_cpu", "mamba_track_mask_cpu", "mamba_track_mask_next_cpu",
+    "mamba_decode_batch_idx_cpu", "mamba_lazy_spec_track_positions_cpu", "mamba_cow_src_indices",
+    "mamba_cow_dst_indices", "mamba_clear_indices",
+)
+
+
+def _asks_nothing_per_request(batch: ScheduleBatch) -> bool:
+    """No request of ``batch`` asks for log-probabilities, a grammar or hidden states, so
+    no subset of them does: the batch's flags say so exactly (SGLang sets them from every
+    request on each filter and ORs them on each merge)."""
+    return not (batch.return_logprob or batch.has_grammar
+                or batch.return_hidden_states_mode != CaptureHiddenMode.NULL)
+
+
+def keep_rows(batch: ScheduleBatch, keep: list[int]) -> None:
+    """``batch.filter_batch(keep_indices=keep)``, without its passes over the kept requests
+    where they cannot change anything: when no request of the batch asks for
+    log-probabilities, a grammar or hidden states, none of those it keeps does, so the flags
+    SGLang recomputes from every kept request stay as they are and only the rows are sliced.
+    Otherwise (and for encoder-decoder models, speculative decoding or a beam tail) SGLang's
+    own filter runs."""
+    if (not _asks_nothing_per_request(batch)
+            or batch.model_config.is_encoder_decoder or batch.spec_info is not None
+            or batch.beam_tail is not None or not keep or len(keep) == len(batch.reqs)):
+        batch.filter_batch(keep_indices=keep)
+        return
+    on_host, index = _row_index(keep, batch.device)
+    batch.reqs = [batch.reqs[i] for i in keep]
+    if batch.multimodal_inputs is not None:
+        batch.multimodal_inputs = [batch.multimodal_inputs[i] for i in keep]
+    batch.req_pool_indices = batch.req_pool_indices[index]
+    batch.req_pool_indices_cpu = batch.req_pool_indices_cpu[on_host]
+    batch.seq_lens = batch.seq_lens[index]
+    batch.orig_seq_lens = batch.orig_seq_lens[index]
+    if batch.input_ids is not None:
+        batch.input_ids = batch.input_ids[index]
+    if batch.seq_lens_cpu is not None:
+        batch.seq_lens_cpu = batch.seq_lens_cpu[on_host]
+    for name in _UNSET_ON_FILTER:
+        setattr(batch, name, None)
+    batch.top_logprobs_nums = None
+    batch.token_ids_logprobs = None
+    batch.return_hidden_states = False
+    batch.sampling_info.filter_batch(keep, index)
+
+
+def _row_index(rows: list[int], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` as an index tensor on the host and on ``device`` (one tensor where they
+    are the same): a host tensor indexes the host copies without converting the list
+    again for each, as indexing with the list itself would."""
+    on_host = torch.tensor(rows, dtype=torch.int64, pin_memory=is_pin_memory_available(device))
+    return on_host, on_host.to(device, non_blocking=True)
+
+
 def _sub_batch(scheduler: Any, batch: ScheduleBatch, rows: list[int]) -> ScheduleBatch:
     reqs = [batch.reqs[i] for i in rows]
+    plain = _asks_nothing_per_request(batch)
     sub = ScheduleBatch.init_new(
-        reqs=reqs,
+        reqs=[] if plain else reqs,  # plain: the flags SGLang would read from them are unset
         req_to_token_pool=scheduler.req_to_token_pool,
         token_to_kv_pool_allocator=scheduler.token_to_kv_pool_allocator,
         tree_cache=scheduler.tree_cache,
@@ -53,12 +114,15 @@ def _sub_batch(scheduler: Any, batch: ScheduleBatch, rows: list[int]) -> Schedul
         enable_overlap=scheduler.enable_overlap,
         spec_algorithm=scheduler.spec_algorithm,
     )
-    index = batch.req_pool_indices.new_tensor(rows)
+    if plain:
+        sub.reqs = reqs
+        sub.is_prefill_only = all(req.is_prefill_only for req in reqs)
+    on_host, index = _row_index(rows, batch.device)
     sub.req_pool_indices = batch.req_pool_indices[index]
-    sub.req_pool_indices_cpu = batch.req_pool_indices_cpu[rows]
+    sub.req_pool_indices_cpu = batch.req_pool_indices_cpu[on_host]
     sub.seq_lens = batch.seq_lens[index]
     sub.orig_seq_lens = batch.orig_seq_lens[index]
-    sub.seq_lens_cpu = batch.seq_lens_cpu[rows] if batch.seq_lens_cpu is not None else None
+    sub.seq_lens_cpu = batch.seq_lens_cpu[on_host] if batch.seq_lens_cpu is not None else None
     sub.seq_lens_sum = None
     sub.input_ids = None
     sub.forward_mode = batch.forward_mode

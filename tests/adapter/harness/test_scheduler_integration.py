@@ -110,6 +110,13 @@ def test_sampling_rows_follow_their_requests_through_parking(fairbatching_run: d
     assert not parked & {"tight", "relaxed-penalised"}
 
 
+def test_batch_rows_follow_their_requests_through_parking(fairbatching_run: dict) -> None:
+    """Every batch that ran and every parked batch kept its requests' pool rows, sequence
+    lengths and flags row by row, however the running batch was cut to park decodes."""
+    checks = fairbatching_run["checks"]
+    assert checks["batch_rows_wrong"] == 0 and checks["batch_rows_ok"] > 0
+
+
 def test_no_kv_leak_and_idle_at_the_end(fairbatching_run: dict) -> None:
     assert fairbatching_run["idle"]
     assert fairbatching_run["kv_free_plus_evictable"] == fairbatching_run["kv_total"]
