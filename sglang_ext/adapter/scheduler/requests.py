@@ -276,14 +276,10 @@ def paced_for_output(slo: Slo, sampling_params: Any) -> Slo:
     return slo.with_expected_output(max_new_tokens)
 
 
-def must_decode(req: Any, view: LiveRequestView | None = None) -> bool:
+def must_decode(req: Any, view: LiveRequestView) -> bool:
     """Requests that are never parked: ones being finished or aborted, and pinned ones
-    (:func:`pinned_by_sampling`, read from ``view``, else from ``req``'s own view)."""
-    if req.finished() or req.to_finish is not None:
-        return True
-    if view is None:
-        view = getattr(req, RECORD_ATTR, None)
-    return view.pinned if view is not None else pinned_by_sampling(req)
+    (:func:`pinned_by_sampling`, read into ``req``'s view when it was made)."""
+    return req.finished() or req.to_finish is not None or view.pinned
 
 
 def pinned_by_sampling(req: Any) -> bool:
