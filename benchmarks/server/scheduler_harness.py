@@ -76,7 +76,8 @@ def main(scenario_path: str) -> None:
     kv_rows: dict[str, list[int]] = {}
     checks = {"parked_kv_kept": 0, "parked_relay_token_ok": 0, "parked_kv_changed": 0,
               "relay_token_wrong": 0, "sampling_rows_ok": 0, "sampling_rows_wrong": 0,
-              "batch_rows_ok": 0, "batch_rows_wrong": 0}
+              "batch_rows_ok": 0, "batch_rows_wrong": 0, "queued_with_view": 0,
+              "queued_without_view": 0}
     state = getattr(scheduler, "fairbatching", None)
     if state is not None and scenario.get("publish_budgets"):
         state.publishes_budgets = True  # as behind the control plane or DP's pab method
@@ -103,6 +104,8 @@ def main(scenario_path: str) -> None:
         while pending and pending[0].get("at_step", 0) <= step:
             submit(scheduler, pending.pop(0))
         scheduler.process_input_requests(scheduler._poll_timeout_aborts())  # as ingest_requests does
+        if state is not None and state.calibration is None:
+            _check_arrival_views(scheduler.waiting_queue, checks)
 
         if state is not None and state.parked is not None:
             _check_parked(scheduler, state.parked, kv_rows, checks, expect_relay=True)
@@ -408,6 +411,15 @@ def _check_batch_rows(batch: Any, checks: dict) -> None:
             and batch.has_grammar == any(req.grammar for req in reqs)
             and batch.return_hidden_states_mode == get_batch_return_hidden_states_mode(reqs))
     checks["batch_rows_ok" if same else "batch_rows_wrong"] += 1
+
+
+def _check_arrival_views(waiting: list[Any], checks: dict[str, int]) -> None:
+    """Each queued request has its view before a decision reads it: made as it arrived."""
+    from sglang_ext.adapter.scheduler.requests import RECORD_ATTR
+
+    for req in waiting:
+        has_view = getattr(req, RECORD_ATTR, None) is not None
+        checks["queued_with_view" if has_view else "queued_without_view"] += 1
 
 
 def _step_record(scheduler: Any, batch: Any, state: Any, step: int) -> dict[str, Any]:

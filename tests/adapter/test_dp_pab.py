@@ -398,6 +398,35 @@ def test_scheduler_echoes_the_admission_gates_stamps(sglang_modules, topology) -
 
 
 
+def test_a_request_viewed_on_arrival_is_echoed_by_the_pass_that_reads_it(sglang_modules, topology) -> None:
+    """The view and store row are made as the request is queued; its stamps wait for the
+    next pass over the views, so no echo runs ahead of the budgets computed from them."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_ext.adapter.admission.budget_gate import ADMISSION_STAMP_KEY
+    from sglang_ext.adapter.controlplane_agent import CONTROLPLANE_SEQ_KEY
+    from sglang_ext.adapter.scheduler.requests import RECORD_ATTR, RequestRecords
+    from sglang_ext.policy.slo import Slo, SloCatalog
+
+    records = RequestRecords(SloCatalog("standard", {"standard": Slo(2.0, 0.05)}))
+    sp = sglang_modules.sampling_params.SamplingParams(
+        max_new_tokens=9, custom_params={ADMISSION_STAMP_KEY: ["gate", 4], CONTROLPLANE_SEQ_KEY: [0, 11]})
+    dp_pab.stamp_dispatch_seq(SimpleNamespace(sampling_params=sp), 6)
+    req = Req("queued", None, [1, 2, 3], sp)
+    records.arrived(req)
+    view = getattr(req, RECORD_ATTR)
+    assert view.row >= 0 and records.store.max_new[view.row] == 9 and view.prompt_tokens == 3
+    assert (records.admission_echo, records.controlplane_echo, records.highest_dispatch_seq) == ({}, {}, 0)
+    records.arrived(req)  # queued again (a retraction): the same view, nothing echoed twice
+    assert getattr(req, RECORD_ATTR) is view
+    assert records.prefill_views([req]) == [view]
+    records.echo_arrivals()
+    assert (records.admission_echo, records.controlplane_echo, records.highest_dispatch_seq) == (
+        {"gate": 4}, {0: 11}, 6)
+    records.echo_arrivals()
+    assert records.admission_echo == {"gate": 4}
+
+
 def test_an_e2e_slo_is_paced_for_the_requests_max_new_tokens(sglang_modules, topology) -> None:
     from sglang.srt.managers.schedule_batch import Req
 

@@ -74,6 +74,7 @@ def install_scheduler_hooks(config: ExtensionConfig) -> None:
         "process_batch_result": (_process_batch_result, HookType.AROUND),
         "on_idle": (_on_idle, HookType.BEFORE),
         "_poll_timeout_aborts": (_poll_timeout_aborts, HookType.AFTER),
+        "_add_request_to_queue": (_view_on_arrival, HookType.AFTER),
     }
     for method, (hook, hook_type) in hooks.items():
         HookRegistry.register(f"{SCHEDULER}.{method}", hook, hook_type)
@@ -155,12 +156,21 @@ def _with_parked(scheduler: Scheduler) -> Callable[[], Any]:
     return get_running_batch
 
 
-def unpark(scheduler: Scheduler, running: Any) -> Any:
+def unpark(scheduler: Scheduler, running: Any, *, none_finished: bool = False) -> Any:
+    """The parked requests back in ``running`` (``parking.merge_into``)."""
     state: FairBatchingState = scheduler.fairbatching
     parked, state.parked = state.parked, None
     if parked is None:
         return running
-    return merge_into(running, parked)
+    return merge_into(running, parked, none_finished=none_finished)
+
+
+def _view_on_arrival(result: Any, self: Scheduler, req: Any, *args: Any, **kwargs: Any) -> None:
+    """A request that joined the waiting queue gets its view as it arrives: the request
+    path pays for it once, not the next decision (``RequestRecords.arrived``)."""
+    queue = self.waiting_queue
+    if queue and queue[-1] is req:
+        self.fairbatching.records.arrived(req)
 
 
 def _get_next_batch_to_run(orig: Callable[..., Any], self: Scheduler, running_batch: Any, last_batch: Any) -> Any:
@@ -185,6 +195,8 @@ def _get_new_batch_prefill(orig: Callable[..., Any], self: Scheduler, running_ba
     state: FairBatchingState = self.fairbatching
     started = time.perf_counter()
     records = state.records
+    if state.calibration is None:
+        records.echo_arrivals()  # a decision during the calibration sees only its requests
     in_flight = _in_flight_reqs(self)
     parked_reqs = state.parked_reqs
     chunked = self.chunked_req
@@ -344,20 +356,24 @@ def _realise_decodes(scheduler: Scheduler, state: FairBatchingState, running: An
         ):
             # the merged batch is the running requests, then the parked ones that did not
             # finish while parked (SGLang's filter in merge_into drops those)
-            views = views[:len(reqs)] + [
-                view for req, view in zip(parked.reqs, parked_views, strict=True) if not req.finished()]
-            running = unpark(scheduler, running)
+            unfinished = [view for req, view in zip(parked.reqs, parked_views, strict=True)
+                          if not req.finished()]
+            views = views[:len(reqs)] + unfinished
+            running = unpark(scheduler, running,
+                             none_finished=len(unfinished) == len(parked_views))
             parked = None
             reqs = running.reqs
     park = [i for i, view in enumerate(views[:len(reqs)])
             if view.req_id not in chosen and not must_decode(reqs[i], view)]
     if len(park) == len(reqs) and parked is None and not decision.prefill_chunks:
         park = []  # never leave the device idle with decodes waiting
+    # from here every parked request was read unfinished: must_decode is false for each
     if park:
         newly_parked = split_batch(scheduler, running, park)
-        state.parked = newly_parked if parked is None else merge_into(parked, newly_parked)
+        state.parked = (newly_parked if parked is None
+                        else merge_into(parked, newly_parked, none_finished=True))
     if not running.reqs and state.parked is not None and not decision.prefill_chunks:
-        running = unpark(scheduler, running)  # nothing else would run this step
+        running = unpark(scheduler, running, none_finished=True)  # nothing else would run this step
     deferred = len(state.parked_reqs)
     if deferred:
         state.counters.deferred_decodes += deferred
@@ -513,6 +529,7 @@ def _on_idle(self: Scheduler, *args: Any, **kwargs: Any) -> None:
     if state.parked is not None:
         self.running_batch = unpark(self, self.running_batch)
     now = time.perf_counter()
+    state.records.echo_arrivals()
     views = state.records.prefill_views(self.waiting_queue)
     state.update_budgets(views, now)
     if not self.running_batch.reqs and self.chunked_req is None:

@@ -31,9 +31,13 @@ def split_batch(scheduler: Any, batch: ScheduleBatch, park: Sequence[int]) -> Sc
     return parked
 
 
-def merge_into(running: ScheduleBatch, parked: ScheduleBatch) -> ScheduleBatch:
-    """Put parked requests back; returns the batch to use as the running batch."""
-    parked.filter_batch()  # drop requests that finished (aborted) while parked
+def merge_into(running: ScheduleBatch, parked: ScheduleBatch, *,
+               none_finished: bool = False) -> ScheduleBatch:
+    """Put parked requests back; returns the batch to use as the running batch. Requests
+    that finished (aborted) while parked are dropped by SGLang's filter, which is a no-op
+    when the caller has just read that ``none_finished`` (and no beam tail is left to strip)."""
+    if not none_finished or parked.beam_tail is not None:
+        parked.filter_batch()
     if parked.is_empty():
         return running
     if running.is_empty():

@@ -86,6 +86,7 @@ class RequestRecords:
         self._calibrating = False
         self._held: list[LiveRequestView] = []
         self._door: Callable[[Any, Slo], None] | None = None
+        self._unechoed: list[tuple[Any, int | None]] = []
         self.store = RequestStore()
 
     def hold_arrivals(self) -> None:
@@ -111,7 +112,16 @@ class RequestRecords:
             view = self._attach(req)
         return view
 
-    def _attach(self, req: Any) -> LiveRequestView:
+    def arrived(self, req: Any) -> None:
+        """``req`` joined the waiting queue: its view and its store row are made now, on
+        the request path, rather than by the first decision that reads it; its stamps are
+        echoed by :meth:`echo_arrivals`. The view loops make the views of requests that
+        reached a decision another way."""
+        view = getattr(req, RECORD_ATTR, None) or self._attach(req, echo=False)
+        if view.row < 0:
+            self.store.add_row(view, req)
+
+    def _attach(self, req: Any, echo: bool = True) -> LiveRequestView:
         custom_params = getattr(req.sampling_params, "custom_params", None)
         try:
             slo = self.catalog.resolve_custom_params(custom_params)
@@ -122,10 +132,10 @@ class RequestRecords:
             slo = self.catalog.default
         slo = paced_for_output(slo, req.sampling_params)
         dispatch_seq = dispatch_seq_of(req)
-        if dispatch_seq is not None:
-            self.highest_dispatch_seq = max(self.highest_dispatch_seq, dispatch_seq)
-        self._echo_admission(custom_param(req, ADMISSION_STAMP_KEY))
-        self._echo_controlplane(custom_param(req, CONTROLPLANE_SEQ_KEY))
+        if echo:
+            self._echo(req, dispatch_seq)
+        else:
+            self._unechoed.append((req, dispatch_seq))
         arrival = arrival_time(req)
         if arrival < self.ready_at:
             arrival = self.ready_at
@@ -138,6 +148,21 @@ class RequestRecords:
             self._held.append(view)
         setattr(req, RECORD_ATTR, view)
         return view
+
+    def echo_arrivals(self) -> None:
+        """Echo the stamps of the requests :meth:`arrived` made views of. Callers echo them
+        in the pass whose views include those requests, so an echo never runs ahead of the
+        budgets computed from the views (``controlplane_reports``)."""
+        if self._unechoed:
+            for req, dispatch_seq in self._unechoed:
+                self._echo(req, dispatch_seq)
+            self._unechoed = []
+
+    def _echo(self, req: Any, dispatch_seq: int | None) -> None:
+        if dispatch_seq is not None:
+            self.highest_dispatch_seq = max(self.highest_dispatch_seq, dispatch_seq)
+        self._echo_admission(custom_param(req, ADMISSION_STAMP_KEY))
+        self._echo_controlplane(custom_param(req, CONTROLPLANE_SEQ_KEY))
 
     def _echo_admission(self, stamp: Any) -> None:
         if not (isinstance(stamp, list) and len(stamp) == 2):

@@ -117,6 +117,12 @@ def test_batch_rows_follow_their_requests_through_parking(fairbatching_run: dict
     assert checks["batch_rows_wrong"] == 0 and checks["batch_rows_ok"] > 0
 
 
+def test_a_request_has_its_view_from_the_moment_it_is_queued(fairbatching_run: dict) -> None:
+    """Views are made on the request path, so no decision pays for a request's first sight."""
+    checks = fairbatching_run["checks"]
+    assert checks["queued_without_view"] == 0 and checks["queued_with_view"] > 0
+
+
 def test_no_kv_leak_and_idle_at_the_end(fairbatching_run: dict) -> None:
     assert fairbatching_run["idle"]
     assert fairbatching_run["kv_free_plus_evictable"] == fairbatching_run["kv_total"]
