@@ -104,7 +104,7 @@ def main(scenario_path: str) -> None:
         while pending and pending[0].get("at_step", 0) <= step:
             submit(scheduler, pending.pop(0))
         scheduler.process_input_requests(scheduler._poll_timeout_aborts())  # as ingest_requests does
-        if state is not None and state.calibration is None:
+        if state is not None and check_rows and state.calibration is None:
             _check_arrival_views(scheduler.waiting_queue, checks)
 
         if state is not None and state.parked is not None:
