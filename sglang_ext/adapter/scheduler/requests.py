@@ -1,5 +1,6 @@
-"""What the policy sees of an SGLang ``Req``: one live view per request, attached on
-first sight and refreshed in place each step.
+"""What the policy sees of an SGLang ``Req``: one live view per request, attached as it
+joins the waiting queue (or on first sight, for one that reached a decision another way)
+and refreshed in place each step.
 
 The view is deliberately mutable: building a fresh frozen view for every request every
 step cost more than the policy's decision itself (about 5 us per request on the
